@@ -1,0 +1,34 @@
+"""The backend descriptor: what an entry point in ``chipset.backends`` points at.
+
+A descriptor is cheap to import: creating one imports no vendor SDK, ``probe()`` never
+initialises a device (it must stay fork-safe), and only ``load()`` imports the heavy
+implementation module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["BackendDescriptor"]
+
+
+@dataclass(frozen=True)
+class BackendDescriptor:
+    """Describe one backend to chipset's discovery."""
+
+    name: str
+    """Backend name users select with CHIPSET_BACKEND (e.g. ``"cuda"``)."""
+    api_version: tuple[int, int]
+    """The chipset plugin API (major, minor) this plugin was built against."""
+    priority: int
+    """Higher wins when CHIPSET_BACKEND is unset; simulators are only used without hardware."""
+    probe: Callable[[], tuple[bool, str]]
+    """Return (available, reason) without initialising any device."""
+    load: Callable[[], object]
+    """Import the implementation and return the pluggy plugin object (module or instance)."""
+    simulator: bool = False
+    """True for backends that simulate hardware; they never win over real hardware."""
+    description: str = ""
+    kernels: tuple[str, ...] = field(default=())
+    """Kernel names the backend implements, known without loading it (for error messages)."""

@@ -1,0 +1,54 @@
+"""The hook contract between chipset core and a backend plugin.
+
+A backend's ``load()`` returns an object (usually its implementation module) carrying
+``@chipset.hookimpl`` functions. Hooks are validated when the plugin is loaded: a hook
+that is not in this module, or whose parameters differ from the spec, is refused with
+a message that quotes the signature. ``chipset_device``, ``chipset_memory``,
+``chipset_collective`` and ``chipset_capabilities`` are required.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "chipset"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+REQUIRED_HOOKS = ("chipset_device", "chipset_memory", "chipset_collective", "chipset_capabilities")
+
+
+@hookspec(firstresult=True)
+def chipset_device():
+    """Return the backend's :class:`chipset.interfaces.Device`. First non-None result wins."""
+
+
+@hookspec(firstresult=True)
+def chipset_memory(device):
+    """Return the :class:`chipset.interfaces.Memory` for ``device``. First non-None result wins."""
+
+
+@hookspec(firstresult=True)
+def chipset_collective(device):
+    """Return the :class:`chipset.interfaces.Collective` for ``device``. First non-None result wins."""
+
+
+@hookspec(firstresult=True)
+def chipset_capabilities(device):
+    """Return the backend's :class:`chipset.interfaces.Capabilities`. First non-None result wins.
+
+    ``kernels`` is filled in by core from what ``chipset_register_kernels`` registered.
+    """
+
+
+@hookspec
+def chipset_register_kernels(registry, device):
+    """Register kernel implementations on ``registry`` (a KernelRegistry). Every plugin is called; returns nothing."""
+
+
+@hookspec
+def chipset_launch_env(local_rank, local_world_size):
+    """Return a dict of environment variables a launcher sets for one local rank (e.g. visible devices).
+
+    Every plugin is called; the dicts are merged in call order.
+    """

@@ -1,0 +1,22 @@
+"""The interfaces a backend implements: Device, Memory, Collective, Capabilities."""
+
+from chipset.interfaces.capabilities import ALL_COLLECTIVES, Capabilities
+from chipset.interfaces.collective import Collective, Group, Handle, P2POp
+from chipset.interfaces.device import Device, DeviceProperties, Event, Stream, dtype_name
+from chipset.interfaces.memory import Memory, MemoryStats
+
+__all__ = [
+    "ALL_COLLECTIVES",
+    "Capabilities",
+    "Collective",
+    "Device",
+    "DeviceProperties",
+    "Event",
+    "Group",
+    "Handle",
+    "Memory",
+    "MemoryStats",
+    "P2POp",
+    "Stream",
+    "dtype_name",
+]

@@ -1,0 +1,275 @@
+"""The Collective interface: a thin, accountable layer over torch.distributed.
+
+Every public op goes through :meth:`Collective._run`, the single place where a backend
+adds accounting, fault injection or error translation. Timeouts become
+:class:`chipset.CollectiveTimeoutError` instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from chipset.errors import CollectiveError, CollectiveTimeoutError, ConfigError
+from chipset.interfaces.device import Device
+
+__all__ = ["Collective", "Group", "Handle", "P2POp", "REDUCE_OPS", "collective_timeout"]
+
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+_TIMEOUT_MARKERS = ("timed out", "timeout", "deadline")
+
+
+def collective_timeout() -> _dt.timedelta:
+    """The collective timeout: ``CHIPSET_COLLECTIVE_TIMEOUT`` seconds, default 600."""
+    raw = os.environ.get("CHIPSET_COLLECTIVE_TIMEOUT", "600")
+    try:
+        seconds = float(raw)
+        if seconds <= 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(
+            f"CHIPSET_COLLECTIVE_TIMEOUT must be a positive number of seconds, found {raw!r}"
+        ) from None
+    return _dt.timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group: its global ranks and the torch ProcessGroup (None = world)."""
+
+    ranks: tuple[int, ...]
+    pg: Any = None
+    name: str = "world"
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class P2POp:
+    """One point-to-point transfer for :meth:`Collective.batch_p2p`."""
+
+    op: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+    """Global rank of the other side."""
+    group: Group | None = None
+
+
+class Handle:
+    """An in-flight async collective; ``wait()`` raises chipset errors on failure."""
+
+    def __init__(self, work: Any, describe: str, translate: Callable[[BaseException, str], BaseException]):
+        self._work = work
+        self._describe = describe
+        self._translate = translate
+
+    def wait(self) -> None:
+        """Block until the op has completed."""
+        if self._work is None:
+            return
+        try:
+            self._work.wait()
+        except Exception as exc:
+            raise self._translate(exc, self._describe) from exc
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+class Collective:
+    """Collectives of one backend. A backend sets ``c10d_backend`` and may override ``_run``."""
+
+    backend_name: str = ""
+    c10d_backend: str = ""
+    """torch.distributed backend name used for process groups (e.g. ``"gloo"``)."""
+
+    def __init__(self, device: Device):
+        self.device = device
+        self._world: Group | None = None
+
+    # --- process groups ----------------------------------------------------------
+    def init_process_group(
+        self,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        timeout: _dt.timedelta | None = None,
+    ) -> Group:
+        """Join the job's default process group.
+
+        Rank and world size default to the launcher's ``RANK``/``WORLD_SIZE``; a single
+        process without a launcher gets a private world of one.
+        """
+        if dist.is_initialized():
+            self._world = Group(tuple(range(dist.get_world_size())), None, "world")
+            return self._world
+        timeout = timeout or collective_timeout()
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        if "MASTER_ADDR" in os.environ or world_size > 1:
+            dist.init_process_group(self.c10d_backend, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            store = dist.HashStore()
+            dist.init_process_group(self.c10d_backend, store=store, rank=0, world_size=1, timeout=timeout)
+        self._world = Group(tuple(range(world_size)), None, "world")
+        return self._world
+
+    def is_initialized(self) -> bool:
+        return dist.is_initialized()
+
+    def destroy(self) -> None:
+        """Leave the process group (idempotent)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._world = None
+
+    @property
+    def world(self) -> Group:
+        if self._world is None:
+            if not dist.is_initialized():
+                raise CollectiveError("collectives used before init_process_group(); call it first")
+            self._world = Group(tuple(range(dist.get_world_size())), None, "world")
+        return self._world
+
+    def rank(self, group: Group | None = None) -> int:
+        """This process's rank within ``group`` (default: world)."""
+        return dist.get_rank(group.pg if group else None)
+
+    def world_size(self, group: Group | None = None) -> int:
+        return (group or self.world).size
+
+    def new_group(self, ranks: Sequence[int], name: str = "") -> Group:
+        """Create a subgroup. Every process must call this with the same ranks, in the same order."""
+        ranks = tuple(int(r) for r in ranks)
+        pg = dist.new_group(list(ranks), backend=self.c10d_backend, timeout=collective_timeout())
+        return Group(ranks, pg, name or f"group{list(ranks)}")
+
+    # --- ops -----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Group | None = None, async_op: bool = False):
+        """Reduce ``tensor`` in place across ``group``."""
+        rop = _reduce_op(op)
+        g = group or self.world
+        return self._run("all_reduce", g, [tensor], lambda: dist.all_reduce(tensor, rop, group=g.pg, async_op=async_op), async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: Group | None = None, async_op: bool = False):
+        """Concatenate every rank's ``input`` along dim 0 into ``output`` (size * input rows)."""
+        g = group or self.world
+        _expect_numel(output, input.numel() * g.size, "all_gather output")
+        return self._run("all_gather", g, [input], lambda: dist.all_gather_into_tensor(output, input, group=g.pg, async_op=async_op), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", group: Group | None = None, async_op: bool = False):
+        """Reduce ``input`` across ranks and leave rank i's 1/size slice (dim 0) in ``output``."""
+        rop = _reduce_op(op)
+        g = group or self.world
+        _expect_numel(input, output.numel() * g.size, "reduce_scatter input")
+        return self._run("reduce_scatter", g, [input], lambda: dist.reduce_scatter_tensor(output, input, rop, group=g.pg, async_op=async_op), async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Group | None = None, async_op: bool = False):
+        """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
+        g = group or self.world
+        return self._run("broadcast", g, [tensor], lambda: dist.broadcast(tensor, src, group=g.pg, async_op=async_op), async_op)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        group: Group | None = None,
+        async_op: bool = False,
+    ):
+        """Scatter slices of ``input`` (dim 0, optionally uneven) to every rank; gather theirs into ``output``."""
+        g = group or self.world
+        osz = list(output_split_sizes) if output_split_sizes is not None else None
+        isz = list(input_split_sizes) if input_split_sizes is not None else None
+        return self._run(
+            "all_to_all", g, [input],
+            lambda: dist.all_to_all_single(output, input, osz, isz, group=g.pg, async_op=async_op),
+            async_op,
+        )
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Group | None = None) -> None:
+        """Send ``tensor`` to global rank ``dst`` (blocking)."""
+        g = group or self.world
+        self._run("send", g, [tensor], lambda: dist.send(tensor, dst, group=g.pg), False)
+
+    def recv(self, tensor: torch.Tensor, src: int, group: Group | None = None) -> None:
+        """Receive into ``tensor`` from global rank ``src`` (blocking)."""
+        g = group or self.world
+        self._run("recv", g, [tensor], lambda: dist.recv(tensor, src, group=g.pg), False)
+
+    def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Launch sends and receives together; wait on every returned handle."""
+        if not ops:
+            return []
+        tops = [
+            dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor, o.peer, group=o.group.pg if o.group else None)
+            for o in ops
+        ]
+        g = ops[0].group or self.world
+
+        def launch():
+            return dist.batch_isend_irecv(tops)
+
+        works = self._run("batch_p2p", g, [o.tensor for o in ops], launch, True, raw=True)
+        return [Handle(w, f"batch_p2p[{i}]", self._translate) for i, w in enumerate(works)]
+
+    def barrier(self, group: Group | None = None) -> None:
+        """Block until every rank of ``group`` has reached the barrier."""
+        g = group or self.world
+        self._run("barrier", g, [], lambda: dist.barrier(group=g.pg), False)
+
+    # --- the single choke point ----------------------------------------------
+    def _run(self, op: str, group: Group, tensors: list[torch.Tensor], fn: Callable[[], Any], async_op: bool, raw: bool = False):
+        """Run one collective. Backends override to add accounting or fault injection."""
+        describe = f"{op} on {group.name} ({group.size} ranks)"
+        try:
+            work = fn()
+        except Exception as exc:
+            raise self._translate(exc, describe) from exc
+        if raw:
+            return work
+        if async_op:
+            return Handle(work, describe, self._translate)
+        return None
+
+    def _translate(self, exc: BaseException, describe: str) -> BaseException:
+        if isinstance(exc, CollectiveError):
+            return exc
+        text = str(exc)
+        if isinstance(exc, TimeoutError) or any(m in text.lower() for m in _TIMEOUT_MARKERS):
+            return CollectiveTimeoutError(
+                f"{describe} did not complete within the collective timeout "
+                f"({collective_timeout().total_seconds():g} s, CHIPSET_COLLECTIVE_TIMEOUT): a peer is "
+                f"stalled or dead. Backend said: {text.strip().splitlines()[0] if text.strip() else type(exc).__name__}"
+            )
+        if isinstance(exc, (RuntimeError, dist.DistError)):
+            return CollectiveError(f"{describe} failed: {text.strip().splitlines()[0] if text.strip() else type(exc).__name__}")
+        return exc
+
+
+def _reduce_op(op: str):
+    try:
+        return REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(REDUCE_OPS)}") from None
+
+
+def _expect_numel(t: torch.Tensor, numel: int, what: str) -> None:
+    if t.numel() != numel:
+        raise ValueError(f"{what} must have {numel} elements (world size x input), found {t.numel()}")

@@ -1,0 +1,27 @@
+"""chipset-cpu-sim: the descriptor. Importing this module imports nothing heavy."""
+
+from __future__ import annotations
+
+from chipset.discovery.descriptor import BackendDescriptor
+
+
+def _probe() -> tuple[bool, str]:
+    # The simulator needs nothing but the host; it is always available.
+    return True, "simulated devices on the host CPU (always available)"
+
+
+def _load():
+    from chipset_cpu_sim import backend
+
+    return backend
+
+
+descriptor = BackendDescriptor(
+    name="cpu_sim",
+    api_version=(1, 0),
+    priority=0,
+    probe=_probe,
+    load=_load,
+    simulator=True,
+    description="Simulated accelerators on the CPU: memory accounting, real gloo collectives.",
+)

@@ -1,0 +1,152 @@
+"""Exact memory accounting for simulated devices.
+
+Mechanism: once a process binds to a simulated device (``set_device``), a
+TorchDispatchMode sees the outputs of every aten op. Each storage seen for the first
+time is charged to the current device (``allocated`` += its exact ``nbytes``) and a
+``weakref.finalize`` on the storage credits it back when torch frees it. Storage
+Python objects are preserved by torch, so the finaliser fires exactly when the memory
+is released, whatever view kept it alive.
+
+Allocator model (documented, like a caching allocator): blocks are rounded up to
+512 bytes (``active``); freed blocks stay ``reserved`` in a cache until
+``empty_cache``; an allocation that would take ``active`` past the profile capacity
+flushes the cache and, if it still does not fit, raises chipset's OutOfMemoryError
+("Tried to allocate N bytes"). The failed output is dropped, so the device stays
+usable. Tensors created before the process bound to a device are not counted.
+
+Overhead: one Python call per aten op (measured in docs/cpu_sim.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from chipset.errors import OutOfMemoryError
+from chipset.interfaces import Memory, MemoryStats
+
+BLOCK = 512
+
+
+def _round(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+@dataclass
+class _Counters:
+    allocated: int = 0
+    active: int = 0
+    cached: int = 0
+    peak_allocated: int = 0
+    peak_active: int = 0
+    peak_reserved: int = 0
+
+    @property
+    def reserved(self) -> int:
+        return self.active + self.cached
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self, memory: SimMemory):
+        super().__init__()
+        self.memory = memory
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self.memory._charge(t)
+        return out
+
+
+class SimMemory(Memory):
+    backend_name = "cpu_sim"
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self._counters = [_Counters() for _ in range(device.device_count())]
+        self._seen: set[int] = set()
+        self._lock = threading.Lock()
+        self._mode: _Tracker | None = None
+        device.on_set_device(self._bind)
+
+    # --- accounting ----------------------------------------------------------
+    def _bind(self, index: int) -> None:
+        if self._mode is None:
+            self._mode = _Tracker(self)
+            self._mode.__enter__()  # stays active for the life of the process
+
+    def _charge(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        key = s._cdata
+        if key in self._seen:
+            return
+        n = s.nbytes()
+        if n == 0:
+            return
+        idx = self.device.current_device()
+        c = self._counters[idx]
+        need = _round(n)
+        cap = self.device.profile.memory
+        with self._lock:
+            if c.active + need > cap:
+                c.cached = 0  # flush the cache and retry, as a caching allocator does
+                if c.active + need > cap:
+                    raise OutOfMemoryError(
+                        f"cpu_sim device {idx} is out of memory. Tried to allocate {n} bytes "
+                        f"({need} after {BLOCK}-byte rounding); {c.allocated} bytes allocated, "
+                        f"capacity {cap} bytes (profile {self.device.profile.name}). Free tensors, "
+                        "reduce the micro-batch, or choose a larger CHIPSET_SIM_PROFILE.",
+                        device=f"cpu_sim:{idx}",
+                        requested_bytes=n,
+                    )
+            self._seen.add(key)
+            c.allocated += n
+            c.active += need
+            c.cached = max(0, c.cached - need)
+            c.peak_allocated = max(c.peak_allocated, c.allocated)
+            c.peak_active = max(c.peak_active, c.active)
+            c.peak_reserved = max(c.peak_reserved, c.reserved)
+        weakref.finalize(s, self._release, key, idx, n, need)
+
+    def _release(self, key: int, idx: int, n: int, need: int) -> None:
+        with self._lock:
+            self._seen.discard(key)
+            c = self._counters[idx]
+            c.allocated -= n
+            c.active -= need
+            c.cached += need
+
+    # --- the interface ---------------------------------------------------------
+    def _index(self, index: int | None) -> int:
+        return self.device._check_index(self.device.current_device() if index is None else index)
+
+    def stats(self, index: int | None = None) -> MemoryStats:
+        c = self._counters[self._index(index)]
+        with self._lock:
+            return MemoryStats(c.allocated, c.reserved, c.active, c.peak_allocated, c.peak_reserved, c.peak_active)
+
+    def reset_peak_stats(self, index: int | None = None) -> None:
+        c = self._counters[self._index(index)]
+        with self._lock:
+            c.peak_allocated, c.peak_active, c.peak_reserved = c.allocated, c.active, c.reserved
+
+    def empty_cache(self) -> None:
+        with self._lock:
+            for c in self._counters:
+                c.cached = 0
+
+    def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
+        c = self._counters[self._index(index)]
+        cap = self.device.profile.memory
+        return cap - c.reserved, cap
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        # The host is the device: a plain copy is what pinning would give.
+        return tensor.clone()
