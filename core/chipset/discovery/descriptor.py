@@ -7,7 +7,11 @@ implementation module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chipset.interfaces.device import DeviceProperties
 from dataclasses import dataclass, field
 
 __all__ = ["BackendDescriptor"]
@@ -32,3 +36,6 @@ class BackendDescriptor:
     description: str = ""
     kernels: tuple[str, ...] = field(default=())
     """Kernel names the backend implements, known without loading it (for error messages)."""
+    profiles: Callable[[], Mapping[str, DeviceProperties]] | None = None
+    """Named device profiles (e.g. ``"h100-sxm"``) readable without the hardware: pure data
+    for the planner and the simulator's projection. Must not import a vendor SDK."""

@@ -159,6 +159,12 @@ class Collective:
         pg = dist.new_group(list(ranks), backend=self.c10d_backend, timeout=collective_timeout())
         return Group(ranks, pg, name or f"group{list(ranks)}")
 
+    def notify_step(self, step: int) -> None:
+        """The engine calls this at the start of every training step (0-based).
+
+        Backends may use it (the simulator's fault injection counts steps); default: nothing.
+        """
+
     # --- ops -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Group | None = None, async_op: bool = False):
         """Reduce ``tensor`` in place across ``group``."""
