@@ -142,7 +142,8 @@ def discover(refresh: bool = False) -> list[BackendRecord]:
         records = []
         for ep in eps:
             # The same distribution can be visible twice on sys.path; count it once.
-            ident = (ep.name, ep.value)
+            dist = getattr(ep, "dist", None)
+            ident = (ep.name, ep.value, dist.metadata["Name"] if dist is not None else None)
             if ident in seen:
                 continue
             seen.add(ident)

@@ -1,0 +1,48 @@
+"""Shared fixtures: a site directory for real plugin distributions, and a clean selection state."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chipset.discovery import records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A fresh site directory on sys.path; plugins written there are discovered for real."""
+    d = tmp_path / "site"
+    d.mkdir()
+    monkeypatch.syspath_prepend(str(d))
+    records.clear_cache()
+    yield d
+    records.clear_cache()
+    for mod in [m for m in sys.modules if m.startswith("plugin_")]:
+        del sys.modules[mod]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    records.clear_cache()
+    yield
+    records.clear_cache()
+
+
+def run_cli(*args: str, env: dict | None = None, site: Path | None = None, timeout: float = 120):
+    """Run ``chipset ARGS`` in a subprocess; returns CompletedProcess with text output."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    if site is not None:
+        e["PYTHONPATH"] = os.pathsep.join([str(site), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "chipset.cli.main", *args],
+        capture_output=True, text=True, env=e, timeout=timeout,
+    )
