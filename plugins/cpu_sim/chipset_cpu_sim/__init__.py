@@ -10,6 +10,12 @@ def _probe() -> tuple[bool, str]:
     return True, "simulated devices on the host CPU (always available)"
 
 
+def _profiles():
+    from chipset_cpu_sim.profiles import descriptor_profiles
+
+    return descriptor_profiles()
+
+
 def _load():
     from chipset_cpu_sim import backend
 
@@ -23,5 +29,6 @@ descriptor = BackendDescriptor(
     probe=_probe,
     load=_load,
     simulator=True,
+    profiles=_profiles,
     description="Simulated accelerators on the CPU: memory accounting, real gloo collectives.",
 )

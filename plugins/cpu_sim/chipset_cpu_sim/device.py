@@ -7,15 +7,16 @@ the host generator, so seeding device 0 never disturbs device 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from chipset.errors import ConfigError
 from chipset.interfaces import Device, DeviceProperties, Event, Stream
-from chipset_cpu_sim.profiles import DEFAULT_PROFILE, PROFILES, SimProfile
+from chipset_cpu_sim.profiles import DEFAULT_PROFILE, SimProfile, resolve
 
 DEVICES_ENV = "CHIPSET_SIM_DEVICES"
 VISIBLE_ENV = "CHIPSET_SIM_VISIBLE_DEVICES"
@@ -57,16 +58,14 @@ def visible_indices() -> list[int]:
 
 
 def profile() -> SimProfile:
-    name = os.environ.get(PROFILE_ENV, DEFAULT_PROFILE)
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ConfigError(
-            f"{PROFILE_ENV}={name!r} is not a known profile; choose one of {', '.join(sorted(PROFILES))}"
-        ) from None
+    """The profile named by CHIPSET_SIM_PROFILE (sim profiles, then any backend's declared ones)."""
+    name = os.environ.get(PROFILE_ENV, "").strip() or DEFAULT_PROFILE
+    return resolve(name)
 
 
 class SimEvent(Event):
+    """A host timestamp. Host work runs eagerly in program order, so a recorded event is complete."""
+
     def __init__(self, enable_timing: bool = False):
         super().__init__(enable_timing)
         self._t: int | None = None
@@ -75,7 +74,7 @@ class SimEvent(Event):
         self._t = time.perf_counter_ns()
 
     def wait(self, stream: Stream | None = None) -> None:
-        pass  # host execution is already ordered
+        pass  # everything recorded before this call has already run
 
     def synchronize(self) -> None:
         pass
@@ -92,7 +91,16 @@ class SimEvent(Event):
 
 
 class SimStream(Stream):
-    """Work on the host runs eagerly in program order, so a stream is always complete."""
+    """A queue whose work runs eagerly on the host at enqueue time.
+
+    Program order on one host thread is a valid schedule for every ordering a device
+    stream promises (work after ``wait_event``/``wait_stream`` runs after what it
+    waits for), so a stream is always complete and ``synchronize`` returns at once.
+    """
+
+    def __init__(self, device: SimDevice, index: int):
+        self._device = device
+        self.index = index
 
     def synchronize(self) -> None:
         pass
@@ -111,6 +119,18 @@ class SimStream(Stream):
         event.record(self)
         return event
 
+    @contextlib.contextmanager
+    def context(self) -> Iterator[Stream]:
+        prev = self._device._streams.get(self.index)
+        self._device._streams[self.index] = self
+        try:
+            yield self
+        finally:
+            if prev is None:
+                self._device._streams.pop(self.index, None)
+            else:
+                self._device._streams[self.index] = prev
+
 
 class SimDevice(Device):
     backend_name = "cpu_sim"
@@ -123,6 +143,8 @@ class SimDevice(Device):
         self._current = 0
         self._rng: dict[int, torch.Tensor] = {}
         self._listeners: list = []
+        self._default_streams: dict[int, SimStream] = {}
+        self._streams: dict[int, SimStream] = {}
 
     def device_count(self) -> int:
         return len(self._visible)
@@ -166,7 +188,7 @@ class SimDevice(Device):
             intra_node_latency=p.intra_node_latency,
             inter_node_latency=p.inter_node_latency,
             estimated=True,
-            source=f"cpu_sim profile {p.name!r} (simulated, physical device {self._visible[index]})",
+            source=f"{p.source or f'cpu_sim profile {p.name!r}'} (simulated, physical device {self._visible[index]})",
         )
 
     @property
@@ -201,10 +223,13 @@ class SimDevice(Device):
             self._rng[i] = state.clone()
 
     def stream(self) -> Stream:
-        return SimStream()
+        return SimStream(self, self._current)
 
     def current_stream(self) -> Stream:
-        return SimStream()
+        i = self._current
+        if i in self._streams:
+            return self._streams[i]
+        return self._default_streams.setdefault(i, SimStream(self, i))
 
     def event(self, enable_timing: bool = False) -> Event:
         return SimEvent(enable_timing)

@@ -14,11 +14,17 @@ flushes the cache and, if it still does not fit, raises chipset's OutOfMemoryErr
 ("Tried to allocate N bytes"). The failed output is dropped, so the device stays
 usable. Tensors created before the process bound to a device are not counted.
 
+Factory ops (``empty``, ``zeros``, ``full``, ``rand`` ... anything with a ``size``
+argument and no tensor input) are checked against the capacity *before* they run, so
+asking a 16 GiB simulated device for 20 GiB never touches 20 GiB of host memory.
+Other ops are charged after they ran (their output size is only known then).
+
 Overhead: one Python call per aten op (measured in docs/cpu_sim.md).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -57,12 +63,33 @@ class _Tracker(TorchDispatchMode):
         self.memory = memory
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        planned = _factory_bytes(func, args, kwargs)
+        if planned:
+            self.memory._check_capacity(planned)
+        out = func(*args, **kwargs)
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 self.memory._charge(t)
         return out
+
+
+def _factory_bytes(func, args, kwargs) -> int | None:
+    """Bytes a factory op (size argument, no tensor input) will allocate; None otherwise."""
+    names = [a.name for a in func._schema.arguments]
+    if "size" not in names or any(isinstance(a, torch.Tensor) for a in args):
+        return None
+    i = names.index("size")
+    size = args[i] if i < len(args) else kwargs.get("size")
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return None
+    try:
+        return math.prod(int(d) for d in size) * dtype.itemsize
+    except (TypeError, ValueError):
+        return None
 
 
 class SimMemory(Memory):
@@ -93,19 +120,8 @@ class SimMemory(Memory):
         idx = self.device.current_device()
         c = self._counters[idx]
         need = _round(n)
-        cap = self.device.profile.memory
         with self._lock:
-            if c.active + need > cap:
-                c.cached = 0  # flush the cache and retry, as a caching allocator does
-                if c.active + need > cap:
-                    raise OutOfMemoryError(
-                        f"cpu_sim device {idx} is out of memory. Tried to allocate {n} bytes "
-                        f"({need} after {BLOCK}-byte rounding); {c.allocated} bytes allocated, "
-                        f"capacity {cap} bytes (profile {self.device.profile.name}). Free tensors, "
-                        "reduce the micro-batch, or choose a larger CHIPSET_SIM_PROFILE.",
-                        device=f"cpu_sim:{idx}",
-                        requested_bytes=n,
-                    )
+            self._check_capacity_locked(idx, n)
             self._seen.add(key)
             c.allocated += n
             c.active += need
@@ -114,6 +130,27 @@ class SimMemory(Memory):
             c.peak_active = max(c.peak_active, c.active)
             c.peak_reserved = max(c.peak_reserved, c.reserved)
         weakref.finalize(s, self._release, key, idx, n, need)
+
+    def _check_capacity(self, n: int) -> None:
+        with self._lock:
+            self._check_capacity_locked(self.device.current_device(), n)
+
+    def _check_capacity_locked(self, idx: int, n: int) -> None:
+        c = self._counters[idx]
+        need = _round(n)
+        cap = self.device.profile.memory
+        if c.active + need <= cap:
+            return
+        c.cached = 0  # flush the cache and retry, as a caching allocator does
+        if c.active + need > cap:
+            raise OutOfMemoryError(
+                f"cpu_sim device {idx} is out of memory. Tried to allocate {n} bytes "
+                f"({need} after {BLOCK}-byte rounding); {c.allocated} bytes allocated, "
+                f"capacity {cap} bytes (profile {self.device.profile.name}). Free tensors, "
+                "reduce the micro-batch, or choose a larger CHIPSET_SIM_PROFILE.",
+                device=f"cpu_sim:{idx}",
+                requested_bytes=n,
+            )
 
     def _release(self, key: int, idx: int, n: int, need: int) -> None:
         with self._lock:

@@ -1,0 +1,178 @@
+"""Fault injection for the simulator: ``CHIPSET_SIM_FAULTS``.
+
+Grammar: ``;``-separated entries ``kind:key=value,key=value``::
+
+    kill:rank=1,step=7          rank 1 dies (SIGKILL) when the engine starts step 7 (0-based)
+    kill:rank=1,collective=12   rank 1 dies instead of issuing its collective #12 (0-based)
+    delay:rank=0,ms=200         every collective of rank 0 starts 200 ms late
+    hang:rank=2,collective=5    rank 2 never issues its collective #5: the other ranks get
+                                chipset.CollectiveTimeoutError after CHIPSET_COLLECTIVE_TIMEOUT
+
+Counting: ``step`` is what the engine passes to ``Collective.notify_step`` (0-based);
+``collective`` counts every collective op this process issues, from 0, in call order
+(barriers and point-to-point ops included; process-group creation excluded).
+
+Kills happen once per job. A restarted rank must not die again, so a kill is skipped
+when ``TORCHELASTIC_RESTART_COUNT`` is above 0, and when its marker file exists in the
+fault directory: ``CHIPSET_SIM_FAULT_DIR`` if set, else
+``<tmp>/chipset-sim-faults-<TORCHELASTIC_RUN_ID>`` when torchrun gave a run id other
+than its default ``none``. Without either, no marker is written.
+
+The withholding rank of a ``hang`` sleeps for the collective timeout plus 10 s (so its
+peers time out first) and then raises CollectiveError saying the hang was injected:
+no process waits forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from chipset.errors import CollectiveError, ConfigError
+
+__all__ = ["FAULTS_ENV", "FAULT_DIR_ENV", "Fault", "FaultPlan", "parse_faults"]
+
+FAULTS_ENV = "CHIPSET_SIM_FAULTS"
+FAULT_DIR_ENV = "CHIPSET_SIM_FAULT_DIR"
+HANG_GRACE_S = 10.0
+
+# kind -> (required keys, alternative "when" keys (exactly one), optional keys)
+_SCHEMA: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "kill": (("rank",), ("step", "collective")),
+    "delay": (("rank", "ms"), ()),
+    "hang": (("rank",), ("collective",)),
+}
+_EXAMPLE = "kill:rank=1,step=7;delay:rank=0,ms=200;hang:rank=2,collective=5"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One parsed entry of CHIPSET_SIM_FAULTS."""
+
+    kind: str
+    rank: int
+    step: int | None = None
+    collective: int | None = None
+    ms: int = 0
+    spec: str = ""
+
+    @property
+    def marker_name(self) -> str:
+        when = f"step{self.step}" if self.step is not None else f"collective{self.collective}"
+        return f"{self.kind}-rank{self.rank}-{when}.done"
+
+
+def _bad(entry: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{FAULTS_ENV}: entry {entry!r} is invalid: {why}. Expected ';'-separated entries "
+        f"'kind:key=value,...' with kind kill (rank, step|collective), delay (rank, ms) or "
+        f"hang (rank, collective), e.g. {_EXAMPLE!r}."
+    )
+
+
+def parse_faults(text: str | None) -> list[Fault]:
+    """Parse CHIPSET_SIM_FAULTS; ConfigError quoting the offending entry on any mistake."""
+    faults: list[Fault] = []
+    for raw in (text or "").split(";"):
+        entry = raw.strip()
+        if not entry:
+            continue
+        kind, sep, rest = entry.partition(":")
+        kind = kind.strip()
+        if not sep:
+            raise _bad(entry, "missing ':' after the kind")
+        if kind not in _SCHEMA:
+            raise _bad(entry, f"unknown kind {kind!r}")
+        required, when = _SCHEMA[kind]
+        values: dict[str, int] = {}
+        for item in rest.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            key, eq, val = item.partition("=")
+            key = key.strip()
+            if not eq:
+                raise _bad(entry, f"{item!r} is not key=value")
+            if key not in required + when:
+                raise _bad(entry, f"unknown key {key!r} for {kind} (allowed: {', '.join(required + when)})")
+            if key in values:
+                raise _bad(entry, f"key {key!r} given twice")
+            try:
+                num = int(val.strip())
+            except ValueError:
+                raise _bad(entry, f"{key}={val.strip()!r} is not an integer") from None
+            if num < 0:
+                raise _bad(entry, f"{key}={num} must not be negative")
+            values[key] = num
+        missing = [k for k in required if k not in values]
+        if missing:
+            raise _bad(entry, f"missing {', '.join(missing)}")
+        chosen = [k for k in when if k in values]
+        if when and len(chosen) != 1:
+            raise _bad(entry, f"give exactly one of {' or '.join(when)}")
+        faults.append(Fault(kind, values["rank"], values.get("step"), values.get("collective"), values.get("ms", 0), entry))
+    return faults
+
+
+def fault_dir() -> Path | None:
+    """Where kill markers live (see the module docstring); None when there is no job identity."""
+    explicit = os.environ.get(FAULT_DIR_ENV, "").strip()
+    if explicit:
+        return Path(explicit)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id != "none":
+        return Path(tempfile.gettempdir()) / f"chipset-sim-faults-{run_id}"
+    return None
+
+
+class FaultPlan:
+    """The faults that concern one process, applied at steps and before collectives."""
+
+    def __init__(self, faults: list[Fault]):
+        self.faults = faults
+
+    @classmethod
+    def from_env(cls) -> FaultPlan:
+        return cls(parse_faults(os.environ.get(FAULTS_ENV)))
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def on_step(self, rank: int, step: int) -> None:
+        for f in self.faults:
+            if f.kind == "kill" and f.rank == rank and f.step == step:
+                self._kill(f)
+
+    def before_collective(self, rank: int, index: int, describe: str, timeout_s: float) -> None:
+        """Apply delay/kill/hang faults before this rank's collective number ``index``."""
+        for f in self.faults:
+            if f.rank != rank:
+                continue
+            if f.kind == "delay":
+                time.sleep(f.ms / 1000.0)
+            elif f.kind == "kill" and f.collective == index:
+                self._kill(f)
+            elif f.kind == "hang" and f.collective == index:
+                time.sleep(timeout_s + HANG_GRACE_S)
+                raise CollectiveError(
+                    f"{describe}: this rank withheld collective #{index} on purpose ({FAULTS_ENV} "
+                    f"entry {f.spec!r}); its peers were left waiting and time out."
+                )
+
+    def _kill(self, f: Fault) -> None:
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            return  # the job was already restarted: the kill happened once
+        d = fault_dir()
+        if d is not None:
+            marker = d / f.marker_name
+            if marker.exists():
+                return
+            d.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{f.spec} fired in pid {os.getpid()} at {time.time():.3f}\n")
+        print(f"chipset cpu_sim: fault injected ({f.spec}): rank {f.rank} dies now", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
