@@ -39,3 +39,7 @@ class BackendDescriptor:
     profiles: Callable[[], Mapping[str, DeviceProperties]] | None = None
     """Named device profiles (e.g. ``"h100-sxm"``) readable without the hardware: pure data
     for the planner and the simulator's projection. Must not import a vendor SDK."""
+    device_initialized: Callable[[], bool] | None = None
+    """Optional: True when this process has initialised the backend's device (driver/runtime
+    context created). The conformance suite calls it right after ``probe()`` in a fresh
+    process to prove the probe is fork-safe. Must not itself initialise anything."""

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 from chipset.discovery.descriptor import BackendDescriptor
 
 
 def _probe() -> tuple[bool, str]:
     # The simulator needs nothing but the host; it is always available.
     return True, "simulated devices on the host CPU (always available)"
+
+
+def _device_initialized() -> bool:
+    # Simulated devices come into being when the implementation module is loaded.
+    return "chipset_cpu_sim.backend" in sys.modules
 
 
 def _profiles():
@@ -30,5 +37,6 @@ descriptor = BackendDescriptor(
     load=_load,
     simulator=True,
     profiles=_profiles,
+    device_initialized=_device_initialized,
     description="Simulated accelerators on the CPU: memory accounting, real gloo collectives.",
 )
