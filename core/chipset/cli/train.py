@@ -1,0 +1,61 @@
+"""``chipset train``: train the reference model; one process, or N ranks through torchrun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from chipset.errors import UsageError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train the reference transformer (default config: a tiny model for a few steps)",
+        description="Train the reference decoder-only transformer. With no arguments a tiny model "
+        "trains for 10 steps on the selected backend. Config keys: docs/config.md.",
+    )
+    p.add_argument("config", nargs="?", default=None, metavar="CONFIG.toml", help="TOML config file (optional)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key, e.g. --set train.steps=20 --set parallel.zero=3")
+    p.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this node (default 1)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (passed to torchrun)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank (passed to torchrun)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="rendezvous endpoint for multi-node jobs (passed to torchrun)")
+    p.add_argument("--run-dir", default=None, metavar="DIR", help="where to write config.toml, metrics.jsonl, "
+                   "summary.json (default runs/<timestamp>)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from chipset.config import load_config, to_toml
+    from chipset.engine.launch import default_run_dir, launch, torchrun_command
+    from chipset.loader import backend
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise UsageError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be >= 1")
+    world = args.nproc * args.nnodes
+    cfg = load_config(args.config, args.overrides)
+    # Resolve the backend once, here; every rank gets its name.
+    b = backend()
+    cfg.validate(world_size=world, dtypes=b.capabilities.dtypes)
+    if args.nproc > b.device.device_count():
+        raise UsageError(
+            f"--nproc ({args.nproc}) exceeds the {b.device.device_count()} device(s) backend {b.name!r} "
+            f"sees on this node; lower --nproc or make more devices visible ({b.device.visible_devices_env})"
+        )
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.toml"
+    config_path.write_text(to_toml(cfg))
+    print(f"chipset train: run directory {run_dir}")
+    if world == 1:
+        from chipset.engine.worker import run_rank
+
+        return run_rank(str(config_path), str(run_dir))
+    cmd = torchrun_command(config_path, run_dir, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                           rdzv_endpoint=args.rdzv_endpoint)
+    rc = launch(cmd, b.name)
+    if rc != 0:
+        print(f"chipset train: torchrun exited with status {rc}; see the rank output above", flush=True)
+    return rc

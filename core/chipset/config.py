@@ -1,0 +1,405 @@
+"""Typed run configuration: TOML file + ``--set section.key=value`` overrides -> dataclasses.
+
+The file, the command-line overrides and the Python API all land in the same
+dataclasses (:class:`RunConfig` and its sections). Every problem found is collected and
+raised together as one :class:`chipset.ConfigError` (exit code 2) that names the key,
+the value found and what was expected.
+
+TOML is read with the standard library's ``tomllib`` (Python >= 3.11) or the ``tomli``
+package on Python 3.10.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from chipset.errors import ConfigError
+
+__all__ = [
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "DataConfig",
+    "RunConfig",
+    "load_config",
+    "parse_overrides",
+    "to_toml",
+    "DTYPES",
+    "RECOMPUTE",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+RECOMPUTE = ("none", "selective", "full")
+DATA_SOURCES = ("synthetic",)
+
+
+@dataclass
+class ModelConfig:
+    """The decoder-only transformer. Keys are named as in Hugging Face model configs."""
+
+    vocab_size: int = 128
+    """Number of token ids (embedding rows and logits)."""
+    hidden_size: int = 32
+    """Width of the residual stream."""
+    num_hidden_layers: int = 2
+    """Number of transformer blocks."""
+    num_attention_heads: int = 4
+    """Query heads per attention layer; must divide hidden_size."""
+    num_key_value_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means equal to num_attention_heads."""
+    intermediate_size: int = 64
+    """Hidden width of the SwiGLU MLP."""
+    max_position_embeddings: int = 256
+    """Longest sequence the rotary tables are built for; must be >= train.seq_len."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the job is split across ranks. Only dp (with zero 0..3) runs today; other degrees must be 1."""
+
+    dp: int = 0
+    """Data-parallel degree; 0 means world size / (tp*pp*cp)."""
+    tp: int = 1
+    """Tensor-parallel degree (not yet supported: must be 1)."""
+    pp: int = 1
+    """Pipeline-parallel degree (not yet supported: must be 1)."""
+    ep: int = 1
+    """Expert-parallel degree (not yet supported: must be 1)."""
+    cp: int = 1
+    """Context-parallel degree (not yet supported: must be 1)."""
+    zero: int = 0
+    """ZeRO stage: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters."""
+    micro_batches: int = 1
+    """Gradient-accumulation micro-batches per step; gradients are communicated after the last."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB for zero 0..2 (zero 3 uses one bucket per layer)."""
+    offload_optimizer: bool = False
+    """Keep the fp32 master weights and Adam state on the host (ZeRO-Offload style)."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 10
+    """Optimizer steps to run."""
+    global_batch: int = 8
+    """Sequences per optimizer step across all data-parallel ranks and micro-batches."""
+    seq_len: int = 16
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the constant learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seed of parameter initialisation and data."""
+    dtype: str = "float32"
+    """Compute dtype: float32, bfloat16 or float16 (master weights stay float32)."""
+    loss_scale: float = 0.0
+    """float16 only: 0 = dynamic loss scaling, > 0 = this fixed scale."""
+    initial_loss_scale: float = 2.0**16
+    """float16 dynamic scaling: the starting scale."""
+    loss_scale_window: int = 1000
+    """float16 dynamic scaling: clean steps before the scale doubles."""
+    hysteresis: int = 2
+    """float16 dynamic scaling: overflows tolerated before the scale halves."""
+    min_loss_scale: float = 1.0
+    """float16 dynamic scaling: the floor of the scale."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention core) or full (whole blocks)."""
+    log_every: int = 1
+    """Print a progress line every N steps on rank 0."""
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "synthetic"
+    """Token source: synthetic (a seeded, learnable token stream; no downloads)."""
+    seed: int = 0
+    """Seed of the data stream (independent of train.seed)."""
+
+
+@dataclass
+class RunConfig:
+    """One training run: every section plus where it writes."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config") -> RunConfig:
+        problems: list[str] = []
+        cfg = cls()
+        _apply(cfg, raw, where, problems)
+        if problems:
+            raise ConfigError(_format(problems, where))
+        return cfg
+
+    def validate(self, world_size: int | None = None, dtypes: tuple[str, ...] | None = None) -> RunConfig:
+        """Check cross-field rules; fill ``parallel.dp`` when 0. Raises ConfigError listing every problem.
+
+        ``world_size``: the job's number of ranks (None: skip the degree product check).
+        ``dtypes``: dtype names the backend supports (None: skip).
+        """
+        problems = validate(self, world_size, dtypes)
+        if problems:
+            raise ConfigError(_format(problems, "config"))
+        return self
+
+
+# --- parsing ---------------------------------------------------------------------
+
+SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+
+
+def _field_types(obj: Any) -> dict[str, type]:
+    return get_type_hints(type(obj))
+
+
+def _coerce(value: Any, typ: type, key: str, problems: list[str]) -> Any:
+    """Check ``value`` against ``typ`` (int/float/bool/str), accepting ints for floats."""
+    ok = False
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+    elif typ is str:
+        ok = isinstance(value, str)
+    if not ok:
+        problems.append(f"{key} = {value!r}: expected {typ.__name__}, found {type(value).__name__}")
+        return None
+    return value
+
+
+def _apply(cfg: RunConfig, raw: dict[str, Any], where: str, problems: list[str]) -> None:
+    if not isinstance(raw, dict):
+        problems.append(f"expected a table of sections, found {type(raw).__name__}")
+        return
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            problems.append(
+                f"[{section}]: unknown section; expected one of {', '.join(SECTIONS)}"
+            )
+            continue
+        if not isinstance(body, dict):
+            problems.append(f"[{section}] = {body!r}: expected a table of keys, found {type(body).__name__}")
+            continue
+        target = getattr(cfg, section)
+        types = _field_types(target)
+        for key, value in body.items():
+            full = f"{section}.{key}"
+            if key not in types:
+                problems.append(
+                    f"{full}: unknown key (value {value!r}); valid keys in [{section}]: {', '.join(types)}"
+                )
+                continue
+            v = _coerce(value, types[key], full, problems)
+            if v is not None:
+                setattr(target, key, v)
+
+
+def _parse_scalar(text: str) -> Any:
+    """A ``--set`` value: TOML scalar syntax, or a bare string."""
+    try:
+        return _toml_loads(f"v = {text}")["v"]
+    except Exception:
+        return text
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    """``["train.steps=5", "parallel.zero=3"]`` -> ``{"train": {"steps": 5}, "parallel": {"zero": 3}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    problems = []
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            problems.append(f"--set {item!r}: expected section.key=value (e.g. --set train.steps=20)")
+            continue
+        out.setdefault(section, {})[name] = _parse_scalar(value.strip())
+    if problems:
+        raise ConfigError(_format(problems, "--set"))
+    return out
+
+
+def _toml_loads(text: str) -> dict:
+    try:
+        import tomllib  # Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ConfigError(
+                "reading TOML configs on Python 3.10 needs the 'tomli' package: pip install tomli "
+                "(or use Python >= 3.11, whose standard library has tomllib)"
+            ) from None
+    return tomllib.loads(text)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``--set`` overrides."""
+    problems: list[str] = []
+    cfg = RunConfig()
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}; check the path") from None
+        try:
+            raw = _toml_loads(text)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+        _apply(cfg, raw, str(p), problems)
+    _apply(cfg, parse_overrides(overrides), "--set", problems)
+    if problems:
+        raise ConfigError(_format(problems, str(path) if path else "config"))
+    return cfg
+
+
+def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, ...] | None = None) -> list[str]:
+    """Every cross-field problem of ``cfg`` as a list of messages (fills ``parallel.dp`` when 0)."""
+    m, par, tr, da = cfg.model, cfg.parallel, cfg.train, cfg.data
+    problems: list[str] = []
+
+    def positive(section: str, obj: Any, *names: str) -> None:
+        for n in names:
+            v = getattr(obj, n)
+            if not v > 0:
+                problems.append(f"{section}.{n} = {v!r}: expected a positive number")
+
+    positive("model", m, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "init_std")
+    positive("parallel", par, "tp", "pp", "ep", "cp", "micro_batches", "bucket_mb")
+    positive("train", tr, "steps", "global_batch", "seq_len", "lr", "eps", "log_every")
+    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        problems.append(
+            f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size ({m.hidden_size})"
+        )
+    elif m.num_attention_heads > 0 and (m.hidden_size // m.num_attention_heads) % 2:
+        problems.append(
+            f"head dim hidden_size/num_attention_heads ({m.hidden_size}/{m.num_attention_heads}) must be even for rotary embeddings"
+        )
+    kv = m.num_key_value_heads or m.num_attention_heads
+    if m.num_key_value_heads < 0 or (kv > 0 and m.num_attention_heads % kv):
+        problems.append(
+            f"model.num_key_value_heads ({m.num_key_value_heads}) must divide model.num_attention_heads ({m.num_attention_heads})"
+        )
+    if tr.seq_len > m.max_position_embeddings:
+        problems.append(
+            f"train.seq_len ({tr.seq_len}) must be <= model.max_position_embeddings ({m.max_position_embeddings})"
+        )
+    if par.zero not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero = {par.zero!r}: expected a ZeRO stage 0, 1, 2 or 3")
+    if par.dp < 0:
+        problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
+    for name in ("tp", "pp", "ep", "cp"):
+        v = getattr(par, name)
+        if v > 1:
+            problems.append(
+                f"parallel.{name} = {v}: {name} > 1 is not supported yet (only data parallelism and ZeRO run today); set parallel.{name}=1"
+            )
+    if tr.dtype not in DTYPES:
+        problems.append(f"train.dtype = {tr.dtype!r}: expected one of {', '.join(DTYPES)}")
+    elif dtypes is not None and tr.dtype not in dtypes:
+        problems.append(
+            f"train.dtype = {tr.dtype!r}: the backend does not support it (supported: {', '.join(dtypes)}); choose another dtype"
+        )
+    if tr.recompute not in RECOMPUTE:
+        problems.append(f"train.recompute = {tr.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    if da.source not in DATA_SOURCES:
+        problems.append(f"data.source = {da.source!r}: expected one of {', '.join(DATA_SOURCES)}")
+    for name in ("grad_clip", "weight_decay", "loss_scale", "warmup_steps"):
+        v = getattr(tr, name)
+        if v < 0 or (isinstance(v, float) and not math.isfinite(v)):
+            problems.append(f"train.{name} = {v!r}: expected a finite number >= 0")
+    if not (0 <= tr.beta1 < 1 and 0 <= tr.beta2 < 1):
+        problems.append(f"train.beta1/beta2 = {tr.beta1!r}/{tr.beta2!r}: expected values in [0, 1)")
+    if tr.dtype == "float16":
+        if not tr.initial_loss_scale >= tr.min_loss_scale > 0:
+            problems.append(
+                f"train.initial_loss_scale ({tr.initial_loss_scale}) must be >= train.min_loss_scale ({tr.min_loss_scale}) > 0"
+            )
+        if tr.loss_scale_window < 1 or tr.hysteresis < 1:
+            problems.append(
+                f"train.loss_scale_window ({tr.loss_scale_window}) and train.hysteresis ({tr.hysteresis}) must be >= 1"
+            )
+    if world_size is not None and par.dp >= 0 and all(getattr(par, n) > 0 for n in ("tp", "pp", "cp")):
+        other = par.tp * par.pp * par.cp
+        if par.dp == 0:
+            if world_size % other:
+                problems.append(f"tp*pp*cp ({other}) must divide world size ({world_size})")
+            else:
+                par.dp = world_size // other
+        elif par.dp * other != world_size:
+            problems.append(f"dp*tp*pp*cp ({par.dp * other}) must equal world size ({world_size})")
+    dp = par.dp if par.dp > 0 else None
+    if dp and par.micro_batches > 0 and tr.global_batch > 0:
+        if tr.global_batch % (dp * par.micro_batches):
+            problems.append(
+                f"train.global_batch ({tr.global_batch}) must be divisible by dp*micro_batches "
+                f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
+            )
+    return problems
+
+
+def _format(problems: list[str], where: str) -> str:
+    head = f"invalid configuration ({where}), {len(problems)} problem{'s' if len(problems) != 1 else ''}:"
+    tail = "Fix the config file or the --set overrides; `chipset train --help` lists the options and docs/config.md every key."
+    return "\n".join([head, *(f"  - {p}" for p in problems), tail])
+
+
+# --- writing ------------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML text that :func:`load_config` reads back to an equal config."""
+    lines = []
+    for section, body in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in body.items())
+        lines.append("")
+    return "\n".join(lines)

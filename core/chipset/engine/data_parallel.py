@@ -1,0 +1,378 @@
+"""Data parallelism with ZeRO stages 0-3, gradient bucketing, accumulation, clipping and AdamW.
+
+How it works (one mechanism for every stage):
+
+* Parameters are grouped into buckets; each bucket owns one flat buffer in the compute
+  dtype, padded to a multiple of dp, and every parameter becomes a view into it. Rank
+  ``r`` *owns* the slice ``[r*S, (r+1)*S)`` (``S = padded/dp``) of every bucket.
+* Stages 0-2 bucket by size (``parallel.bucket_mb``) in reverse parameter order, which is
+  roughly the order backward produces gradients. Stage 3 uses one bucket per model unit
+  (``model.units()``: embedding, each block, output head).
+* A post-accumulate-grad hook per parameter counts ready gradients; on the last
+  micro-batch, as soon as a bucket is complete its communication is launched
+  asynchronously, overlapping with the rest of backward. Earlier micro-batches only
+  accumulate locally (no communication).
+    - stage 0: all-reduce the bucket's gradient buffer (gradients are views of it).
+    - stage 1: the same all-reduce; only the owned slice feeds the optimizer.
+    - stage 2/3: the gradients are flattened and reduce-scattered into the owned slice; the
+      unsharded gradients are freed.
+* The optimizer (AdamW through ``backend.kernels.fused_adamw``) keeps float32 master
+  weights and moments for the owned slice only (stage >= 1) or for everything (stage 0),
+  optionally on the host (``offload_optimizer``).
+* After the update: stage 0 copies masters into the parameters; stages 1/2 all-gather the
+  updated slices; stage 3 keeps only its slice and gathers a unit just in time (forward
+  pre-hook, or during backward when autograd unpacks a saved weight) and frees it after
+  use (forward hook, or once every gradient of the unit has arrived).
+* Global-norm clipping: each rank sums squares over the gradient it owns (stage 0: the
+  whole, already-reduced gradient; stage >= 1: its slice, then an all-reduce over dp), so
+  the norm equals the unsharded norm under every stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from chipset.engine.parallel_dims import ParallelDims
+from chipset.engine.precision import LossScaler
+from chipset.interfaces import Group, Handle
+
+__all__ = ["DataParallel", "Bucket"]
+
+
+class Bucket:
+    """Parameters sharing one flat buffer, sharded over the dp group."""
+
+    def __init__(self, index: int, params: list[tuple[str, nn.Parameter]], engine: DataParallel):
+        self.index = index
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.engine = engine
+        e = engine
+        self.shapes = [p.shape for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        total = sum(self.numels)
+        self.padded = math.ceil(total / e.dp) * e.dp
+        self.shard = self.padded // e.dp
+        self.lo = e.dp_rank * self.shard
+        self.hi = self.lo + self.shard
+        self.ready = 0
+        self.handle: Handle | None = None
+        self._inflight: torch.Tensor | None = None  # keeps a reduce-scatter input alive
+
+        with torch.no_grad():
+            flat = torch.zeros(self.padded, dtype=e.dtype, device=e.device)
+            for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+                flat[off:off + n].copy_(p.detach().reshape(-1))
+        # Parameters: full flat buffer (stage < 3) or only the owned slice (stage 3).
+        self.full: torch.Tensor | None = None
+        if e.zero == 3:
+            self.param_shard = flat[self.lo:self.hi].clone()
+            del flat
+            self._release_params()
+        else:
+            self.full = flat
+            self._bind_params(flat)
+        # Gradients: persistent flat buffer for stage 0/1; owned slice for stage 2/3.
+        if e.zero <= 1:
+            self.grad = torch.zeros(self.padded, dtype=e.dtype, device=e.device)
+            self._bind_grads()
+            self.grad_shard_buf = None
+        else:
+            self.grad = None
+            self.grad_shard_buf = torch.zeros(self.shard, dtype=e.dtype, device=e.device)
+        # Optimizer state: fp32 master + Adam moments of what this rank updates.
+        opt_dev = e.host if e.offload else e.device
+        if e.zero == 0:
+            src = self.full
+        elif e.zero == 3:
+            src = self.param_shard
+        else:
+            src = self.full[self.lo:self.hi]
+        self.master_aliases_params = e.dtype == torch.float32 and not e.offload and e.zero != 1 and e.zero != 2
+        if self.master_aliases_params:
+            self.master = src  # fp32 compute: the parameters are their own master weights
+        else:
+            self.master = e.place_host(src.detach().float().to(opt_dev).clone())
+        self.exp_avg = e.place_host(torch.zeros_like(self.master))
+        self.exp_avg_sq = e.place_host(torch.zeros_like(self.master))
+
+    # --- parameter storage ---------------------------------------------------------
+    def _bind_params(self, flat: torch.Tensor) -> None:
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=True):
+            p.data = flat[off:off + n].view(shape)
+
+    def _bind_grads(self) -> None:
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=True):
+            p.grad = self.grad[off:off + n].view(shape)
+
+    def _release_params(self) -> None:
+        # A one-element placeholder expanded to the right shape keeps autograd's shape
+        # checks happy while the real storage is freed.
+        e = self.engine
+        for p, shape in zip(self.params, self.shapes, strict=True):
+            p.data = torch.zeros((), dtype=e.dtype, device=e.device).expand(shape)
+
+    def gather(self) -> None:
+        """Stage 3: materialise the full parameters of this bucket (no-op when present)."""
+        if self.full is not None:
+            return
+        e = self.engine
+        full = torch.empty(self.padded, dtype=e.dtype, device=e.device)
+        e.collective.all_gather(full, self.param_shard, group=e.group)
+        self.full = full
+        self._bind_params(full)
+        e._live[full.untyped_storage().data_ptr()] = self
+
+    def release(self) -> None:
+        """Stage 3: free the full parameters (the owned slice stays)."""
+        if self.full is None or self.engine.zero != 3:
+            return
+        self.engine._live.pop(self.full.untyped_storage().data_ptr(), None)
+        self.full = None
+        self._release_params()
+
+    # --- gradients ------------------------------------------------------------------
+    def on_grad_ready(self) -> None:
+        self.ready += 1
+        if self.ready < len(self.params):
+            return
+        self.ready = 0
+        e = self.engine
+        if e.sync:
+            self.launch_reduce()
+        if e.zero == 3:
+            self.release()
+
+    @torch.no_grad()
+    def launch_reduce(self) -> None:
+        e = self.engine
+        if e.zero <= 1:
+            if e.dp > 1:
+                self.grad.div_(e.dp)
+                self.handle = e.collective.all_reduce(self.grad, "sum", group=e.group, async_op=True)
+            return
+        parts = [p.grad.reshape(-1) for p in self.params]
+        if self.padded > sum(self.numels):
+            parts.append(torch.zeros(self.padded - sum(self.numels), dtype=e.dtype, device=e.device))
+        flat = torch.cat(parts)
+        for p in self.params:
+            p.grad = None
+        if e.dp > 1:
+            flat.div_(e.dp)
+            self._inflight = flat
+            self.handle = e.collective.reduce_scatter(self.grad_shard_buf, flat, "sum", group=e.group, async_op=True)
+        else:
+            self.grad_shard_buf.copy_(flat)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        self._inflight = None
+
+    def grad_owned(self) -> torch.Tensor:
+        """The reduced gradient this rank's optimizer consumes."""
+        e = self.engine
+        if e.zero == 0:
+            return self.grad
+        if e.zero == 1:
+            return self.grad[self.lo:self.hi]
+        return self.grad_shard_buf
+
+    def zero_grad(self) -> None:
+        if self.grad is not None:
+            self.grad.zero_()
+        else:
+            self.grad_shard_buf.zero_()
+            for p in self.params:
+                p.grad = None
+
+    # --- update ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_update(self, step: int, grad_scale: float, kernels, hp: dict) -> None:
+        e = self.engine
+        g = self.grad_owned().to(self.master.device, torch.float32, copy=True)
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)
+        kernels.fused_adamw([self.master], [g], [self.exp_avg], [self.exp_avg_sq], step, **hp)
+        if self.master_aliases_params:
+            pass
+        elif e.zero == 0:
+            self.full.copy_(self.master)
+        elif e.zero == 3:
+            self.param_shard.copy_(self.master)
+        else:
+            self.full[self.lo:self.hi].copy_(self.master)
+        if e.zero in (1, 2) and e.dp > 1:
+            send = self.full[self.lo:self.hi].clone()
+            self.handle = e.collective.all_gather(self.full, send, group=e.group, async_op=True)
+            self._inflight = send
+
+
+class DataParallel:
+    """Wraps a model for data-parallel training with ZeRO stage ``dims.zero``.
+
+    Use: ``loss = dp.forward_backward(tokens, targets, last=...)`` per micro-batch, then
+    ``dp.step(lr)``. ``dp.full_parameters()`` returns every parameter unsharded, float32.
+    """
+
+    def __init__(self, model: nn.Module, backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
+                 bucket_mb: float = 25.0, micro_batches: int = 1, grad_clip: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 scaler: LossScaler | None = None, offload_optimizer: bool = False):
+        self.model = model
+        self.backend = backend
+        self.collective = backend.collective
+        self.kernels = backend.kernels
+        self.dims = dims
+        self.zero = dims.zero
+        self.dtype = dtype
+        self.device = backend.device.torch_device()
+        self.host = torch.device("cpu")
+        self.offload = offload_optimizer
+        self.group: Group = dims.dp_group(self.collective)
+        self.dp = self.group.size
+        self.dp_rank = self.group.ranks.index(self.collective.rank())
+        self.micro_batches = micro_batches
+        self.grad_clip = grad_clip
+        self.hp = {"beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
+        self.scaler = scaler or LossScaler(scale=1.0, dynamic=False)
+        self.sync = True
+        self.step_count = 0
+        self._live: dict[int, Bucket] = {}
+
+        model.to(device=self.device, dtype=dtype)
+        named = list(model.named_parameters())
+        self.buckets = self._make_buckets(named, bucket_mb)
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(lambda _p, b=b: b.on_grad_ready())
+        if self.zero == 3:
+            for unit, b in zip(model.units(), self.buckets, strict=True):
+                unit.register_forward_pre_hook(lambda _m, _a, b=b: b.gather())
+                unit.register_forward_hook(lambda _m, _a, _o, b=b: b.release())
+
+    def place_host(self, t: torch.Tensor) -> torch.Tensor:
+        return self.backend.memory.pin_memory(t) if self.offload else t
+
+    def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
+        if self.zero == 3:
+            by_id = {id(p): n for n, p in named}
+            groups = [[(by_id[id(p)], p) for p in unit.parameters()] for unit in self.model.units()]
+            covered = sum(len(g) for g in groups)
+            if covered != len(named):
+                raise ValueError(f"model.units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all")
+        else:
+            limit = max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=self.dtype).element_size()))
+            groups, cur, size = [], [], 0
+            for n, p in reversed(named):
+                if cur and size + p.numel() > limit:
+                    groups.append(cur)
+                    cur, size = [], 0
+                cur.append((n, p))
+                size += p.numel()
+            if cur:
+                groups.append(cur)
+        return [Bucket(i, g, self) for i, g in enumerate(groups)]
+
+    # --- training ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _saved_param_hooks(self) -> Iterator[None]:
+        """Stage 3: saved weights are stored as references and re-gathered when backward needs them."""
+        if self.zero != 3:
+            yield
+            return
+
+        def pack(t: torch.Tensor):
+            b = self._live.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            if b is None:
+                return t
+            return (b, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+        def unpack(x):
+            if not isinstance(x, tuple):
+                return x
+            b, off, shape, stride, _ = x
+            b.gather()
+            return b.full.as_strided(shape, stride, off)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, *, last: bool = True) -> float:
+        """Forward and backward of one micro-batch; returns its (unscaled) loss.
+
+        ``last=False`` accumulates gradients locally; ``last=True`` launches the gradient
+        communication bucket by bucket during backward.
+        """
+        self.sync = last
+        for b in self.buckets:
+            b.ready = 0
+        with self._saved_param_hooks():
+            loss = self.model.loss(tokens, targets)
+        scaled = loss.float() * (self.scaler.scale / self.micro_batches)
+        scaled.backward()
+        if self.zero == 3:
+            for b in self.buckets:
+                b.release()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> dict:
+        """Finish communication, unscale, check overflow, clip and update. Returns step stats."""
+        for b in self.buckets:
+            b.wait()
+        inv_scale = 1.0 / self.scaler.scale
+        # Sum of squares and an overflow flag over what this rank owns, in one all-reduce.
+        sq = torch.zeros(2, dtype=torch.float32, device=self.device)
+        for b in self.buckets:
+            g = b.grad_owned().float()
+            sq[0] += g.pow(2).sum()
+        if not torch.isfinite(sq[0]):
+            sq[1] = 1.0
+            sq[0] = 0.0
+        if self.zero >= 1 and self.dp > 1:
+            self.collective.all_reduce(sq, "sum", group=self.group)
+        found_inf = bool(sq[1] > 0)
+        norm = math.sqrt(float(sq[0])) * inv_scale
+        self.scaler.update(found_inf)
+        stats = {"grad_norm": float("nan") if found_inf else norm, "skipped": found_inf,
+                 "loss_scale": self.scaler.scale}
+        if not found_inf:
+            coef = inv_scale
+            if self.grad_clip > 0 and norm > self.grad_clip:
+                coef *= self.grad_clip / (norm + 1e-6)
+            self.step_count += 1
+            hp = dict(self.hp, lr=lr)
+            for b in self.buckets:
+                b.apply_update(self.step_count, coef, self.kernels, hp)
+            for b in self.buckets:
+                b.wait()
+        for b in self.buckets:
+            b.zero_grad()
+        return stats
+
+    # --- inspection -------------------------------------------------------------------
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, as float32 on the host (collective for stage 3)."""
+        out = {}
+        for b in self.buckets:
+            was = b.full is not None
+            b.gather()
+            for n, off, k, shape in zip(b.names, b.offsets, b.numels, b.shapes, strict=True):
+                out[n] = b.full[off:off + k].view(shape).float().to(self.host).clone()
+            if not was:
+                b.release()
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "scaler": self.scaler.state_dict()}

@@ -1,0 +1,135 @@
+"""ParallelDims: the job's parallel layout, validated once, with process groups built lazily.
+
+Rank order (documented, fixed): ranks are laid out as a row-major grid over
+``(pp, dp, cp, tp)`` with tp fastest-varying, so tensor-parallel peers are neighbours
+(on one node where possible) and pipeline stages are the slowest dimension::
+
+    rank = ((pp_idx * dp + dp_idx) * cp + cp_idx) * tp + tp_idx
+
+Expert parallelism (ep) folds inside dp*cp and is built by part 2 of the engine.
+Groups are created through ``backend.collective.new_group`` the first time they are
+asked for; every rank must ask for them in the same order (collective creation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+from chipset.errors import ConfigError
+from chipset.interfaces import Collective, Group
+
+__all__ = ["ParallelDims"]
+
+_ORDER = ("pp", "dp", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of every parallel dimension and the ZeRO stage of one job."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    world_size: int = 1
+    _groups: dict[str, Group] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("dp", "tp", "pp", "cp", "ep", "world_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                problems.append(f"{name} ({v!r}) must be a positive integer")
+        if self.zero not in (0, 1, 2, 3):
+            problems.append(f"zero ({self.zero!r}) must be a ZeRO stage 0, 1, 2 or 3")
+        if not problems:
+            prod = self.dp * self.tp * self.pp * self.cp
+            if prod != self.world_size:
+                problems.append(f"dp*tp*pp*cp ({prod}) must equal world size ({self.world_size})")
+            if (self.dp * self.cp) % self.ep:
+                problems.append(f"ep ({self.ep}) must divide dp*cp ({self.dp * self.cp})")
+        if problems:
+            raise ConfigError("invalid parallel layout: " + "; ".join(problems))
+
+    # --- flags ---------------------------------------------------------------
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def layout(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp, "zero": self.zero}
+
+    # --- coordinates -----------------------------------------------------------
+    def _sizes(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension."""
+        sizes = self._sizes()
+        out = {}
+        for name in reversed(_ORDER):
+            out[name] = rank % sizes[name]
+            rank //= sizes[name]
+        return out
+
+    def rank_of(self, **coords: int) -> int:
+        sizes = self._sizes()
+        r = 0
+        for name in _ORDER:
+            r = r * sizes[name] + coords.get(name, 0)
+        return r
+
+    def group_ranks(self, dim: str) -> list[list[int]]:
+        """Every group of dimension ``dim``: lists of global ranks that differ only along ``dim``."""
+        if dim not in _ORDER:
+            raise ValueError(f"unknown dimension {dim!r}; expected one of {', '.join(_ORDER)}")
+        sizes = self._sizes()
+        others = [n for n in _ORDER if n != dim]
+        out = []
+        for idx in product(*(range(sizes[n]) for n in others)):
+            fixed = dict(zip(others, idx, strict=True))
+            out.append([self.rank_of(**fixed, **{dim: i}) for i in range(sizes[dim])])
+        return out
+
+    # --- groups (lazy) ----------------------------------------------------------
+    def group(self, dim: str, collective: Collective) -> Group:
+        """This rank's group along ``dim``, created on first use (every rank must call this together)."""
+        if dim in self._groups:
+            return self._groups[dim]
+        me = collective.rank()
+        mine = None
+        if self.world_size == 1 or (dim != "dp" and getattr(self, dim) == self.world_size) or (
+            dim == "dp" and self.dp == self.world_size
+        ):
+            mine = collective.world
+        else:
+            # new_group is collective over the world: every rank creates every group.
+            for ranks in self.group_ranks(dim):
+                g = collective.new_group(ranks, name=f"{dim}{ranks}")
+                if me in ranks:
+                    mine = g
+        assert mine is not None
+        self._groups[dim] = mine
+        return mine
+
+    def dp_group(self, collective: Collective) -> Group:
+        return self.group("dp", collective)

@@ -1,0 +1,199 @@
+"""The training loop one rank runs: build, train, log, summarise.
+
+Reaches hardware only through the backend's interfaces. Rank 0 prints progress and
+writes ``metrics.jsonl`` and ``summary.json`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from chipset.config import RunConfig
+from chipset.engine.data import SyntheticTokens
+from chipset.engine.data_parallel import DataParallel
+from chipset.engine.parallel_dims import ParallelDims
+from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
+from chipset.engine.recompute import apply_recompute
+from chipset.models import Transformer
+
+__all__ = ["TrainResult", "build", "train", "params_digest"]
+
+
+@dataclass
+class TrainResult:
+    """What one rank saw: per-step losses and stats, and the final unsharded parameters."""
+
+    losses: list[float] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def params_digest(params: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over float32 parameters in sorted name order (layout-independent)."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens, ParallelDims]:
+    """Model, engine and data for this rank (process group must be initialised)."""
+    col = backend.collective
+    world = col.world_size()
+    par, tr = cfg.parallel, cfg.train
+    dims = ParallelDims(dp=par.dp or world, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
+                        world_size=world)
+    dtype = DTYPE_BY_NAME[tr.dtype]
+    backend.device.check_dtype(dtype)
+    model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
+    apply_recompute(model, mode=tr.recompute)
+    if tr.dtype == "float16":
+        scaler = LossScaler(
+            scale=tr.loss_scale or tr.initial_loss_scale, dynamic=tr.loss_scale == 0,
+            window=tr.loss_scale_window, hysteresis=tr.hysteresis, min_scale=tr.min_loss_scale,
+        )
+    else:
+        scaler = LossScaler(scale=1.0, dynamic=False)
+    engine = DataParallel(
+        model, backend, dims, dtype=dtype, bucket_mb=par.bucket_mb, micro_batches=par.micro_batches,
+        grad_clip=tr.grad_clip, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
+        scaler=scaler, offload_optimizer=par.offload_optimizer,
+    )
+    data = SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=cfg.data.seed)
+    return engine, data, dims
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    tr = cfg.train
+    if tr.warmup_steps and step < tr.warmup_steps:
+        return tr.lr * (step + 1) / tr.warmup_steps
+    return tr.lr
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=None, keep_params: bool = False) -> TrainResult:
+    """Run ``cfg`` on this rank. The process group must be initialised and the device set."""
+    out = out or sys.stdout
+    col = backend.collective
+    rank = col.rank()
+    engine, data, dims = build(cfg, backend)
+    dp_rank = engine.dp_rank
+    tr, par = cfg.train, cfg.parallel
+    device = engine.device
+    run_dir = Path(run_dir) if run_dir is not None else None
+    metrics_file = None
+    if run_dir is not None and rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(run_dir / "metrics.jsonl", "w")  # noqa: SIM115 - closed below
+    tokens_per_step = tr.global_batch * tr.seq_len
+    res = TrainResult()
+    if rank == 0:
+        print(f"chipset train: backend {backend.name}, world {dims.world_size}, layout "
+              + " ".join(f"{k}={v}" for k, v in dims.layout().items())
+              + f", {sum(p.numel() for p in engine.model.parameters())} params, dtype {tr.dtype}, "
+              f"recompute {tr.recompute}", file=out, flush=True)
+    overall_peak = 0
+    times = []
+    try:
+        for step in range(tr.steps):
+            col.notify_step(step)
+            backend.memory.reset_peak_stats()
+            t0 = time.perf_counter()
+            losses = []
+            for m in range(par.micro_batches):
+                tokens, targets = data.batch(step, dp_rank, engine.dp, m, par.micro_batches, device=device)
+                losses.append(engine.forward_backward(tokens, targets, last=m == par.micro_batches - 1))
+            lr = lr_at(cfg, step)
+            stats = engine.step(lr)
+            # Loss of the global batch: mean over micro-batches and dp ranks.
+            loss_t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32, device=device)
+            if engine.dp > 1:
+                col.all_reduce(loss_t, "sum", group=engine.group)
+                loss_t /= engine.dp
+            loss = float(loss_t)
+            backend.device.synchronize()
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            peak = backend.memory.stats().peak_allocated
+            overall_peak = max(overall_peak, peak)
+            rec = {"step": step + 1, "loss": loss, "grad_norm": stats["grad_norm"], "lr": lr,
+                   "loss_scale": stats["loss_scale"], "skipped": stats["skipped"],
+                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "peak_memory_bytes": peak}
+            res.losses.append(loss)
+            res.metrics.append(rec)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.flush()
+            if rank == 0 and ((step + 1) % tr.log_every == 0 or step + 1 == tr.steps):
+                skipped = " (skipped: overflow)" if stats["skipped"] else ""
+                print(f"step {step + 1:>4}/{tr.steps}  loss {loss:8.4f}  grad_norm {stats['grad_norm']:8.4f}  "
+                      f"lr {lr:.2e}  {rec['tokens_per_s']:9.0f} tok/s  mem {_fmt_bytes(peak)}{skipped}",
+                      file=out, flush=True)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+
+    params = engine.full_parameters()
+    peaks = torch.zeros(dims.world_size, dtype=torch.float64, device=device)
+    peaks[rank] = overall_peak
+    if dims.world_size > 1:
+        col.all_reduce(peaks, "sum")
+    steady = times[1:] or times
+    summary = {
+        "final_loss": res.losses[-1] if res.losses else None,
+        "steps": tr.steps,
+        "tokens_per_s": tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
+        "world_size": dims.world_size,
+        "layout": dims.layout(),
+        "dtype": tr.dtype,
+        "recompute": tr.recompute,
+        "backend": backend.name,
+        "peak_memory_bytes": [int(x) for x in peaks.tolist()],
+        "skipped_steps": engine.scaler.skipped_steps,
+        "loss_scale": engine.scaler.state_dict(),
+        "params_digest": params_digest(params),
+    }
+    res.summary = summary
+    if keep_params:
+        res.params = params
+    if rank == 0:
+        if run_dir is not None:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _print_table(summary, res, out)
+    return res
+
+
+def _print_table(summary: dict, res: TrainResult, out) -> None:
+    first = res.losses[0] if res.losses else float("nan")
+    rows = [
+        ("steps", str(summary["steps"])),
+        ("loss (first -> final)", f"{first:.4f} -> {summary['final_loss']:.4f}"),
+        ("tokens/s (steady)", f"{summary['tokens_per_s']:.0f}"),
+        ("world size", str(summary["world_size"])),
+        ("layout", " ".join(f"{k}={v}" for k, v in summary["layout"].items())),
+        ("dtype / recompute", f"{summary['dtype']} / {summary['recompute']}"),
+        ("peak memory per rank", ", ".join(_fmt_bytes(x) for x in summary["peak_memory_bytes"])),
+        ("skipped steps", str(summary["skipped_steps"])),
+        ("params digest", summary["params_digest"][:16] + "..."),
+    ]
+    w = max(len(k) for k, _ in rows)
+    print("-" * (w + 40), file=out)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}", file=out)
+    print("-" * (w + 40), file=out, flush=True)

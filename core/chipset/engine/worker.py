@@ -1,0 +1,55 @@
+"""The per-rank entry point: ``python -m chipset.engine.worker --config C --run-dir D``.
+
+torchrun starts one of these per rank. The launcher has already resolved the backend and
+put its name in ``CHIPSET_BACKEND``, so every rank loads the same one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from chipset.errors import ChipsetError
+
+__all__ = ["run_rank", "main"]
+
+
+def run_rank(config_path: str, run_dir: str | None) -> int:
+    from chipset.config import load_config
+    from chipset.engine.trainer import train
+    from chipset.loader import backend
+
+    cfg = load_config(config_path)
+    b = backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    b.device.set_device(local_rank)
+    b.collective.init_process_group()
+    try:
+        cfg.validate(world_size=b.collective.world_size(), dtypes=b.capabilities.dtypes)
+        train(cfg, b, run_dir)
+    finally:
+        b.collective.destroy()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m chipset.engine.worker")
+    p.add_argument("--config", required=True)
+    p.add_argument("--run-dir", default=None)
+    args = p.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    try:
+        return run_rank(args.config, args.run_dir)
+    except ChipsetError as exc:
+        print(f"chipset: error (rank {rank}): {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception:
+        print(f"chipset: rank {rank} failed:", file=sys.stderr)
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""A reference decoder-only transformer (Llama-style): RMSNorm, rotary, SwiGLU, causal attention.
+
+Every numerical primitive goes through the backend's kernel registry
+(``kernels.rms_norm``, ``kernels.rotary_embedding``, ``kernels.swiglu``,
+``kernels.scaled_dot_product_attention``, ``kernels.cross_entropy``), so a backend's
+fused kernels are used where it registers them and the core references elsewhere.
+
+Recompute is data on the model: ``block.recompute`` is ``"none"``, ``"selective"``
+(the attention core is recomputed in backward) or ``"full"`` (the whole block is).
+The engine sets it (:func:`chipset.engine.recompute.apply_recompute`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from chipset.config import ModelConfig
+from chipset.kernels import KernelRegistry
+
+__all__ = ["Transformer", "Block", "OutputHead"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, kernels: KernelRegistry):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self._k = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._k.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self._k = kernels
+        self.recompute_core = False
+
+    def _core(self, q, k, v, cos, sin):
+        q = self._k.rotary_embedding(q, cos, sin)
+        k = self._k.rotary_embedding(k, cos, sin)
+        return self._k.scaled_dot_product_attention(q, k, v, causal=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.recompute_core and torch.is_grad_enabled():
+            # Selective recompute: keep the projections, drop the s x s attention scores.
+            out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, cos, sin)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self._k = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._k.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg, kernels)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class OutputHead(nn.Module):
+    """Final norm and the logit projection."""
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: ``forward(tokens) -> logits``; ``loss(tokens, targets)``."""
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry, *, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self._k = kernels
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.num_hidden_layers))
+        self.head = OutputHead(cfg, kernels)
+        self.recompute = "none"
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        ang = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        self.register_buffer("rope_cos", ang.cos().float(), persistent=False)
+        self.register_buffer("rope_sin", ang.sin().float(), persistent=False)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init from ``seed`` (independent of the global RNG), in name order."""
+        g = torch.Generator().manual_seed(int(seed))
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * self.cfg.init_std)
+
+    def units(self) -> list[nn.Module]:
+        """The modules whose parameters are gathered together under ZeRO-3, in forward order."""
+        return [self.embed_tokens, *self.layers, self.head]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        cos = self.rope_cos[:s].to(self.embed_tokens.weight.dtype)
+        sin = self.rope_sin[:s].to(self.embed_tokens.weight.dtype)
+        x = self.embed_tokens(tokens)
+        for block in self.layers:
+            if self.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        return self.head(x)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (float32)."""
+        logits = self(tokens)
+        return self._k.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
