@@ -1,0 +1,112 @@
+"""chipset-ascend's hook implementations: the only module chipset loads from this plugin.
+
+Importing it imports torch_npu (which registers ``torch.npu`` and the ``npu`` device).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch_npu  # noqa: F401  - registers torch.npu; fails here, in load(), if unusable
+
+from chipset.discovery.hookspecs import hookimpl
+from chipset.errors import ConfigError
+from chipset.interfaces import Capabilities
+from chipset_ascend import kernels
+from chipset_ascend._runtime import npu
+from chipset_ascend.collective import AscendCollective, hccl_timeout_env
+from chipset_ascend.device import VISIBLE_ENV, AscendDevice
+from chipset_ascend.memory import AscendMemory
+
+HF32_ENV = "CHIPSET_ASCEND_ALLOW_HF32"
+# With HF32 on, fp32 matmuls and convolutions run on the cube unit in a reduced
+# internal precision (torch_npu documents the switch as the analogue of CUDA's
+# allow_tf32). 5e-3 is the tolerance PyTorch's own TF32 tests commonly pass to
+# tf32_on_and_off; unverified on hardware.
+HF32_FP32_TOLERANCE = (5e-3, 5e-3)
+
+
+def hf32_allowed() -> bool:
+    """HF32 for fp32 matmul/conv: off unless CHIPSET_ASCEND_ALLOW_HF32=1 (see docs/ascend.md)."""
+    raw = os.environ.get(HF32_ENV, "0").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{HF32_ENV} must be 1 or 0, found {raw!r}")
+
+
+def apply_hf32_policy() -> bool:
+    """Set torch.npu.matmul/conv.allow_hf32 to chipset's policy; returns whether HF32 is on.
+
+    torch_npu's defaults differ (matmul False, conv True); chipset sets both so fp32
+    means fp32 unless the user opted in, and declares the tolerance to match.
+    """
+    allow = hf32_allowed()
+    npu().matmul.allow_hf32 = allow
+    npu().conv.allow_hf32 = allow
+    return allow
+
+
+def visible_device_ids(raw: str) -> list[int]:
+    """Parse ASCEND_RT_VISIBLE_DEVICES (comma-separated NPU ids)."""
+    try:
+        return [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{VISIBLE_ENV} must be comma-separated NPU ids (e.g. 0,1,2,3), found {raw!r}") from None
+
+
+@hookimpl
+def chipset_device():
+    device = AscendDevice()
+    apply_hf32_policy()
+    return device
+
+
+@hookimpl
+def chipset_memory(device):
+    return AscendMemory(device)
+
+
+@hookimpl
+def chipset_collective(device):
+    return AscendCollective(device)
+
+
+@hookimpl
+def chipset_capabilities(device):
+    bf16 = device.bf16_supported()
+    half = ("float16", "bfloat16") if bf16 else ("float16",)
+    return Capabilities(
+        dtypes=("float32", *half, "int8", "int32", "int64", "uint8", "bool"),
+        amp_dtypes=tuple(reversed(half)),
+        collective_dtypes=("float32", *half, "int8", "int32", "int64"),
+        streams=True,
+        event_timing=True,
+        graph_capture=False,  # torch_npu has NPU graphs; chipset does not drive them yet
+        memory_capacity_enforced=True,
+        pinned_memory=True,
+        multi_process=True,
+        tolerances={"float32": HF32_FP32_TOLERANCE} if hf32_allowed() else {},
+    )
+
+
+@hookimpl
+def chipset_register_kernels(registry, device):
+    kernels.register(registry, device)
+
+
+@hookimpl
+def chipset_launch_env(local_rank, local_world_size):
+    # Every rank sees every visible NPU and binds to its local rank (set_device), as
+    # on GPUs; narrowing ASCEND_RT_VISIBLE_DEVICES per rank would break that. What the
+    # launcher must carry is HCCL's timeouts, so every rank agrees with chipset's.
+    raw = os.environ.get(VISIBLE_ENV)
+    if raw is not None:
+        ids = visible_device_ids(raw)
+        if local_world_size > len(ids):
+            raise ConfigError(
+                f"{VISIBLE_ENV}={raw!r} makes {len(ids)} NPU(s) visible but {local_world_size} ranks "
+                f"per node were asked for; list at least {local_world_size} NPUs or start fewer ranks"
+            )
+    return hccl_timeout_env()
