@@ -1,0 +1,80 @@
+"""The plugin kit, walked as a vendor would: scaffold, install into a venv, list, certify."""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from chipset.errors import UsageError
+from chipset.plugin_kit import scaffold
+
+
+def _child_venv(path: Path) -> Path:
+    """A real venv that also sees this environment's packages (chipset, torch) via a .pth file."""
+    venv.EnvBuilder(with_pip=True).create(path)
+    py = path / "bin" / "python"
+    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    parent = [p for p in sys.path if p.endswith("site-packages")] + site.getsitepackages()
+    # addsitedir (not a bare path) so the parent's own .pth files, e.g. editable installs, apply too
+    lines = [f"import site; site.addsitedir({p!r})" for p in dict.fromkeys(parent)]
+    (Path(purelib) / "zz_parent_env.pth").write_text("\n".join(lines) + "\n")
+    return py
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if not k.startswith(("CHIPSET_", "PIP_CONSTRAINT"))}
+
+
+@pytest.fixture(scope="module")
+def installed_scaffold(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kit")
+    target = root / "chipset-acme-npu"
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "plugin", "new", "acme_npu", "--dir", str(target)],
+                       capture_output=True, text=True, env=_env())
+    assert r.returncode == 0, r.stderr
+    py = _child_venv(root / "venv")
+    r = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(target)],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return py, target
+
+
+def test_scaffold_refuses_bad_names_and_non_empty_directories(tmp_path):
+    with pytest.raises(UsageError, match="not valid"):
+        scaffold("Acme-NPU", tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keep.txt").write_text("mine")
+    with pytest.raises(UsageError, match="not empty"):
+        scaffold("acme", tmp_path / "b")
+    assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
+
+
+def test_installed_scaffold_is_listed_but_never_chosen_implicitly(installed_scaffold):
+    py, _ = installed_scaffold
+    r = subprocess.run([py, "-m", "chipset.cli.main", "backends", "--json"], capture_output=True, text=True, env=_env())
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    by = {b["name"]: b for b in data["backends"]}
+    assert by["acme_npu"]["distribution"] == "chipset-acme-npu"
+    assert by["acme_npu"]["status"] == "unavailable"
+    assert data["selected"] == "cpu_sim"
+    r = subprocess.run([py, "-m", "chipset.cli.main", "backends", "--json"], capture_output=True, text=True,
+                       env={**_env(), "CHIPSET_BACKEND": "acme_npu"})
+    data = json.loads(r.stdout)
+    assert data["selected"] == "acme_npu"
+
+
+def test_scaffold_backend_names_the_first_missing_part(installed_scaffold):
+    py, _ = installed_scaffold
+    r = subprocess.run([py, "-m", "chipset.cli.main", "info"], capture_output=True, text=True,
+                       env={**_env(), "CHIPSET_BACKEND": "acme_npu"})
+    assert r.returncode != 0
+    assert "acme_npu: Device.device_count is not implemented yet" in r.stderr
