@@ -1,0 +1,74 @@
+"""chipset-cuda's hook implementations: the only module chipset loads from this plugin.
+
+Loading reads the GPUs' compute capability, which initialises CUDA in this process;
+discovery and the probe never do (see ``chipset_cuda.__init__``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from chipset.discovery.hookspecs import hookimpl
+from chipset.interfaces import ALL_COLLECTIVES, Capabilities, dtype_name
+from chipset_cuda import VISIBLE_ENV
+from chipset_cuda import kernels as _kernels
+from chipset_cuda.collective import CudaCollective
+from chipset_cuda.device import CudaDevice, dtypes_for
+from chipset_cuda.memory import CudaMemory
+
+# NCCL reduces these; bfloat16 needs NCCL >= 2.10 (every CUDA torch build >= 2.0 ships one).
+_NCCL_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+
+
+@hookimpl
+def chipset_device():
+    return CudaDevice()
+
+
+@hookimpl
+def chipset_memory(device):
+    return CudaMemory(device)
+
+
+@hookimpl
+def chipset_collective(device):
+    return CudaCollective(device)
+
+
+def capabilities_for(compute_capability: tuple[int, int]) -> Capabilities:
+    """What GPUs of (at least) this compute capability support, as chipset declares it."""
+    dtypes = tuple(dtype_name(d) for d in dtypes_for(compute_capability))
+    bf16 = "bfloat16" in dtypes
+    return Capabilities(
+        dtypes=dtypes,
+        amp_dtypes=("bfloat16", "float16") if bf16 else ("float16",),
+        collectives=ALL_COLLECTIVES,
+        collective_dtypes=tuple(d for d in _NCCL_DTYPES if d != "bfloat16" or bf16),
+        streams=True,
+        event_timing=True,
+        graph_capture=True,  # CUDA graphs (torch.cuda.graphs), compute capability >= 7.0
+        memory_capacity_enforced=True,
+        pinned_memory=True,
+        multi_process=True,
+    )
+
+
+@hookimpl
+def chipset_capabilities(device):
+    return capabilities_for(device.min_compute_capability())
+
+
+@hookimpl
+def chipset_register_kernels(registry, device):
+    _kernels.register(registry)
+
+
+@hookimpl
+def chipset_launch_env(local_rank, local_world_size):
+    # Every rank sees every GPU the launcher sees and binds to its local rank
+    # (device.set_device(local_rank)), as torchrun does. PCI bus order makes CUDA's
+    # indices match nvidia-smi's, so CUDA_VISIBLE_DEVICES means the same to both.
+    env = {"CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
+    if VISIBLE_ENV in os.environ:
+        env[VISIBLE_ENV] = os.environ[VISIBLE_ENV]
+    return env

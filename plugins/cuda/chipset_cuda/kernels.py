@@ -1,0 +1,197 @@
+"""CUDA kernel implementations and the predicates that decide when each one is used.
+
+- scaled_dot_product_attention: ``torch.nn.functional.scaled_dot_product_attention``,
+  which picks flash / memory-efficient / cuDNN attention for the shape and dtype.
+- fused_adamw: ``torch._fused_adamw_``, the multi-tensor kernel behind
+  ``torch.optim.AdamW(fused=True)``.
+- rms_norm, rotary_embedding, swiglu, cross_entropy: Triton kernels with a Triton
+  backward (``chipset_cuda.triton_kernels``), registered only when triton is importable.
+
+Every predicate takes the reference's arguments and returns False for anything it does
+not handle exactly, so the registry falls back to the core reference. Tensors must live
+on a CUDA device, except that under ``TRITON_INTERPRET=1`` the Triton kernels also
+accept CPU tensors (Triton's interpreter runs them on the host; the tests use this).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from collections import defaultdict
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --- scaled dot-product attention ------------------------------------------------------
+def sdpa_available(q, k, v, mask=None, causal=False, scale=None) -> bool:
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in (q, k, v)):
+        return False
+    if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+        return False
+    if q.shape[1] % k.shape[1] != 0:
+        return False
+    # A float mask is added in the query dtype by torch; the reference adds it in fp32.
+    return mask is None or mask.dtype == torch.bool or mask.dtype == q.dtype
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, causal=False, scale=None):
+    """The reference's semantics on torch's SDPA (bottom-right causal, GQA, bool/float mask)."""
+    sq, sk = q.shape[-2], k.shape[-2]
+    gqa = k.shape[-3] != q.shape[-3]
+    if not causal or (sq == sk and mask is None):
+        # Square causal: torch's top-left alignment equals the reference's bottom-right.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if mask is None:
+        from torch.nn.attention.bias import causal_lower_right  # keeps the flash path open
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale, enable_gqa=gqa)
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+    combined = mask & allowed if mask.dtype == torch.bool else mask.masked_fill(~allowed, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=combined, scale=scale, enable_gqa=gqa)
+
+
+# --- fused AdamW ---------------------------------------------------------------------------
+def fused_adamw_available(params, grads, exp_avgs, exp_avg_sqs, step, **hyper) -> bool:
+    if not params or not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs)):
+        return False
+    for group in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        p = group[0]
+        if not p.is_cuda or p.dtype not in (*_FLOATS, torch.float64) or p.is_sparse:
+            return False
+        if any(t.dtype != p.dtype or t.device != p.device or t.is_sparse for t in group):
+            return False
+    return True
+
+
+@torch.no_grad()
+def fused_adamw(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    step: int,
+    *,
+    lr: float,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> None:
+    """One AdamW step in place, as the reference, through torch's fused multi-tensor kernel."""
+    groups: dict[tuple, list[list[torch.Tensor]]] = defaultdict(lambda: [[], [], [], []])
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        lists = groups[(p.device, p.dtype)]
+        for lst, t in zip(lists, (p, g, m, v), strict=True):
+            lst.append(t)
+    for (device, _), (ps, gs, ms, vs) in groups.items():
+        # The kernel reads the (already incremented, 1-based) step from a float32 tensor.
+        steps = [torch.tensor(float(step), dtype=torch.float32, device=device)] * len(ps)
+        torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+
+
+# --- Triton kernels ----------------------------------------------------------------------
+def triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@cache
+def _triton_module():
+    """chipset_cuda.triton_kernels, or None (with one warning) if triton fails to import."""
+    try:
+        from chipset_cuda import triton_kernels
+    except Exception as exc:  # a broken triton install must not break training
+        warnings.warn(f"chipset_cuda: Triton kernels disabled, importing triton failed: {exc!r}", stacklevel=2)
+        return None
+    return triton_kernels
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_tensor(t) -> bool:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _FLOATS:
+        return False
+    return t.is_cuda or (t.device.type == "cpu" and _interpreting())
+
+
+def rms_norm_available(x, weight, eps=1e-6) -> bool:
+    if not _triton_tensor(x) or x.dim() == 0 or x.numel() == 0:
+        return False
+    if weight is not None and (weight.dtype != x.dtype or weight.shape != x.shape[-1:] or weight.device != x.device):
+        return False
+    return x.shape[-1] <= 16384 and _triton_module() is not None
+
+
+def rotary_embedding_available(x, cos, sin) -> bool:
+    if not _triton_tensor(x) or x.dim() < 2 or x.numel() == 0 or x.shape[-1] % 2:
+        return False
+    s, d = x.shape[-2:]
+    for t in (cos, sin):
+        if not isinstance(t, torch.Tensor) or t.dtype != x.dtype or t.device != x.device or t.requires_grad:
+            return False
+        if t.dim() > x.dim() or tuple(t.shape[-2:]) != (s, d) or any(n != 1 for n in t.shape[:-2]):
+            return False
+    return d <= 2048 and _triton_module() is not None
+
+
+def swiglu_available(gate, up) -> bool:
+    if not (_triton_tensor(gate) and isinstance(up, torch.Tensor)):
+        return False
+    ok = up.dtype == gate.dtype and up.shape == gate.shape and up.device == gate.device and gate.numel() > 0
+    return ok and _triton_module() is not None
+
+
+def cross_entropy_available(logits, target, ignore_index=-100, reduction="mean") -> bool:
+    if not _triton_tensor(logits) or logits.dim() != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
+        return False
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
+        return False
+    if target.shape != logits.shape[:1] or target.device != logits.device:
+        return False
+    return reduction in ("mean", "sum", "none") and _triton_module() is not None
+
+
+def rms_norm(x, weight, eps=1e-6):
+    return _triton_module().rms_norm(x, weight, eps)
+
+
+def rotary_embedding(x, cos, sin):
+    return _triton_module().rotary_embedding(x, cos, sin)
+
+
+def swiglu(gate, up):
+    return _triton_module().swiglu(gate, up)
+
+
+def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
+    return _triton_module().cross_entropy(logits, target, ignore_index, reduction)
+
+
+TRITON_KERNELS = {
+    "rms_norm": (rms_norm, rms_norm_available),
+    "rotary_embedding": (rotary_embedding, rotary_embedding_available),
+    "swiglu": (swiglu, swiglu_available),
+    "cross_entropy": (cross_entropy, cross_entropy_available),
+}
+
+
+def register(registry) -> None:
+    """Register every CUDA kernel on ``registry``; Triton ones only when triton is installed."""
+    registry.register("scaled_dot_product_attention", scaled_dot_product_attention, priority=10,
+                      available=sdpa_available, description="torch SDPA (flash / memory-efficient / cuDNN)")
+    registry.register("fused_adamw", fused_adamw, priority=10, available=fused_adamw_available,
+                      description="torch._fused_adamw_ (fused multi-tensor AdamW)")
+    if not triton_importable():
+        return
+    for name, (fn, available) in TRITON_KERNELS.items():
+        registry.register(name, fn, priority=10, available=available, description="Triton (forward and backward)")
