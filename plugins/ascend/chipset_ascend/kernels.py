@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.optim.adamw import adamw as _torch_adamw
 
 from chipset_ascend._runtime import torch_npu
 
@@ -114,7 +115,7 @@ def fused_adamw(
 ) -> None:
     # torch increments each step tensor before using it; chipset's ``step`` is 1-based.
     steps = [torch.tensor(float(step - 1)) for _ in params]
-    torch.optim.adamw.adamw(
+    _torch_adamw(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], steps,
         foreach=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
         weight_decay=weight_decay, eps=eps, maximize=False,
