@@ -1,0 +1,76 @@
+"""chipset.conformance: the suite every backend is certified with.
+
+Shipped inside core as a pytest plugin (:mod:`chipset.conformance.plugin`) plus test
+modules (:mod:`chipset.conformance.tests`), one module per group: ``test_<group>.py``.
+A later group (engine parity, checkpoint round-trip) is one more module here and one
+more name in :data:`GROUPS`.
+
+Run it with ``chipset conformance --backend NAME`` or, equivalently::
+
+    pytest -p chipset.conformance.plugin --pyargs chipset.conformance.tests --chipset-backend NAME
+
+Skips are keyed on the backend's declared :class:`chipset.Capabilities`, never on its name.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GROUPS", "TOLERANCES", "pytest_args", "tolerance"]
+
+GROUPS: tuple[str, ...] = (
+    "discovery",
+    "device",
+    "streams",
+    "memory",
+    "rng",
+    "dtypes",
+    "collectives",
+    "kernels",
+    "amp",
+)
+"""Groups in report order. A test's group is the name of its module without ``test_``."""
+
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (1.3e-6, 1e-5),
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float64": (1e-7, 1e-7),
+}
+"""(rtol, atol) per dtype against the reference: PyTorch's defaults (DESIGN.md). Integers are exact."""
+
+
+def tolerance(dtype: str, kernel: str = "", overrides=None) -> tuple[float, float]:
+    """(rtol, atol) for ``kernel`` at ``dtype``: ``Capabilities.tolerances["kernel/dtype"]``,
+    then ``["dtype"]``, then :data:`TOLERANCES`; (0, 0) for integer dtypes."""
+    overrides = overrides or {}
+    for key in (f"{kernel}/{dtype}", dtype):
+        if key in overrides:
+            rtol, atol = overrides[key]
+            return float(rtol), float(atol)
+    return TOLERANCES.get(dtype, (0.0, 0.0))
+
+
+def pytest_args(
+    backend: str,
+    *,
+    json_report: str | None = None,
+    junit_xml: str | None = None,
+    keyword: str | None = None,
+    extra: list[str] | None = None,
+) -> list[str]:
+    """The pytest command-line arguments that run the suite against ``backend``."""
+    args = [
+        "-p", "chipset.conformance.plugin",
+        "-p", "no:cacheprovider",
+        "--pyargs", "chipset.conformance.tests",
+        "--chipset-backend", backend,
+        "-o", "addopts=",
+        "-o", "testpaths=",
+        "-rfE",
+    ]
+    if json_report:
+        args += ["--chipset-json-report", json_report]
+    if junit_xml:
+        args += ["--junit-xml", junit_xml, "-o", "junit_family=xunit2"]
+    if keyword:
+        args += ["-k", keyword]
+    return args + list(extra or [])

@@ -1,0 +1,160 @@
+"""The conformance pytest plugin: backend option, fixtures, groups and the report.
+
+Load it explicitly (``-p chipset.conformance.plugin``); it registers no entry point, so
+no other pytest run is changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from chipset.conformance import GROUPS
+
+_OUTCOMES = ("passed", "failed", "skipped")
+
+
+def pytest_addoption(parser) -> None:
+    g = parser.getgroup("chipset-conformance")
+    g.addoption("--chipset-backend", default=None, help="backend to certify (default: CHIPSET_BACKEND or the selected one)")
+    g.addoption("--chipset-json-report", default=None, help="write the conformance JSON report to this file")
+
+
+class _Report:
+    """Collects every test's group and outcome; prints the matrix and writes the JSON."""
+
+    def __init__(self, backend: str, json_path: str | None = None):
+        self.backend = backend
+        self.json_path = json_path
+        self.tests: dict[str, dict] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        group = dict(report.user_properties).get("group", "?")
+        if report.when == "call":
+            outcome = "passed" if report.passed else "skipped" if report.skipped else "failed"
+        elif report.failed:
+            outcome = "error"
+        elif report.skipped:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        self.record(report.nodeid, group, outcome, _reason(report))
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        d = self.to_dict()
+        tr = terminalreporter
+        tr.section(f"chipset conformance: {d['backend']}")
+        tr.write_line(f"{'group':<14}{'passed':>8}{'failed':>8}{'skipped':>9}")
+        for g, row in d["groups"].items():
+            tr.write_line(f"{g:<14}{row['passed']:>8}{row['failed']:>8}{row['skipped']:>9}")
+        s = d["summary"]
+        tr.write_line(f"{'total':<14}{s['passed']:>8}{s['failed']:>8}{s['skipped']:>9}   errors: {s['errors']}")
+        skipped = [t for t in d["tests"] if t["outcome"] == "skipped"]
+        if skipped:
+            reasons = Counter((t["group"], t["reason"]) for t in skipped)
+            tr.write_line("skip reasons:")
+            for (g, why), n in sorted(reasons.items()):
+                tr.write_line(f"  {g}: {n} x {why}")
+        if self.json_path:
+            Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.json_path).write_text(json.dumps(d, indent=2))
+            tr.write_line(f"JSON report: {self.json_path}")
+
+    def record(self, nodeid: str, group: str, outcome: str, reason: str) -> None:
+        prev = self.tests.get(nodeid)
+        # setup/call/teardown each report; the worst outcome wins.
+        rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+        if prev is None or rank[outcome] > rank[prev["outcome"]]:
+            self.tests[nodeid] = {"id": nodeid, "group": group, "outcome": outcome, "reason": reason}
+
+    def to_dict(self) -> dict:
+        summary = Counter(t["outcome"] for t in self.tests.values())
+        groups = {g: dict.fromkeys(_OUTCOMES, 0) for g in GROUPS}
+        for t in self.tests.values():
+            row = groups.setdefault(t["group"], dict.fromkeys(_OUTCOMES, 0))
+            row["failed" if t["outcome"] == "error" else t["outcome"]] += 1
+        return {
+            "backend": self.backend,
+            "summary": {
+                "passed": summary["passed"], "failed": summary["failed"],
+                "skipped": summary["skipped"], "errors": summary["error"],
+            },
+            "groups": groups,
+            "tests": list(self.tests.values()),
+        }
+
+
+def _reason(report) -> str:
+    if report.skipped:
+        lr = report.longrepr
+        if isinstance(lr, tuple) and len(lr) == 3:
+            return str(lr[2]).removeprefix("Skipped: ")
+        return str(lr)
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if crash is not None:
+            return crash.message.strip()
+        return str(report.longrepr).strip().splitlines()[-1] if report.longrepr else "failed"
+    return ""
+
+
+def group_of(item) -> str:
+    """A test's group: its module's name without ``test_``."""
+    mod = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else item.nodeid
+    return mod.removeprefix("test_")
+
+
+def pytest_configure(config) -> None:
+    from chipset.discovery.select import select
+    from chipset.errors import BackendSelectionError
+
+    name = config.getoption("--chipset-backend") or os.environ.get("CHIPSET_BACKEND") or None
+    try:
+        sel = select(name)
+    except BackendSelectionError as exc:
+        raise pytest.UsageError(f"chipset conformance cannot run: {exc}") from None
+    # Ranks spawned by the collectives group must resolve the very same backend.
+    os.environ["CHIPSET_BACKEND"] = sel.record.name
+    config._chipset_report = _Report(sel.record.name, config.getoption("--chipset-json-report"))
+    config.pluginmanager.register(config._chipset_report, "chipset-conformance-report")
+    config.addinivalue_line("markers", "group(name): conformance group (set from the module name)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        g = group_of(item)
+        item.user_properties.append(("group", g))
+        item.add_marker(pytest.mark.group(g))
+
+
+# --- fixtures ------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def backend_name(pytestconfig) -> str:
+    """The name of the backend under test."""
+    return pytestconfig._chipset_report.backend
+
+
+@pytest.fixture(scope="session")
+def backend(backend_name):
+    """The loaded backend under test, bound to its device 0."""
+    import chipset
+
+    b = chipset.backend(backend_name)
+    b.device.set_device(0)
+    return b
+
+
+@pytest.fixture(scope="session")
+def caps(backend):
+    """The backend's declared Capabilities."""
+    return backend.capabilities
+
+
+@pytest.fixture(scope="session")
+def dev(backend):
+    """The torch.device tensors of device 0 live on."""
+    return backend.device.torch_device(0)

@@ -1,0 +1,1 @@
+"""Conformance test modules, one per group (``test_<group>.py``)."""

@@ -1,0 +1,55 @@
+"""AMP: autocast on the backend's device type computes in each declared AMP dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+AMP = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _need(caps, name):
+    if name not in caps.amp_dtypes:
+        pytest.skip(f"backend does not declare AMP dtype {name}")
+
+
+@pytest.mark.parametrize("name", list(AMP))
+def test_matmul_runs_in_the_amp_dtype(backend, caps, dev, name):
+    _need(caps, name)
+    a, b = torch.randn(16, 32, device=dev), torch.randn(32, 8, device=dev)
+    with torch.autocast(device_type=backend.device.device_type, dtype=AMP[name]):
+        y = a @ b
+    assert y.dtype == AMP[name]
+    torch.testing.assert_close(y.float(), a @ b, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("name", list(AMP))
+def test_linear_backward_gives_fp32_grads_for_fp32_params(backend, caps, dev, name):
+    _need(caps, name)
+    lin = torch.nn.Linear(32, 8).to(dev)
+    x = torch.randn(4, 32, device=dev)
+    with torch.autocast(device_type=backend.device.device_type, dtype=AMP[name]):
+        out = lin(x)
+    assert out.dtype == AMP[name]
+    out.float().sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", list(AMP))
+def test_autocast_leaves_code_outside_untouched(backend, caps, dev, name):
+    _need(caps, name)
+    a = torch.randn(8, 8, device=dev)
+    with torch.autocast(device_type=backend.device.device_type, dtype=AMP[name]):
+        pass
+    assert (a @ a).dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", list(AMP))
+def test_disabled_autocast_region_stays_fp32(backend, caps, dev, name):
+    _need(caps, name)
+    a = torch.randn(8, 8, device=dev)
+    dt = backend.device.device_type
+    with torch.autocast(device_type=dt, dtype=AMP[name]):
+        with torch.autocast(device_type=dt, enabled=False):
+            y = a @ a
+    assert y.dtype == torch.float32

@@ -1,0 +1,28 @@
+"""Collectives: every op x dtype x size, uneven all_to_all, subgroups, async, p2p, barrier, timeout.
+
+All checks run in one multi-rank session of real processes (chipset.conformance._world);
+each test here reports one check's verdict over every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from chipset.conformance._collective_checks import CHECK_IDS, WORLD
+from chipset.conformance._world import run_world
+
+
+@pytest.fixture(scope="module")
+def session(backend_name, caps):
+    if not caps.multi_process:
+        pytest.skip("backend does not declare capability multi_process")
+    return run_world(backend_name, WORLD)
+
+
+@pytest.mark.parametrize("check", CHECK_IDS)
+def test_collective(session, check):
+    outcome, reason = session.verdict(check)
+    if outcome == "skipped":
+        pytest.skip(reason)
+    if outcome == "failed":
+        pytest.fail(reason, pytrace=False)

@@ -1,0 +1,78 @@
+"""Device: count, selection, out-of-range errors, properties consistent with the declared profile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chipset.discovery.profiles import all_profiles
+from chipset.errors import DeviceIndexError
+
+
+def _indices(backend, limit=4):
+    return list(range(min(backend.device.device_count(), limit)))
+
+
+def test_device_count_is_positive(backend):
+    assert backend.device.device_count() >= 1
+
+
+def test_set_device_makes_each_device_current(backend):
+    d = backend.device
+    try:
+        for i in _indices(backend):
+            d.set_device(i)
+            assert d.current_device() == i
+    finally:
+        d.set_device(0)
+
+
+@pytest.mark.parametrize("bad", ["count", -1, "count+5"])
+def test_out_of_range_index_raises_device_index_error(backend, bad):
+    n = backend.device.device_count()
+    index = {"count": n, "count+5": n + 5}.get(bad, bad)
+    with pytest.raises(DeviceIndexError, match="out of range"):
+        backend.device.set_device(index)
+    with pytest.raises(DeviceIndexError):
+        backend.device.properties(index)
+    assert backend.device.current_device() == 0
+
+
+def test_torch_device_has_the_declared_type(backend):
+    t = backend.device.torch_device(0)
+    assert isinstance(t, torch.device) and t.type == backend.device.device_type
+    x = torch.ones(4, device=t)
+    assert x.device.type == backend.device.device_type
+
+
+def test_synchronize_returns(backend):
+    backend.device.synchronize()
+    backend.device.synchronize(0)
+
+
+def test_properties_are_sane(backend):
+    for i in _indices(backend):
+        p = backend.device.properties(i)
+        assert p.name and p.index == i
+        assert p.total_memory > 0
+        assert all(v >= 0 for v in p.peak_flops.values())
+        assert p.memory_bandwidth >= 0 and p.intra_node_bandwidth >= 0 and p.inter_node_bandwidth >= 0
+        assert p.intra_node_latency >= 0 and p.inter_node_latency >= 0
+
+
+def test_properties_agree_with_memory_interface(backend):
+    p = backend.device.properties(0)
+    free, total = backend.memory.mem_get_info(0)
+    assert total == p.total_memory, f"mem_get_info total {total} != properties.total_memory {p.total_memory}"
+    assert 0 <= free <= total
+
+
+def test_properties_match_a_declared_profile_of_the_same_name(backend, backend_name):
+    p = backend.device.properties(0)
+    declared = {n: props for n, (owner, props) in all_profiles().items() if owner == backend_name}
+    if p.name not in declared:
+        pytest.skip(f"device name {p.name!r} is not one of the backend's declared profiles")
+    ref = declared[p.name]
+    assert p.total_memory == ref.total_memory
+    assert dict(p.peak_flops) == dict(ref.peak_flops)
+    assert p.memory_bandwidth == ref.memory_bandwidth
