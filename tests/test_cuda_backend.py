@@ -10,6 +10,7 @@ from __future__ import annotations
 import pluggy
 import pytest
 import torch
+from doubles.fake_cuda import FakeCuda
 
 import chipset
 from chipset.discovery import hookspecs
@@ -20,7 +21,6 @@ from chipset_cuda import backend
 from chipset_cuda.collective import CudaCollective
 from chipset_cuda.device import CudaDevice
 from chipset_cuda.memory import CudaMemory
-from doubles.fake_cuda import FakeCuda
 
 GiB = 2**30
 V100 = ("Tesla V100-SXM2-16GB", 16 * GiB, (7, 0), 80)

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
+from doubles.fake_cuda import FakeTorchForProbe, ProbeTouchedCuda
 
 import chipset_cuda
 from chipset.discovery.profiles import all_profiles, get_profile
 from conftest import run_cli
-from doubles.fake_cuda import FakeTorchForProbe, ProbeTouchedCuda
 
 
 @pytest.fixture(autouse=True)
