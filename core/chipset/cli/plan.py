@@ -1,0 +1,188 @@
+"""``chipset plan``: which parallel layout fits a model on a cluster, and how fast it will be."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from chipset.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="predict memory and step time of parallel layouts and pick the fastest that fits",
+        description="Enumerate dp x tp x pp x ep x cp layouts, ZeRO stage, micro-batch, schedule and recompute "
+                    "policy for a model on a cluster; discard those that are invalid or do not fit; rank the rest "
+                    "by predicted step time. Formulas and their sources: docs/planner.md.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="FILE.toml", help="TOML file with a [model] table")
+    src.add_argument("--preset", metavar="NAME", help="a named model (gpt3-175b, llama2-7b, ...)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="override one model field (repeatable)")
+    p.add_argument("--cluster", metavar="NODESxDEVICES:PROFILE", help="for example 64x8:a100-80g")
+    p.add_argument("--global-batch", type=int, default=512, metavar="N", help="sequences per step (default 512)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="sequence length (default: the model's)")
+    p.add_argument("--fix", action="append", default=[], metavar="parallel.KEY=VALUE,...",
+                   help="pin layout fields: dp, tp, pp, ep, cp, zero, micro_batch, schedule (1f1b, gpipe, "
+                        "interleaved-vN), recompute (none, selective, full), sequence_parallel")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="show the K fastest layouts (default 5)")
+    p.add_argument("--json", action="store_true", help="machine-readable list of candidates")
+    p.add_argument("--intra-node-bw", type=float, default=None, metavar="GBps",
+                   help="override the profile's device-to-device bandwidth within a node, GB/s per direction")
+    p.add_argument("--inter-node-bw", type=float, default=None, metavar="GBps",
+                   help="override the profile's per-device bandwidth across nodes, GB/s per direction")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype whose peak FLOP/s applies (default bfloat16)")
+    p.add_argument("--efficiency", type=float, default=None, metavar="FRACTION",
+                   help="fraction of peak large GEMMs sustain (default 0.70; see docs/planner.md)")
+    p.add_argument("--list-profiles", action="store_true", help="list the device profiles installed plugins declare")
+    p.set_defaults(run=run)
+
+
+def _model(args):
+    from chipset.planner.model import ModelSpec, apply_model_overrides, get_preset, load_model_toml
+
+    if not (args.model or args.preset or args.overrides):
+        raise ConfigError("no model given: pass --model FILE.toml, --preset NAME or --set model.KEY=VALUE "
+                          "(presets: run 'chipset plan --preset x' to list them)")
+    if args.model:
+        spec = load_model_toml(args.model)
+    elif args.preset:
+        spec = get_preset(args.preset)
+    else:
+        spec = ModelSpec()
+    spec = apply_model_overrides(spec, args.overrides)
+    if args.seq_len is not None:
+        if args.seq_len < 1:
+            raise ConfigError(f"--seq-len must be a positive integer (found {args.seq_len})")
+        from dataclasses import replace
+
+        spec = replace(spec, seq_len=args.seq_len)
+    return spec.validate()
+
+
+def _list_profiles(as_json: bool) -> int:
+    from chipset.planner.cluster import list_profiles
+
+    table = list_profiles()
+    if as_json:
+        print(json.dumps({name: {"backend": b, **p.to_dict()} for name, (b, p) in sorted(table.items())}, indent=2))
+        return 0
+    if not table:
+        print("no device profiles declared by the installed backends")
+        return 0
+    print(f"{'profile':<16} {'backend':<10} {'memory':>9} {'bf16 peak':>13} {'HBM':>10} {'intra-node':>11} {'inter-node':>11}")
+    for name, (backend, p) in sorted(table.items()):
+        est = " (estimate)" if p.estimated else ""
+        print(f"{name:<16} {backend:<10} {p.total_memory / 2**30:>5.0f} GiB "
+              f"{p.peak_flops_for('bfloat16') / 1e12:>7.0f} TFLOP/s {p.memory_bandwidth / 1e9:>6.0f} GB/s "
+              f"{p.intra_node_bandwidth / 1e9:>6.0f} GB/s {p.inter_node_bandwidth / 1e9:>6.1f} GB/s{est}")
+    return 0
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f} GiB"
+
+
+def explain(best, runner_up, model, cluster) -> str:
+    """One paragraph on why the winner wins: where its time goes and what it trades."""
+    lay, b = best.layout, best.breakdown
+    step = best.step_time_s
+    parts = []
+    if lay.tp > 1:
+        where = "inside a node" if lay.tp <= cluster.devices_per_node else "across nodes"
+        parts.append(f"splits every block over tp={lay.tp} ranks {where}"
+                     + (" with sequence parallelism" if lay.sp else ""))
+    if lay.pp > 1:
+        frac = b["bubble"] / step
+        parts.append(f"cuts the {model.layers} blocks into pp={lay.pp} stages run {lay.schedule_label} "
+                     f"over {best.micro_batches} micro-batches (bubble {frac:.1%} of the step)")
+    if lay.cp > 1:
+        parts.append(f"splits each sequence over cp={lay.cp} ranks")
+    if lay.ep > 1:
+        parts.append(f"spreads the {model.num_experts} experts over ep={lay.ep} ranks")
+    dp_n = lay.dp * lay.cp
+    if dp_n > 1:
+        hidden = 1 - b["dp_exposed"] / b["dp_total"] if b["dp_total"] > 0 else 1.0
+        parts.append(f"replicates over dp={lay.dp} with ZeRO-{lay.zero} "
+                     f"({hidden:.0%} of its {b['dp_total']:.2f} s of data-parallel traffic hidden behind compute)")
+    layout_txt = "; ".join(parts) if parts else "runs on a single device"
+    text = (f"The fastest layout {layout_txt}. It needs {_gib(best.memory.total)} of the "
+            f"{_gib(best.memory_limit_bytes)} usable per device (activations {_gib(best.memory.activations)} "
+            f"with recompute={lay.recompute}, model states "
+            f"{_gib(best.memory.params + best.memory.grads + best.memory.optimizer)}). "
+            f"Of its {step:.3g} s step, {b['compute']:.3g} s is compute (GEMMs at {b['gemm_efficiency']:.0%} of peak), "
+            f"{b['tp']:.3g} s tensor-parallel, {b['ep']:.3g} s expert all-to-all, {b['pp']:.3g} s pipeline sends, "
+            f"{b['bubble']:.3g} s bubble, {b['dp_exposed']:.3g} s exposed data-parallel communication and "
+            f"{b['optimizer']:.3g} s optimizer step.")
+    if runner_up is not None:
+        gain = runner_up.step_time_s / step - 1
+        r = runner_up.layout
+        text += (f" The runner-up (dp={r.dp} tp={r.tp} pp={r.pp} ep={r.ep} cp={r.cp} ZeRO-{r.zero} "
+                 f"micro-batch {r.micro_batch} {r.schedule_label} recompute={r.recompute}) is {gain:.1%} slower.")
+    return text
+
+
+def run(args) -> int:
+    if args.list_profiles:
+        return _list_profiles(args.json)
+    from chipset.planner.assumptions import Assumptions
+    from chipset.planner.cluster import resolve_cluster
+    from chipset.planner.layout import TrainSpec
+    from chipset.planner.search import parse_fix, search
+
+    if not args.cluster:
+        raise ConfigError("--cluster NODESxDEVICES:PROFILE is required (for example 64x8:a100-80g); "
+                          "'chipset plan --list-profiles' lists the profiles")
+    if args.top < 1:
+        raise ConfigError(f"--top must be at least 1 (found {args.top})")
+    model = _model(args)
+    cluster = resolve_cluster(args.cluster, args.intra_node_bw, args.inter_node_bw)
+    fix = parse_fix(args.fix)
+    a = Assumptions()
+    if args.efficiency is not None:
+        if not 0 < args.efficiency <= 1:
+            raise ConfigError(f"--efficiency must be in (0, 1] (found {args.efficiency})")
+        a = Assumptions(gemm_efficiency=args.efficiency)
+    train = TrainSpec(global_batch=args.global_batch, dtype=args.dtype)
+    res = search(model, train, cluster, fix=fix, assumptions=a)
+    shown = res.candidates[: args.top]
+    if res.fixed_only is not None and not res.fixed_only.fits:
+        shown = [res.fixed_only]
+        f = res.fixed_only
+        print(f"chipset: warning: the fixed layout does not fit: it needs {_gib(f.memory.total)} per device, "
+              f"usable {_gib(f.memory_limit_bytes)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([p.to_json() for p in shown], indent=2))
+        return 0
+    n = cluster.world_size
+    print(f"model {model.name}: {model.num_params() / 1e9:.3g}B parameters"
+          + (f" ({model.active_params() / 1e9:.3g}B active)" if model.is_moe else "")
+          + f", seq {model.seq_len}, global batch {train.global_batch} sequences")
+    d = cluster.device
+    print(f"cluster {cluster.nodes}x{cluster.devices_per_node} {cluster.profile} = {n} devices: "
+          f"{_gib(d.total_memory)}, {d.peak_flops_for(train.dtype) / 1e12:g} TFLOP/s {train.dtype}, "
+          f"intra-node {d.intra_node_bandwidth / 1e9:g} GB/s, inter-node {d.inter_node_bandwidth / 1e9:g} GB/s")
+    valid = res.layouts_enumerated - sum(v for k, v in res.discarded.items()
+                                          if k not in ("does not fit in device memory",
+                                                       "interleaved schedule needs micro-batches divisible by pp",
+                                                       "global batch not divisible by dp x micro-batch"))
+    print(f"searched {res.layouts_enumerated} degree layouts ({valid} valid) and {res.configurations_evaluated} "
+          f"configurations; {len(res.candidates)} fit, {res.out_of_memory} do not fit in memory")
+    for reason, count in res.discarded.most_common():
+        print(f"  discarded {count}: {reason}")
+    print()
+    hdr = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'cp':>3} {'zero':>4} {'mb':>3} {'schedule':<15} "
+           f"{'recompute':<9} {'mem/dev':>10} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6}")
+    print(hdr)
+    for i, p in enumerate(shown, 1):
+        lay = p.layout
+        flag = "" if p.fits else "  DOES NOT FIT"
+        print(f"{i:>2} {lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.ep:>3} {lay.cp:>3} {lay.zero:>4} {lay.micro_batch:>3} "
+              f"{lay.schedule_label:<15} {lay.recompute:<9} {_gib(p.memory.total):>10} {p.step_time_s:>9.4g} "
+              f"{p.tokens_per_s:>11.4g} {p.tflops_per_device:>8.1f} {p.mfu:>6.1%}{flag}")
+    if shown:
+        print()
+        print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and shown[0].fits else None,
+                      model, cluster))
+    return 0

@@ -1,0 +1,40 @@
+"""The cost model's tunable assumptions, in one place, each with the reason for its default.
+
+None of these defaults was fitted to the published runs in docs/planner.md; they are
+round numbers from general experience of dense GEMM efficiency and allocator overheads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Assumptions"]
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Knobs of the efficiency and memory model."""
+
+    gemm_efficiency: float = 0.70
+    """Fraction of dense peak FLOP/s that large matrix multiplications sustain end to end
+    (kernel efficiency times launch gaps): large bf16 GEMMs reach 70-85% of peak on
+    current GPUs; we take the low end because the model has no other per-kernel overhead."""
+    gemm_half_dim: int = 128
+    """Per-device GEMM width at which efficiency halves: the efficiency is
+    gemm_efficiency * d / (d + gemm_half_dim), d = min(hidden/tp, tokens per micro-batch).
+    Models the loss of tile utilisation when tp slices matrices thin."""
+    elementwise_traffic: float = 3.0
+    """Memory-bound work (norms, activations, softmax, dropout, residuals) moves this many
+    times the bytes of the stored activations per block (written in forward, read and
+    gradient written in backward); its time is bytes / memory bandwidth."""
+    memory_usable_fraction: float = 0.90
+    """Fraction of device memory a layout may plan to use; the rest goes to the runtime
+    context, workspaces, communication buffers and allocator fragmentation."""
+    dp_overlap: bool = True
+    """Overlap data-parallel gradient reduction with the last micro-batch's backward and
+    the parameter all-gather with the first micro-batch's forward (Megatron
+    overlap-grad-reduce / overlap-param-gather, FSDP prefetch)."""
+    cp_overlap: bool = True
+    """Ring attention overlaps its K/V exchange with attention compute."""
+    max_micro_batch: int = 16
+    """Largest micro-batch the search tries (all divisors of the per-replica batch up to it)."""

@@ -1,0 +1,174 @@
+"""Communication per step per collective, and where each group's ranks sit.
+
+Volumes are bytes one rank sends, ring algorithms (DESIGN.md): all-reduce 2(n-1)/n·S,
+reduce-scatter and all-gather (n-1)/n·S each, all-to-all (n-1)/n·S, point-to-point S.
+Time of one call is latency·steps + bytes / bandwidth, with 2(n-1) latency steps for a
+ring all-reduce, n-1 for reduce-scatter, all-gather and all-to-all, 1 for a send.
+
+Placement follows the rank order in :mod:`chipset.planner.layout` (tp innermost, then cp,
+ep, dp, pp outermost). A group of n ranks with stride st lies inside one node when
+st·n <= devices per node and divides it; otherwise it uses the inter-node bandwidth
+(each device's own share of the node's network).
+
+What is sent, per device and step (b micro-batch, s/cp local sequence, m micro-batches):
+- dp (over dp*cp ranks; experts over dp*cp/ep): ZeRO-0 one all-reduce of the gradients;
+  ZeRO-1 a reduce-scatter of gradients and an all-gather of updated parameters; ZeRO-2
+  the reduce-scatter every micro-batch (gradients are kept sharded) and one all-gather;
+  ZeRO-3 per micro-batch an all-gather before forward, another before backward and a
+  reduce-scatter of gradients (Rajbhandari et al. 2020, Sec. 7: 1.5x the data-parallel volume).
+- tp (Shoeybi et al. 2019; Korthikanti et al. 2022): per block and micro-batch 2 all-reduces
+  forward and 2 backward of b·s·h activations (with sequence parallelism each becomes a
+  reduce-scatter plus an all-gather, the same bytes), 2 more when a full recompute reruns
+  the forward; 1 more per micro-batch for the embedding and output layer.
+- ep: per MoE block and micro-batch 4 all-to-alls (dispatch and combine, forward and
+  backward; 6 with full recompute) of the top_k copies of the local tokens.
+- cp (ring attention, Liu et al. 2023): per block and micro-batch K and V go round the
+  ring forward, again backward with their gradients: 3x (4x with full recompute) an
+  all-gather of the local K, V.
+- pp: per micro-batch and model chunk one activation forward and one gradient backward,
+  b·s·h/t bytes (Narayanan et al. 2021 scatter/gather optimisation), plus an all-reduce of
+  the tied embedding's gradient between the first and last stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from chipset.planner.cluster import Cluster
+from chipset.planner.layout import Layout, TrainSpec
+from chipset.planner.memory import params_per_device, stage_layers
+from chipset.planner.model import ModelSpec
+
+__all__ = ["CommItem", "ring_bytes", "latency_steps", "group_stride", "is_intra_node", "communication"]
+
+
+def ring_bytes(op: str, size: float, n: int) -> float:
+    """Bytes one rank sends for collective ``op`` over ``n`` ranks on a ``size``-byte buffer."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * size
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n * size
+    if op == "send":
+        return float(size)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def latency_steps(op: str, n: int) -> int:
+    """Sequential message steps of the ring algorithm (each pays one latency)."""
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if op == "all_reduce" else 1 if op == "send" else n - 1
+
+
+def group_stride(lay: Layout, dim: str) -> int:
+    """Distance in rank ids between neighbours of a ``dim`` group (see layout's rank order)."""
+    return {"tp": 1, "cp": lay.tp, "ep": lay.tp, "dp": lay.tp * lay.cp,
+            "pp": lay.tp * lay.cp * lay.dp}[dim]
+
+
+def is_intra_node(n: int, stride: int, devices_per_node: int) -> bool:
+    """True when every group of ``n`` ranks spaced ``stride`` apart fits inside one node."""
+    span = n * stride
+    return n <= 1 or (span <= devices_per_node and devices_per_node % span == 0)
+
+
+@dataclass(frozen=True)
+class CommItem:
+    """One kind of collective in one step, on one device."""
+
+    dim: str
+    """Parallel dimension whose group runs it: dp, tp, ep, cp or pp."""
+    op: str
+    """all_reduce, reduce_scatter, all_gather, all_to_all or send."""
+    what: str
+    """What travels (gradients, parameters, activations, tokens, kv)."""
+    group_size: int
+    """Ranks in the group."""
+    calls: int
+    """Calls per step."""
+    bytes: float
+    """Bytes this device sends per step, all calls together (ring volume)."""
+    intra_node: bool
+    """The group lies inside one node."""
+    time_s: float
+    """Latency·steps·calls + bytes / bandwidth."""
+    phase: str = ""
+    """When it runs, for overlap: "grad" (end of backward), "param" (before forward),
+    "micro" (every micro-batch, inside the pipeline), "step" (once, exposed)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _item(cl: Cluster, lay: Layout, dim: str, op: str, what: str, n: int, size: float, calls: int,
+          phase: str) -> CommItem | None:
+    if n <= 1 or calls <= 0 or size <= 0:
+        return None
+    intra = is_intra_node(n, group_stride(lay, dim), cl.devices_per_node)
+    d = cl.device
+    bw = d.intra_node_bandwidth if intra else d.inter_node_bandwidth
+    lat = d.intra_node_latency if intra else d.inter_node_latency
+    vol = ring_bytes(op, size, n) * calls
+    t = calls * latency_steps(op, n) * lat + (vol / bw if bw > 0 else 0.0)
+    return CommItem(dim=dim, op=op, what=what, group_size=n, calls=calls, bytes=vol, intra_node=intra,
+                    time_s=t, phase=phase)
+
+
+def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
+                  seq_len: int | None = None) -> list[CommItem]:
+    """Every collective one device on the busiest stage runs in one step."""
+    s = (seq_len or m.seq_len) / lay.cp
+    b, h, t, P, G = lay.micro_batch, m.hidden, lay.tp, train.param_bytes, train.grad_bytes
+    mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
+    blocks = stage_layers(m, lay)
+    stages, expert = params_per_device(m, lay)
+    dense = max(stages.values())
+    out: list[CommItem | None] = []
+
+    # --- data parallel (ZeRO) ---------------------------------------------------------
+    for psi, n, what in ((dense, lay.dp * lay.cp, ""), (expert, lay.dp * lay.cp // lay.ep, " (experts)")):
+        if lay.zero == 0:
+            out.append(_item(cl, lay, "dp", "all_reduce", "gradients" + what, n, G * psi, 1, "grad"))
+        elif lay.zero == 1:
+            out.append(_item(cl, lay, "dp", "reduce_scatter", "gradients" + what, n, G * psi, 1, "grad"))
+            out.append(_item(cl, lay, "dp", "all_gather", "parameters" + what, n, P * psi, 1, "param"))
+        elif lay.zero == 2:
+            out.append(_item(cl, lay, "dp", "reduce_scatter", "gradients" + what, n, G * psi, mb, "grad_micro"))
+            out.append(_item(cl, lay, "dp", "all_gather", "parameters" + what, n, P * psi, 1, "param"))
+        else:
+            out.append(_item(cl, lay, "dp", "all_gather", "parameters (forward)" + what, n, P * psi, mb, "param_micro"))
+            out.append(_item(cl, lay, "dp", "all_gather", "parameters (backward)" + what, n, P * psi, mb, "grad_micro"))
+            out.append(_item(cl, lay, "dp", "reduce_scatter", "gradients" + what, n, G * psi, mb, "grad_micro"))
+
+    # --- tensor parallel ----------------------------------------------------------------
+    act = P * b * s * h
+    per_block = 6 if lay.recompute == "full" else 4
+    calls = (blocks * per_block + 1) * mb
+    if lay.sp:
+        out.append(_item(cl, lay, "tp", "all_gather", "activations", t, act, calls, "micro"))
+        out.append(_item(cl, lay, "tp", "reduce_scatter", "activations", t, act, calls, "micro"))
+    else:
+        out.append(_item(cl, lay, "tp", "all_reduce", "activations", t, act, calls, "micro"))
+
+    # --- expert parallel ----------------------------------------------------------------
+    if m.is_moe:
+        moe_blocks = math.ceil(blocks * m.moe_layers / m.layers)
+        tokens = P * b * s * h * m.top_k / (t if lay.sp else 1)
+        a2a = (6 if lay.recompute == "full" else 4) * moe_blocks * mb
+        out.append(_item(cl, lay, "ep", "all_to_all", "tokens", lay.ep, tokens, a2a, "micro"))
+
+    # --- context parallel ---------------------------------------------------------------
+    kv = 2 * P * b * (seq_len or m.seq_len) * max(m.kv_dim / t, m.head_dim)
+    rounds = (4 if lay.recompute == "full" else 3) * blocks * mb
+    out.append(_item(cl, lay, "cp", "all_gather", "kv", lay.cp, kv, rounds, "cp"))
+
+    # --- pipeline -----------------------------------------------------------------------
+    if lay.pp > 1:
+        out.append(_item(cl, lay, "pp", "send", "activations", lay.pp, act / t, 2 * mb * lay.v, "micro"))
+        if m.tied_embeddings:
+            emb = G * m.vocab * h / t
+            out.append(_item(cl, lay, "pp", "all_reduce", "tied embedding gradients", 2, emb, 1, "step"))
+    return [i for i in out if i is not None]

@@ -1,0 +1,107 @@
+"""A parallel layout and the training settings the cost model evaluates it under.
+
+Rank order (the same as the engine's ParallelDims): a row-major grid over
+``(pp, dp, cp, tp)`` with tp fastest-varying::
+
+    rank = ((pp_idx * dp + dp_idx) * cp + cp_idx) * tp + tp_idx
+
+so tp groups are neighbouring ranks, cp groups have stride tp, dp groups stride tp*cp and
+pp groups stride tp*cp*dp (outermost). Expert parallelism folds into dp*cp (world size
+is dp*tp*pp*cp; ep divides dp*cp): an ep group is ep consecutive indices of the combined
+(dp, cp) coordinate, so it has stride tp and sits between cp and dp in locality.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from chipset.errors import ConfigError
+
+__all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE"]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: parallel degrees, ZeRO stage, micro-batch, schedule and recompute policy."""
+
+    dp: int = 1
+    """Data-parallel degree (replicas of the model)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row split of every block)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    ep: int = 1
+    """Expert-parallel degree; divides dp*cp and num_experts."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split across ranks, ring attention)."""
+    zero: int = 0
+    """ZeRO stage 0..3 over the dp*cp ranks that hold the same parameters."""
+    micro_batch: int = 1
+    """Sequences per micro-batch per data-parallel rank."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: "1f1b", "gpipe" or "interleaved" (with ``virtual_stages`` chunks)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (v); > 1 only for the interleaved schedule."""
+    recompute: str = "none"
+    """Activation recomputation: "none", "selective" (attention core) or "full" (whole block)."""
+    sequence_parallel: bool = True
+    """With tp > 1, norms and dropout run sequence-parallel (Korthikanti et al. 2022)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (needs tp > 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
+    def v(self) -> int:
+        return self.virtual_stages if self.schedule == "interleaved" else 1
+
+    @property
+    def schedule_label(self) -> str:
+        """``"interleaved-v4"`` style label used in output and accepted by ``--fix``."""
+        return f"interleaved-v{self.v}" if self.schedule == "interleaved" else self.schedule
+
+    def check(self) -> Layout:
+        """Raise ConfigError for values no model could run with; return self otherwise."""
+        problems = []
+        for f in ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                problems.append(f"parallel.{f} must be a positive integer (found {v!r})")
+        if self.zero not in (0, 1, 2, 3):
+            problems.append(f"parallel.zero must be 0, 1, 2 or 3 (found {self.zero!r})")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"parallel.schedule must be one of {', '.join(SCHEDULES)} (found {self.schedule!r})")
+        if self.recompute not in RECOMPUTE:
+            problems.append(f"parallel.recompute must be one of {', '.join(RECOMPUTE)} (found {self.recompute!r})")
+        if not problems and (self.dp * self.cp) % self.ep:
+            problems.append(f"parallel.ep ({self.ep}) must divide dp*cp ({self.dp * self.cp})")
+        if problems:
+            raise ConfigError("invalid layout: " + "; ".join(problems))
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What one training step is: batch, precision, optimizer."""
+
+    global_batch: int = 512
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    dtype: str = "bfloat16"
+    """Compute dtype: selects the device's peak FLOP/s."""
+    param_bytes: int = 2
+    """Bytes per parameter and per activation element in the compute dtype."""
+    grad_bytes: int = 2
+    """Bytes per gradient element as communicated and stored (bf16 grads: 2)."""
+    optimizer_bytes: int = 12
+    """Optimizer bytes per parameter: fp32 master copy + Adam m and v = 12 (ZeRO's K)."""

@@ -1,0 +1,183 @@
+"""Per-device memory of one layout: model states by ZeRO stage, activations by recompute policy.
+
+Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3 and 5; DESIGN.md), mixed-precision
+Adam with P = 2 bytes of parameters, G = 2 of gradients, K = 12 of optimizer state per
+parameter, sharded over N = dp*cp ranks (dp*cp/ep for expert parameters):
+stage 0 (P+G+K)Ψ = 16Ψ; stage 1 (P+G)Ψ + KΨ/N; stage 2 PΨ + (G+K)Ψ/N; stage 3 (P+G+K)Ψ/N.
+ZeRO-3 also holds the gathered parameters of two blocks (the one computing, one prefetched).
+
+Activations per block and micro-batch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", arXiv:2205.05198, Sec. 4), generalised from
+their GPT count to GQA, SwiGLU and MoE. For GPT (f = 4h, MHA, dropout) it is exactly
+their sbh(34 + 5as/h) without parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor
+parallelism and sbh/t (34 + 5as/h) with sequence parallelism; selective recompute drops
+the 5as^2b attention-core term, full recompute keeps only the block input (2sbh, /t with
+sequence parallelism). Context parallelism divides s by cp.
+
+In flight at the first pipeline stage (Korthikanti et al. Sec. 4.2.3): GPipe all m
+micro-batches, 1F1B min(p, m), interleaved 1F1B the warm-up of Megatron's schedule
+2(p-1) + (v-1)p + 1 model chunks (capped at m*v) of l/(pv) blocks each, i.e. about
+l(1 + (p-1)/(pv)) blocks' worth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from chipset.planner.layout import Layout, TrainSpec
+from chipset.planner.model import ModelSpec
+
+__all__ = ["MemoryBreakdown", "memory_per_device", "zero_model_state_bytes", "block_activation_bytes",
+           "stage_layers", "in_flight_chunks", "params_per_device"]
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on the busiest device (the pipeline stage that needs the most)."""
+
+    params: float
+    """Parameters in the compute dtype (sharded as the ZeRO stage says)."""
+    grads: float
+    """Gradients."""
+    optimizer: float
+    """Optimizer state (fp32 master weights, Adam m and v)."""
+    zero3_buffer: float
+    """Gathered full parameters of the blocks in use (ZeRO-3 only)."""
+    activations: float
+    """Saved activations of every in-flight micro-batch, plus logits on the last stage."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.zero3_buffer + self.activations
+
+
+def zero_model_state_bytes(psi: float, n: int, zero: int, train: TrainSpec | None = None) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per device for ``psi`` parameters sharded over ``n`` ranks."""
+    train = train or TrainSpec()
+    P, G, K = train.param_bytes, train.grad_bytes, train.optimizer_bytes
+    if zero == 0:
+        return P * psi, G * psi, K * psi
+    if zero == 1:
+        return P * psi, G * psi, K * psi / n
+    if zero == 2:
+        return P * psi, G * psi / n, K * psi / n
+    if zero == 3:
+        return P * psi / n, G * psi / n, K * psi / n
+    raise ValueError(f"zero must be 0..3 (found {zero!r})")
+
+
+def stage_layers(m: ModelSpec, lay: Layout) -> int:
+    """Blocks on the busiest pipeline rank: ceil(l / (p*v)) per chunk, v chunks."""
+    return math.ceil(m.layers / (lay.pp * lay.v)) * lay.v
+
+
+def in_flight_chunks(lay: Layout, micro_batches: int) -> int:
+    """Model chunks (each l/(p*v) blocks) whose activations the first stage holds at its peak."""
+    p, v, mb = lay.pp, lay.v, micro_batches
+    if p == 1:
+        return 1
+    if lay.schedule == "gpipe":
+        return mb
+    if lay.schedule == "interleaved":
+        return min(mb * v, 2 * (p - 1) + (v - 1) * p + 1)
+    return min(p, mb)
+
+
+def params_per_device(m: ModelSpec, lay: Layout) -> tuple[dict[str, float], float]:
+    """({stage: non-expert params}, expert params) on the busiest rank of the first/last stage."""
+    t, ep = lay.tp, lay.ep
+    blocks = stage_layers(m, lay)
+    moe_frac = m.moe_layers / m.layers
+    norms = 2 * m.norm_params()
+    dense_block = (m.attention_params() + m.mlp_params()) / t + norms
+    moe_block = m.attention_params() / t + m.router_params() + norms
+    non_expert = blocks * ((1 - moe_frac) * dense_block + moe_frac * moe_block)
+    expert = blocks * moe_frac * m.mlp_params() * (m.num_experts / ep) / t if m.is_moe else 0.0
+    emb = m.vocab * m.hidden / t + (m.seq_len * m.hidden if m.position == "learned" else 0)
+    out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and lay.pp == 1) else 1)
+    if lay.pp == 1:
+        return {"only": non_expert + emb + out}, expert
+    return {"first": non_expert + emb, "last": non_expert + out}, expert
+
+
+def block_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec | None = None) -> float:
+    """Saved activation bytes of one block for one micro-batch on one device."""
+    train = train or TrainSpec()
+    b, h, t, a = lay.micro_batch, m.hidden, lay.tp, m.heads
+    s_full = seq_len
+    s = seq_len / lay.cp
+    e = train.param_bytes / 2  # the Korthikanti constants assume 2-byte activations
+    sp_div = t if lay.sp else 1
+    if lay.recompute == "full":
+        return 2 * e * s * b * h / sp_div
+    r = m.kv / m.heads
+    f = m.ffn
+    drop = 1 if m.dropout else 0
+    # Outside the tensor-parallel region: two norm inputs (4), QKV input (2), MLP input (2), dropout masks.
+    replicated = (8 + 2 * drop) * s * b * h
+    per_mlp = (6 if m.mlp == "swiglu" else 4) * s * b * f
+    if m.is_moe:
+        moe_frac = m.moe_layers / m.layers
+        moe_mlp = m.top_k * (2 * s * b * h + per_mlp)
+        mlp = (1 - moe_frac) * per_mlp + moe_frac * moe_mlp
+        replicated += moe_frac * 4 * s * b * m.num_experts / e  # fp32 router logits
+    else:
+        mlp = per_mlp
+    split = (2 * (1 + 2 * r) + 2) * s * b * h + mlp
+    if m.flash_attention:
+        core = 4 * a * s * b  # fp32 log-sum-exp per query row
+    elif lay.recompute == "selective":
+        core = 0.0
+    else:
+        core = (2 + 3 * drop) * a * s * s_full * b
+    return e * (replicated / sp_div + split / t) + core / t
+
+
+def _edge_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec) -> tuple[float, float]:
+    """(first stage, last stage) extra activations: embedding output; final norm and fp32 logits."""
+    b, h, t = lay.micro_batch, m.hidden, lay.tp
+    s = seq_len / lay.cp
+    sp_div = t if lay.sp else 1
+    first = (train.param_bytes + (1 if m.dropout else 0)) * s * b * h / sp_div
+    last = 2 * train.param_bytes * s * b * h / sp_div + 4 * s * b * m.vocab / t
+    return first, last
+
+
+def memory_per_device(m: ModelSpec, lay: Layout, train: TrainSpec, seq_len: int | None = None) -> MemoryBreakdown:
+    """Peak bytes on the busiest device under ``lay`` for ``train``."""
+    s = seq_len or m.seq_len
+    n_dense = lay.dp * lay.cp
+    n_expert = max(1, n_dense // lay.ep)
+    micro_batches = max(1, train.global_batch // (lay.dp * lay.micro_batch))
+    stages, expert = params_per_device(m, lay)
+    blocks = stage_layers(m, lay)
+    per_block = block_activation_bytes(m, lay, s, train)
+    first_extra, last_extra = _edge_activation_bytes(m, lay, s, train)
+    working = 0.0
+    if lay.recompute != "none":
+        # The block being recomputed holds its full activations during its backward.
+        full = Layout(**{**lay.to_dict(), "recompute": "none"})
+        working = block_activation_bytes(m, full, s, train) - per_block
+    chunk_blocks = blocks / lay.v
+    best: MemoryBreakdown | None = None
+    for stage, psi in stages.items():
+        p, g, o = zero_model_state_bytes(psi, n_dense, lay.zero, train)
+        pe, ge, oe = zero_model_state_bytes(expert, n_expert, lay.zero, train)
+        if stage == "last":  # 1F1B: the last stage runs each backward right after its forward
+            act = per_block * blocks * (micro_batches if lay.schedule == "gpipe" else 1) + last_extra
+        else:
+            act = per_block * chunk_blocks * in_flight_chunks(lay, micro_batches)
+            act += first_extra * min(micro_batches, lay.pp if lay.pp > 1 else 1)
+            if stage == "only":
+                act += last_extra
+        act += working
+        buf = 0.0
+        if lay.zero == 3:
+            block = (stages[stage] + expert) / max(1, blocks)
+            buf = 2 * train.param_bytes * block
+        cand = MemoryBreakdown(params=p + pe, grads=g + ge, optimizer=o + oe, zero3_buffer=buf, activations=act)
+        if best is None or cand.total > best.total:
+            best = cand
+    assert best is not None
+    return best

@@ -1,0 +1,171 @@
+"""Step time of one layout: compute, pipeline bubble, exposed communication, optimizer.
+
+Per micro-batch on the busiest stage:
+  compute = stage FLOPs / (peak · eff) + memory-bound bytes / memory bandwidth, where
+  eff = gemm_efficiency · d / (d + gemm_half_dim), d = min(h/tp, b·s/cp) (see Assumptions);
+  plus tp all-reduces, ep all-to-alls and pipeline sends, which sit on the critical path,
+  plus ring-attention K/V traffic beyond what attention compute hides.
+Pipeline: (m + (p-1)/v) micro-batch slots, i.e. a bubble of (p-1)/m for GPipe and 1F1B
+and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2).
+Data parallel: gradient reduction overlaps the last micro-batch's backward, the parameter
+all-gather the first micro-batch's forward; ZeRO-3's per-micro-batch gathers overlap each
+micro-batch's forward and backward. Only the excess is exposed.
+Optimizer: the Adam update is memory-bound: it reads and writes P+G+K bytes per local
+(sharded) parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chipset.errors import ConfigError
+from chipset.planner.assumptions import Assumptions
+from chipset.planner.cluster import Cluster
+from chipset.planner.comm import CommItem, communication
+from chipset.planner.flops import forward_flops_per_token, model_flops_per_token, step_flops
+from chipset.planner.layout import Layout, TrainSpec
+from chipset.planner.memory import (
+    MemoryBreakdown,
+    block_activation_bytes,
+    memory_per_device,
+    params_per_device,
+    stage_layers,
+)
+from chipset.planner.model import ModelSpec
+
+__all__ = ["Prediction", "evaluate", "gemm_efficiency", "bubble_fraction"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for one layout on one cluster."""
+
+    layout: Layout
+    """The layout evaluated."""
+    micro_batches: int
+    """Micro-batches per step per pipeline (m)."""
+    memory: MemoryBreakdown
+    """Bytes on the busiest device."""
+    memory_limit_bytes: float
+    """Usable device memory (capacity x memory_usable_fraction)."""
+    step_time_s: float
+    """Predicted seconds per optimizer step."""
+    tokens_per_s: float
+    """Global batch tokens / step time."""
+    tflops_per_device: float
+    """Executed FLOP/s per device in TFLOP/s, recompute included (Narayanan et al.'s measure)."""
+    mfu: float
+    """Model FLOPs utilisation (PaLM: 6N + 12LHQT per token, no recompute) of the bf16 peak."""
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Seconds per component: compute, tp, ep, cp, pp, bubble, dp_exposed, optimizer..."""
+    comm: tuple[CommItem, ...] = ()
+    """Every collective of the step on the busiest device."""
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_limit_bytes
+
+    def to_json(self) -> dict:
+        """The documented JSON shape of one candidate."""
+        lay = self.layout
+        return {
+            "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "zero": lay.zero,
+            "micro_batch": lay.micro_batch, "schedule": lay.schedule_label, "recompute": lay.recompute,
+            "memory_per_device_bytes": int(self.memory.total), "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device, "mfu": self.mfu,
+        }
+
+
+def gemm_efficiency(m: ModelSpec, lay: Layout, seq_len: int, a: Assumptions) -> float:
+    """Fraction of peak the stage's matrix multiplications reach."""
+    d = min(m.hidden / lay.tp, lay.micro_batch * seq_len / lay.cp)
+    return a.gemm_efficiency * d / (d + a.gemm_half_dim)
+
+
+def bubble_fraction(pp: int, micro_batches: int, v: int = 1) -> float:
+    """Idle pipeline time over ideal time: (p-1)/m, or (p-1)/(v·m) interleaved."""
+    return (pp - 1) / (v * micro_batches)
+
+
+def _sum(items: list[CommItem], *, dim: str | None = None, phase: str | None = None) -> float:
+    return sum(i.time_s for i in items if (dim is None or i.dim == dim) and (phase is None or i.phase == phase))
+
+
+def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
+             assumptions: Assumptions | None = None, seq_len: int | None = None) -> Prediction:
+    """Predict memory and step time of ``lay`` (no validity filtering: see search for that)."""
+    a = assumptions or Assumptions()
+    s = seq_len or m.seq_len
+    dev = cl.device
+    peak = dev.peak_flops_for(train.dtype)
+    if peak <= 0:
+        raise ConfigError(f"device profile {cl.profile or dev.name!r} declares no peak FLOP/s for {train.dtype}; "
+                          f"it declares: {', '.join(dev.peak_flops) or 'none'}. Choose another --dtype or profile.")
+    mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
+    blocks = stage_layers(m, lay)
+    fw = forward_flops_per_token(m, s)
+    extra = {"none": 0, "selective": fw.attention_core, "full": fw.blocks}[lay.recompute]
+    per_token_block = (3 * fw.blocks + extra) / m.layers
+    tokens_mb = lay.micro_batch * s
+    stage_flops = tokens_mb * blocks * per_token_block + (3 * fw.logits * tokens_mb)
+    stage_flops /= lay.tp * lay.cp
+    eff = gemm_efficiency(m, lay, s, a)
+    t_gemm = stage_flops / (peak * eff)
+    t_mem = 0.0
+    if dev.memory_bandwidth > 0:
+        base = Layout(**{**lay.to_dict(), "recompute": "none"})
+        traffic = block_activation_bytes(m, base, s, train) * blocks * a.elementwise_traffic
+        traffic *= 4 / 3 if lay.recompute == "full" else 1
+        t_mem = traffic / dev.memory_bandwidth
+    t_compute = t_gemm + t_mem
+    fwd_share = fw.total / (3 * fw.total + extra)  # recompute runs inside backward
+    bwd_share = 1 - fwd_share
+
+    items = communication(m, lay, train, cl, s)
+    t_tp = _sum(items, dim="tp") / mb
+    t_ep = _sum(items, dim="ep") / mb
+    t_pp = _sum(items, dim="pp", phase="micro") / mb
+    t_cp = _sum(items, dim="cp") / mb
+    if a.cp_overlap:
+        core = fw.attention_core / m.layers * 3 * tokens_mb * blocks / (lay.tp * lay.cp) / (peak * eff)
+        t_cp = max(0.0, t_cp - core)
+    t_slot = t_compute + t_tp + t_ep + t_pp + t_cp
+    bubble = t_slot * (lay.pp - 1) / lay.v
+    t_pipeline = t_slot * mb + bubble
+
+    w_f, w_b = t_compute * fwd_share, t_compute * bwd_share
+    dp_items = [i for i in items if i.dim == "dp"]
+    grad = _sum(dp_items, phase="grad")
+    param = _sum(dp_items, phase="param")
+    grad_micro = _sum(dp_items, phase="grad_micro") / mb
+    param_micro = _sum(dp_items, phase="param_micro") / mb
+    if a.dp_overlap:
+        dp_exposed = (max(0.0, grad - w_b) + max(0.0, param - w_f)
+                      + mb * (max(0.0, grad_micro - w_b) + max(0.0, param_micro - w_f)))
+    else:
+        dp_exposed = grad + param + mb * (grad_micro + param_micro)
+    t_step_comm = _sum(items, phase="step")
+
+    t_opt = 0.0
+    if dev.memory_bandwidth > 0:
+        stages, expert = params_per_device(m, lay)
+        dense = max(stages.values())
+        n = lay.dp * lay.cp
+        shard = dense / n + expert / max(1, n // lay.ep) if lay.zero >= 1 else dense + expert
+        t_opt = 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes) * shard / dev.memory_bandwidth
+
+    step = t_pipeline + dp_exposed + t_step_comm + t_opt
+    n_dev = lay.world_size
+    tokens = train.global_batch * s
+    hw = step_flops(m, train.global_batch, lay.recompute, s)
+    model = model_flops_per_token(m, s) * tokens
+    mem = memory_per_device(m, lay, train, s)
+    return Prediction(
+        layout=lay, micro_batches=mb, memory=mem, memory_limit_bytes=dev.total_memory * a.memory_usable_fraction,
+        step_time_s=step, tokens_per_s=tokens / step, tflops_per_device=hw / step / n_dev / 1e12,
+        mfu=model / step / n_dev / peak,
+        breakdown={"compute": t_compute * mb, "gemm_efficiency": eff, "tp": t_tp * mb, "ep": t_ep * mb,
+                   "cp_exposed": t_cp * mb, "pp": t_pp * mb, "bubble": bubble, "dp_total": _sum(dp_items),
+                   "dp_exposed": dp_exposed, "step_comm": t_step_comm, "optimizer": t_opt},
+        comm=tuple(items),
+    )

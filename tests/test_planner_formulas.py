@@ -1,0 +1,189 @@
+"""Cost-model formulas against their published forms: FLOPs, ZeRO memory, activations, volumes, bubble."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from chipset.interfaces.device import DeviceProperties
+from chipset.planner.cluster import Cluster
+from chipset.planner.comm import communication, is_intra_node, latency_steps, ring_bytes
+from chipset.planner.flops import (
+    forward_flops_per_token,
+    matmul_params,
+    model_flops_per_token,
+    narayanan_flops,
+    step_flops,
+)
+from chipset.planner.layout import Layout, TrainSpec
+from chipset.planner.memory import (
+    block_activation_bytes,
+    in_flight_chunks,
+    memory_per_device,
+    zero_model_state_bytes,
+)
+from chipset.planner.model import PRESETS
+from chipset.planner.time import bubble_fraction, evaluate
+
+GPT3 = PRESETS["gpt3-175b"]
+DEV = DeviceProperties(name="test", index=0, total_memory=80 * 2**30, peak_flops={"bfloat16": 300e12},
+                       memory_bandwidth=2e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
+                       intra_node_latency=5e-6, inter_node_latency=10e-6)
+
+
+def test_flops_reproduce_narayanan_equation_3_exactly_for_gpt3():
+    B, s, L, h, V = 1536, GPT3.seq_len, GPT3.layers, GPT3.hidden, GPT3.vocab
+    # Eq. (3) expanded into integers: 96Bslh^2 (1 + s/6h + V/16lh)
+    assert step_flops(GPT3, B, "full") == 96 * B * s * L * h**2 + 16 * B * s**2 * L * h + 6 * B * s * h * V
+    assert step_flops(GPT3, B, "none") == 72 * B * s * L * h**2 + 12 * B * s**2 * L * h + 6 * B * s * h * V
+    assert math.isclose(step_flops(GPT3, B, "full"), narayanan_flops(B, s, L, h, V, True), rel_tol=1e-12)
+    assert math.isclose(step_flops(GPT3, B, "none"), narayanan_flops(B, s, L, h, V, False), rel_tol=1e-12)
+
+
+def test_selective_recompute_adds_only_the_attention_core_forward():
+    B = 8
+    extra = step_flops(GPT3, B, "selective") - step_flops(GPT3, B, "none")
+    assert extra == 4 * B * GPT3.seq_len**2 * GPT3.hidden * GPT3.layers
+
+
+def test_palm_model_flops_equal_three_forward_passes():
+    for m in PRESETS.values():
+        assert model_flops_per_token(m) == 3 * forward_flops_per_token(m).total
+    m = PRESETS["llama2-7b"]  # N excludes the input-embedding lookup, includes the logit matrix
+    assert matmul_params(m) == m.num_params() - m.vocab * m.hidden - (2 * m.layers + 1) * m.hidden
+
+
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_zero_stages_match_the_design_formulas(n):
+    psi = 1_000_000
+    total = [sum(zero_model_state_bytes(psi, n, z)) for z in range(4)]
+    assert total[0] == 16 * psi
+    assert math.isclose(total[1], 4 * psi + 12 * psi / n)
+    assert math.isclose(total[2], 2 * psi + 14 * psi / n)
+    assert math.isclose(total[3], 16 * psi / n)
+
+
+def _gpt(**kw):
+    return dataclasses.replace(GPT3, **kw)
+
+
+def test_activations_reproduce_korthikanti_section_4():
+    m = _gpt()  # dropout, no flash attention, GeLU f=4h, MHA: the paper's setting
+    s, b, h, a, t = m.seq_len, 2, m.hidden, m.heads, 8
+    sbh = s * b * h
+    L = lambda **kw: Layout(micro_batch=b, **kw)  # noqa: E731
+    assert block_activation_bytes(m, L(), s) == sbh * (34 + 5 * a * s / h)
+    assert math.isclose(block_activation_bytes(m, L(tp=t, sequence_parallel=False), s),
+                        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert math.isclose(block_activation_bytes(m, L(tp=t), s), sbh / t * (34 + 5 * a * s / h))
+    assert math.isclose(block_activation_bytes(m, L(tp=t, recompute="selective"), s), 34 * sbh / t)
+    assert math.isclose(block_activation_bytes(m, L(tp=t, recompute="full"), s), 2 * sbh / t)
+    # context parallelism divides the sequence (the s^2 term by cp as well: local queries x all keys)
+    assert math.isclose(block_activation_bytes(m, L(tp=t, cp=4, recompute="selective"), s), 34 * sbh / t / 4)
+
+
+def test_flash_attention_drops_the_quadratic_term_and_gqa_shrinks_kv():
+    m = PRESETS["llama2-70b"]
+    lay = Layout(micro_batch=1)
+    short = block_activation_bytes(m, lay, 1024)
+    long = block_activation_bytes(m, lay, 4096)
+    assert math.isclose(long / short, 4.0, rel_tol=1e-6)  # linear in s
+    mha = block_activation_bytes(dataclasses.replace(m, kv_heads=0), lay, 1024)
+    assert mha - short == 4 * 1024 * m.hidden * (1 - m.kv / m.heads) * 1
+
+
+@pytest.mark.parametrize(("schedule", "v", "m", "expect"), [
+    ("1f1b", 1, 32, 8), ("1f1b", 1, 4, 4), ("gpipe", 1, 32, 32), ("interleaved", 2, 32, 2 * 7 + 8 + 1),
+])
+def test_in_flight_micro_batches_by_schedule(schedule, v, m, expect):
+    assert in_flight_chunks(Layout(pp=8, schedule=schedule, virtual_stages=v), m) == expect
+
+
+def test_interleaving_reduces_activation_memory_towards_korthikanti_bound():
+    m = PRESETS["llama2-7b"]
+    train = TrainSpec(global_batch=64)
+    plain = memory_per_device(m, Layout(pp=4, schedule="1f1b"), train).activations
+    inter = memory_per_device(m, Layout(pp=4, schedule="interleaved", virtual_stages=4), train).activations
+    # 1F1B holds l blocks' worth on stage 0; interleaved l (1 + (p-1)/(p v)) = 1.1875 l
+    assert 1.1 < inter / plain < 1.3
+
+
+def test_ring_volumes_and_latency_steps():
+    assert ring_bytes("all_reduce", 800, 8) == 2 * 7 / 8 * 800
+    assert ring_bytes("reduce_scatter", 800, 8) == ring_bytes("all_gather", 800, 8) == 700
+    assert ring_bytes("all_to_all", 800, 4) == 600
+    assert ring_bytes("all_reduce", 800, 1) == 0
+    assert (latency_steps("all_reduce", 8), latency_steps("all_gather", 8), latency_steps("send", 2)) == (14, 7, 1)
+
+
+def test_bubble_fractions():
+    assert bubble_fraction(8, 64) == 7 / 64
+    assert bubble_fraction(8, 64, v=4) == 7 / 256
+    assert bubble_fraction(1, 3) == 0
+
+
+def test_group_placement_follows_the_rank_order():
+    assert is_intra_node(8, 1, 8) and not is_intra_node(16, 1, 8)
+    assert is_intra_node(2, 4, 8) and not is_intra_node(4, 4, 8)
+    assert not is_intra_node(4, 1, 6)  # 6-device nodes: some tp=4 groups straddle two nodes
+
+
+def _items(m, lay, train, nodes=2, per_node=8):
+    return communication(m, lay, train, Cluster(nodes, per_node, DEV))
+
+
+def test_dp_volume_per_zero_stage():
+    m = PRESETS["llama2-7b"]
+    psi = m.num_params()
+    train = TrainSpec(global_batch=64)
+    n = 16
+    by = {z: _items(m, Layout(dp=n, zero=z, micro_batch=1), train) for z in range(4)}
+    vol = {z: sum(i.bytes for i in by[z] if i.dim == "dp") for z in range(4)}
+    mb = 64 // 16
+    assert math.isclose(vol[0], 2 * (n - 1) / n * 2 * psi)
+    assert math.isclose(vol[1], vol[0])  # reduce-scatter + all-gather = all-reduce
+    assert math.isclose(vol[2], (n - 1) / n * 2 * psi * (mb + 1))  # reduce-scatter every micro-batch
+    assert math.isclose(vol[3], 3 * mb * (n - 1) / n * 2 * psi)  # 1.5x per micro-batch
+    assert all(not i.intra_node for i in by[0])  # 16 ranks on 8-device nodes
+
+
+def test_tp_and_sp_volumes_and_pp_sends():
+    m = PRESETS["llama2-7b"]
+    train = TrainSpec(global_batch=8)
+    s, h, t, p = m.seq_len, m.hidden, 8, 2
+    lay = Layout(dp=1, tp=t, pp=p, micro_batch=1, sequence_parallel=False)
+    items = _items(m, lay, train)
+    tp = [i for i in items if i.dim == "tp"]
+    assert [i.op for i in tp] == ["all_reduce"]
+    calls = (m.layers // p * 4 + 1) * 8
+    assert tp[0].calls == calls and tp[0].intra_node
+    assert math.isclose(tp[0].bytes, calls * 2 * (t - 1) / t * 2 * s * h)
+    sp = [i for i in _items(m, dataclasses.replace(lay, sequence_parallel=True), train) if i.dim == "tp"]
+    assert sorted(i.op for i in sp) == ["all_gather", "reduce_scatter"]
+    assert math.isclose(sum(i.bytes for i in sp), tp[0].bytes)
+    pp = [i for i in items if i.dim == "pp"]
+    assert pp[0].op == "send" and pp[0].calls == 2 * 8 and math.isclose(pp[0].bytes, 16 * 2 * s * h / t)
+    assert not pp[0].intra_node
+
+
+def test_ep_all_to_all_volume():
+    m = PRESETS["mixtral-8x7b"]
+    lay = Layout(dp=8, ep=8, micro_batch=1)
+    ep = [i for i in _items(m, lay, TrainSpec(global_batch=8), nodes=1) if i.dim == "ep"]
+    assert ep[0].op == "all_to_all" and ep[0].calls == 4 * m.layers
+    assert math.isclose(ep[0].bytes, 4 * m.layers * 7 / 8 * 2 * m.seq_len * m.hidden * m.top_k)
+
+
+def test_dp_overlap_hides_communication_and_never_costs_time():
+    m = PRESETS["llama2-7b"]
+    train = TrainSpec(global_batch=64)
+    cl = Cluster(2, 8, DEV)
+    from chipset.planner.assumptions import Assumptions
+
+    lay = Layout(dp=16, zero=1, micro_batch=1, recompute="full")
+    on = evaluate(m, lay, train, cl, Assumptions(dp_overlap=True))
+    off = evaluate(m, lay, train, cl, Assumptions(dp_overlap=False))
+    assert on.step_time_s < off.step_time_s
+    assert math.isclose(off.step_time_s - on.step_time_s, off.breakdown["dp_exposed"] - on.breakdown["dp_exposed"])
