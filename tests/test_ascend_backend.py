@@ -117,7 +117,7 @@ def test_hf32_is_switched_off_for_conformance_by_default(npu_double):
     assert npu_double.npu.conv.allow_hf32 is True
     b = load_ascend()
     assert npu_double.npu.matmul.allow_hf32 is False and npu_double.npu.conv.allow_hf32 is False
-    assert dict(b.capabilities.tolerances) == {}
+    assert "float32" not in b.capabilities.tolerances
 
 
 def test_hf32_opt_in_declares_a_looser_fp32_tolerance(npu_double, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import sys
 
 from chipset.discovery.descriptor import BackendDescriptor
 
@@ -58,6 +59,15 @@ def _probe() -> tuple[bool, str]:
     return True, f"{len(devices)} Ascend NPU(s) present{shown}, with torch_npu and CANN ({home})"
 
 
+def _device_initialized() -> bool:
+    # Reads the state of an already-imported torch_npu; never imports or initialises it.
+    mod = sys.modules.get("torch_npu")
+    if mod is None:
+        return False
+    is_init = getattr(getattr(mod, "npu", None), "is_initialized", None)
+    return True if is_init is None else bool(is_init())
+
+
 def _load():
     from chipset_ascend import backend
 
@@ -79,4 +89,5 @@ descriptor = BackendDescriptor(
     description="Huawei Ascend NPUs through torch_npu and HCCL.",
     kernels=("rms_norm", "rotary_embedding", "scaled_dot_product_attention", "swiglu", "fused_adamw"),
     profiles=_profiles,
+    device_initialized=_device_initialized,
 )

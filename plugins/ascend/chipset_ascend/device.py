@@ -49,6 +49,14 @@ class AscendStream(Stream):
     def __init__(self, stream):
         self._stream = stream
 
+    # torch.npu.current_stream() hands out a new Python object per call; two wrappers
+    # are the same stream when the torch_npu streams compare equal.
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AscendStream) and self._stream == other._stream
+
+    def __hash__(self) -> int:
+        return hash(self._stream)
+
     def synchronize(self) -> None:
         self._stream.synchronize()
 
@@ -84,6 +92,17 @@ class AscendDevice(Device):
     visible_devices_env = VISIBLE_ENV
     start_method = "spawn"
     """Multiprocessing start method launchers must use: torch_npu refuses fork after init."""
+
+    def __init__(self) -> None:
+        # One wrapper per torch_npu stream, so current_stream() inside ``s.context()``
+        # is ``s`` itself (torch_npu returns a fresh, equal Python object per call).
+        self._wrappers: dict[object, AscendStream] = {}
+
+    def _wrap(self, raw) -> AscendStream:
+        w = self._wrappers.get(raw)
+        if w is None:
+            w = self._wrappers[raw] = AscendStream(raw)
+        return w
 
     def device_count(self) -> int:
         return int(npu().device_count())
@@ -156,10 +175,10 @@ class AscendDevice(Device):
 
     # streams and events
     def stream(self) -> Stream:
-        return AscendStream(npu().Stream())
+        return self._wrap(npu().Stream())
 
     def current_stream(self) -> Stream:
-        return AscendStream(npu().current_stream())
+        return self._wrap(npu().current_stream())
 
     def event(self, enable_timing: bool = False) -> Event:
         return AscendEvent(enable_timing)

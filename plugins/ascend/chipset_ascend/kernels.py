@@ -178,13 +178,25 @@ def predicates(device) -> dict[str, Callable[..., bool]]:
                 return False
         return True
 
-    return {
+    preds = {
         "rms_norm": rms_norm_ok,
         "rotary_embedding": rotary_ok,
         "swiglu": swiglu_ok,
         "scaled_dot_product_attention": sdpa_ok,
         "fused_adamw": adamw_ok,
     }
+    return {name: _no_on_bad_call(p) for name, p in preds.items()}
+
+
+def _no_on_bad_call(pred: Callable[..., bool]) -> Callable[..., bool]:
+    # ``registry.select(name)`` may ask without arguments: "not without arguments".
+    def checked(*args, **kwargs) -> bool:
+        try:
+            return bool(pred(*args, **kwargs))
+        except TypeError:
+            return False
+
+    return checked
 
 
 # name -> (implementation, torch_npu operator it needs or None, description)

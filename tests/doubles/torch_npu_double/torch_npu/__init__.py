@@ -33,4 +33,11 @@ IS_CHIPSET_TEST_DOUBLE = True
 torch.npu = npu  # torch_npu makes itself reachable as torch.npu
 _double.register_hccl()
 
+if os.environ.get("TORCH_NPU_DOUBLE_PLACE_ON_HOST") == "1":
+    # Opt-in for whole-suite runs in a subprocess: the plugin's tensors go to the host,
+    # since stock torch has no "npu" kernels. In-process tests set this per device instead.
+    import chipset_ascend.device
+
+    chipset_ascend.device.AscendDevice.device_type = "cpu"
+
 __all__ = ["npu", "optim", "npu_fusion_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]

@@ -72,7 +72,11 @@ def allocate(nbytes: int, device: int | None = None) -> None:
     c = counters(index)
     cap = capacity()
     with _lock:
-        if c.reserved + nbytes > cap:
+        grow = max(0, nbytes - (c.reserved - c.allocated))  # cached blocks are reused first
+        if c.reserved + grow > cap:
+            c.reserved = c.allocated  # free the cache and retry, as the caching allocator does
+            grow = nbytes
+        if c.reserved + grow > cap:
             c.num_ooms += 1
             free = cap - c.reserved
             msg = (
@@ -86,7 +90,7 @@ def allocate(nbytes: int, device: int | None = None) -> None:
                 raise RuntimeError(msg)
             raise torch.OutOfMemoryError(msg)
         c.allocated += nbytes
-        c.reserved += nbytes
+        c.reserved += grow
         c.peak_allocated = max(c.peak_allocated, c.allocated)
         c.peak_reserved = max(c.peak_reserved, c.reserved)
 

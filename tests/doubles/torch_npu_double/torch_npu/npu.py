@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from types import SimpleNamespace
 
@@ -19,7 +20,7 @@ def _flag(default: bool):
 matmul = _flag(False)
 conv = _flag(True)
 
-_state = SimpleNamespace(current=0, streams={}, generators={})
+_state = SimpleNamespace(current=0, streams={}, rng={}, initialized=False)
 
 
 # --- devices -----------------------------------------------------------------
@@ -42,7 +43,18 @@ def _index(device=None) -> int:
     return int(device)
 
 
+def is_initialized() -> bool:
+    """True once anything touched a device (device_count does not, as in torch_npu)."""
+    return _state.initialized
+
+
 def _checked(device=None) -> int:
+    if not _state.initialized:
+        _state.initialized = True
+        if os.environ.get("TORCH_NPU_DOUBLE_PLACE_ON_HOST") == "1":
+            from torch_npu import _host_allocator
+
+            _host_allocator.activate()
     i = _index(device)
     n = device_count()
     if not 0 <= i < n:
@@ -51,7 +63,12 @@ def _checked(device=None) -> int:
 
 
 def set_device(device) -> None:
-    _state.current = _checked(device)
+    i = _checked(device)
+    if i != _state.current:  # the current NPU's RNG state lives in the host generator
+        _state.rng[_state.current] = torch.default_generator.get_state()
+        if i in _state.rng:
+            torch.default_generator.set_state(_state.rng.pop(i))
+    _state.current = i
 
 
 def current_device() -> int:
@@ -203,32 +220,37 @@ def stream(s: Stream | None):
             _state.streams[s.device_index] = prev
 
 
-# --- RNG: one generator per NPU -----------------------------------------------------
-def _gen(device=None) -> torch.Generator:
-    i = _checked(device)
-    if i not in _state.generators:
-        _state.generators[i] = torch.Generator()
-    return _state.generators[i]
-
-
+# --- RNG: one generator per NPU; the current NPU's is the host generator -------------
+# (the double's "NPU" tensors are host tensors, drawn from torch.default_generator)
 def manual_seed(seed: int) -> None:
-    _gen().manual_seed(int(seed))
+    _checked()
+    torch.default_generator.manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
+    state = torch.Generator().manual_seed(int(seed)).get_state()
     for i in range(device_count()):
-        _gen(i).manual_seed(int(seed))
+        if i != _state.current:
+            _state.rng[i] = state.clone()
+    torch.default_generator.manual_seed(int(seed))
 
 
 def get_rng_state(device="npu") -> torch.Tensor:
-    return _gen(device).get_state()
+    i = _checked(device)
+    if i == _state.current:
+        return torch.default_generator.get_state()
+    return _state.rng.setdefault(i, torch.Generator().get_state()).clone()
 
 
 def set_rng_state(new_state: torch.Tensor, device="npu") -> None:
     if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
         raise TypeError("set_rng_state expects a torch.ByteTensor")
-    _gen(device).set_state(new_state)
+    i = _checked(device)
+    if i == _state.current:
+        torch.default_generator.set_state(new_state)
+    else:
+        _state.rng[i] = new_state.clone()
 
 
 def initial_seed() -> int:
-    return _gen().initial_seed()
+    return torch.default_generator.initial_seed()
