@@ -25,6 +25,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from chipset.kernels import reference
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -59,16 +61,19 @@ def scaled_dot_product_attention(q, k, v, mask=None, causal=False, scale=None):
 
 
 # --- fused AdamW ---------------------------------------------------------------------------
-def fused_adamw_available(params, grads, exp_avgs, exp_avg_sqs, step, **hyper) -> bool:
-    if not params or not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs)):
+def _fusable(p, g, m, v) -> bool:
+    """torch's fused kernel (CUDA, and CPU since torch 2.4) wants one device and one float dtype."""
+    if p.device.type not in ("cuda", "cpu") or p.dtype not in (*_FLOATS, torch.float64):
         return False
-    for group in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
-        p = group[0]
-        if not p.is_cuda or p.dtype not in (*_FLOATS, torch.float64) or p.is_sparse:
-            return False
-        if any(t.dtype != p.dtype or t.device != p.device or t.is_sparse for t in group):
-            return False
-    return True
+    return all(t.dtype == p.dtype and t.device == p.device and not t.is_sparse for t in (p, g, m, v))
+
+
+def fused_adamw_available(params=None, grads=None, exp_avgs=None, exp_avg_sqs=None, step=None, **hyper) -> bool:
+    # Called without arguments (``registry.select("fused_adamw")``) the answer is yes: the
+    # implementation itself sends any tensor group the fused kernel cannot take to the reference.
+    if params is None:
+        return True
+    return bool(params) and all(p.is_cuda for p in params)
 
 
 @torch.no_grad()
@@ -85,17 +90,24 @@ def fused_adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
 ) -> None:
-    """One AdamW step in place, as the reference, through torch's fused multi-tensor kernel."""
+    """One AdamW step in place, as the reference, through torch's fused multi-tensor kernel.
+
+    Tensors are grouped by (device, dtype); a group the kernel cannot take (CPU tensors,
+    bf16 parameters with fp32 moments, ...) is updated by the core reference instead.
+    """
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     groups: dict[tuple, list[list[torch.Tensor]]] = defaultdict(lambda: [[], [], [], []])
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
-        lists = groups[(p.device, p.dtype)]
-        for lst, t in zip(lists, (p, g, m, v), strict=True):
+    rest: list[list[torch.Tensor]] = [[], [], [], []]
+    for quad in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        lists = groups[(quad[0].device, quad[0].dtype)] if _fusable(*quad) else rest
+        for lst, t in zip(lists, quad, strict=True):
             lst.append(t)
     for (device, _), (ps, gs, ms, vs) in groups.items():
         # The kernel reads the (already incremented, 1-based) step from a float32 tensor.
         steps = [torch.tensor(float(step), dtype=torch.float32, device=device)] * len(ps)
-        torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, maximize=False, **hyper)
+    if rest[0]:
+        reference.fused_adamw(*rest, step, **hyper)
 
 
 # --- Triton kernels ----------------------------------------------------------------------
