@@ -1,0 +1,85 @@
+"""``chipset train``: config errors exit 2 before anything starts; N ranks run through torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from chipset.cli.main import main
+from chipset.config import load_config
+from chipset.engine.launch import torchrun_command
+
+SMALL = ["--set", "train.steps=3", "--set", "train.global_batch=4"]
+
+
+def _cli(*args: str, cwd=None, timeout: float = 180):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=cwd)
+
+
+def test_bad_config_exits_2_listing_every_problem_and_writes_nothing(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[parallel]\nzero = 7\n[train]\nsteps = "ten"\nwarp = 9\n')
+    run_dir = tmp_path / "run"
+    r = _cli("train", str(cfg), "--run-dir", str(run_dir), "--set", "model.hidden_size=30")
+    assert r.returncode == 2, r.stderr
+    assert "train.steps = 'ten': expected int, found str" in r.stderr
+    assert "train.warp: unknown key" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--set", "parallel.zero=4"], "parallel.zero = 4: expected a ZeRO stage"),
+    (["--set", "parallel.dp=3", "--nproc", "2"], "dp*tp*pp*cp (3) must equal world size (2)"),
+    (["--set", "train.recompute=some"], "train.recompute = 'some': expected one of none, selective, full"),
+    (["--set", "nosection"], "expected section.key=value"),
+    (["missing.toml"], "cannot read config file 'missing.toml'"),
+])
+def test_invalid_runs_are_refused_in_process(tmp_path, capsys, args, expect):
+    run_dir = tmp_path / "run"
+    rc = main(["train", *args, "--run-dir", str(run_dir)])
+    assert rc == 2
+    assert expect in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_torchrun_command_uses_torchs_launcher_and_the_worker(tmp_path):
+    cmd = torchrun_command(tmp_path / "c.toml", tmp_path, nproc=4)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=4" in cmd and "--standalone" in cmd
+    assert cmd[cmd.index("-m", 3) + 1] == "chipset.engine.worker"
+    multi = torchrun_command(tmp_path / "c.toml", tmp_path, nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="h:1234")
+    assert {"--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:1234"} <= set(multi)
+
+
+def test_train_nproc_2_end_to_end_through_torchrun(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _cli("train", "--nproc", "2", "--run-dir", str(run_dir), "--set", "parallel.zero=2", *SMALL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "step    3/3" in r.stdout and "params digest" in r.stdout
+    assert r.stdout.count("step    1/3") == 1  # progress only from rank 0
+    cfg = load_config(run_dir / "config.toml")
+    assert cfg.parallel.zero == 2 and cfg.parallel.dp == 2 and cfg.train.steps == 3
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert {"loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "peak_memory_bytes"} <= lines[0].keys()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["layout"]["dp"] == 2 and summary["layout"]["zero"] == 2
+    assert len(summary["peak_memory_bytes"]) == 2 and all(x > 0 for x in summary["peak_memory_bytes"])
+    assert summary["final_loss"] == lines[-1]["loss"]
+    # The launcher resolved the backend once and every rank used it.
+    info = _cli("info", "--json")
+    assert summary["backend"] == json.loads(info.stdout)["backend"]
+
+    # One process on the same global batch lands on the same losses.
+    one = tmp_path / "one"
+    r1 = _cli("train", "--run-dir", str(one), *SMALL)
+    assert r1.returncode == 0, r1.stdout + r1.stderr
+    single = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
+    assert single == pytest.approx([m["loss"] for m in lines], rel=1e-5)
