@@ -71,7 +71,7 @@ def test_properties_match_a_declared_profile_of_the_same_name(backend, backend_n
     p = backend.device.properties(0)
     declared = {n: props for n, (owner, props) in all_profiles().items() if owner == backend_name}
     if p.name not in declared:
-        pytest.skip(f"device name {p.name!r} is not one of the backend's declared profiles")
+        pytest.skip(f"backend does not declare a profile named {p.name!r} (BackendDescriptor.profiles)")
     ref = declared[p.name]
     assert p.total_memory == ref.total_memory
     assert dict(p.peak_flops) == dict(ref.peak_flops)

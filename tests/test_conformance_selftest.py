@@ -1,0 +1,135 @@
+"""The conformance suite can fail: deliberately broken backends, installed as a real
+distribution (tests/broken_backends), are each failed in the right group and test; a
+backend declaring fewer capabilities gets skips with reasons; cpu_sim passes in full.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import broken_backends
+import pytest
+
+from chipset.conformance import GROUPS
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory) -> Path:
+    return broken_backends.install(tmp_path_factory.mktemp("broken-site"))
+
+
+def _suite(backend: str, tmp: Path, *extra: str, site: Path | None = None, plain_pytest: bool = False):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    report = tmp / f"{backend}.json"
+    if plain_pytest:
+        cmd = [sys.executable, "-m", "pytest", "-p", "chipset.conformance.plugin", "-p", "no:cacheprovider",
+               "--pyargs", "chipset.conformance.tests", "--chipset-backend", backend,
+               "--chipset-json-report", str(report), *extra]
+    else:
+        cmd = [sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", backend,
+               "--json-report", str(report), "-q", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=600)
+    data = json.loads(report.read_text()) if report.exists() else None
+    return proc, data
+
+
+def _outcomes(data) -> dict[str, str]:
+    return {t["id"].split("::", 1)[1]: t["outcome"] for t in data["tests"]}
+
+
+# variant, -k expression, group, tests that must fail, tests that must still pass
+CASES = [
+    ("bad_allreduce", "collectives", "collectives",
+     ["test_collective[all_reduce_sum-float32-37]", "test_collective[all_reduce_sum-int64-4MiB]"],
+     ["test_collective[all_gather-float32-37]", "test_collective[all_reduce_sum-float32-0]"]),
+    ("bad_memory", "memory", "memory",
+     ["test_float32_256_elements_adds_1024_bytes", "test_allocation_is_accounted_exactly[256]"],
+     ["test_allocating_past_capacity_raises_chipset_oom"]),
+    ("bad_kernel", "kernels", "kernels",
+     ["test_forward_matches_reference[swiglu-float32]"],
+     ["test_forward_matches_reference[swiglu-bfloat16]", "test_forward_matches_reference[rms_norm-float32]"]),
+    ("bad_event", "streams", "streams",
+     ["test_elapsed_time_is_positive_and_covers_the_interval"],
+     ["test_elapsed_time_without_timing_raises"]),
+    ("bad_probe", "discovery", "discovery",
+     ["test_probe_does_not_initialise_the_device"],
+     ["test_descriptor_import_pulls_in_no_vendor_sdk", "test_api_version_is_declared_and_compatible"]),
+]
+
+
+@pytest.mark.parametrize(("variant", "keyword", "group", "must_fail", "must_pass"), CASES, ids=[c[0] for c in CASES])
+def test_broken_backend_fails_in_the_right_group(broken_site, tmp_path, variant, keyword, group, must_fail, must_pass):
+    proc, data = _suite(variant, tmp_path, "-k", keyword, site=broken_site)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert data is not None and data["backend"] == variant
+    assert data["summary"]["failed"] > 0
+    assert data["groups"][group]["failed"] > 0
+    other_failures = {g: row["failed"] for g, row in data["groups"].items() if g != group and row["failed"]}
+    assert not other_failures, f"{variant} failed outside {group}: {other_failures}"
+    outcome = _outcomes(data)
+    for name in must_fail:
+        assert outcome.get(name) == "failed", f"{name}: {outcome.get(name)}"
+    for name in must_pass:
+        assert outcome.get(name) == "passed", f"{name}: {outcome.get(name)}"
+    assert "chipset conformance: " + variant in proc.stdout  # the printed matrix
+
+
+def test_backend_with_fewer_capabilities_gets_skips_with_reasons_not_failures(broken_site, tmp_path):
+    proc, data = _suite("few_caps", tmp_path, site=broken_site)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = data["summary"]
+    assert s["failed"] == 0 and s["errors"] == 0 and s["skipped"] > 50 and s["passed"] > 50
+    reasons = {t["reason"] for t in data["tests"] if t["outcome"] == "skipped"}
+    assert all(r.startswith("backend does not declare") for r in reasons), reasons
+    for needle in ("capability streams", "capability event_timing", "collective broadcast",
+                   "collective dtype bfloat16", "AMP dtype bfloat16", "dtype float16"):
+        assert any(needle in r for r in reasons), f"no skip mentions {needle!r}: {sorted(reasons)}"
+    assert "skip reasons:" in proc.stdout
+
+
+def test_cpu_sim_passes_the_whole_suite_with_json_and_junit(tmp_path):
+    junit = tmp_path / "junit.xml"
+    proc, data = _suite("cpu_sim", tmp_path, "--junit-xml", str(junit))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert set(data) == {"backend", "summary", "groups", "tests"}
+    assert data["backend"] == "cpu_sim"
+    s = data["summary"]
+    assert set(s) == {"passed", "failed", "skipped", "errors"}
+    assert s["failed"] == 0 and s["errors"] == 0
+    assert s["passed"] >= 150, s
+    assert list(data["groups"]) == list(GROUPS)
+    for group, row in data["groups"].items():
+        assert set(row) == {"passed", "failed", "skipped"}
+        assert row["passed"] > 0, f"group {group} is empty"
+    assert all(set(t) == {"id", "group", "outcome", "reason"} for t in data["tests"])
+    root = ET.parse(junit).getroot()
+    cases = root.findall(".//testcase")
+    assert len(cases) == len(data["tests"])
+    groups = {p.get("value") for p in root.iter("property") if p.get("name") == "group"}
+    assert groups == set(GROUPS)
+
+
+def test_plain_pytest_invocation_is_equivalent(tmp_path):
+    proc, data = _suite("cpu_sim", tmp_path, "-q", "-k", "rng", plain_pytest=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert data["groups"]["rng"]["passed"] >= 6 and data["summary"]["failed"] == 0
+
+
+def test_absent_hardware_is_reported_clearly_and_is_not_a_pass(tmp_path):
+    proc, data = _suite("cuda", tmp_path)
+    assert proc.returncode == 2
+    assert "cuda" in proc.stderr and "unavailable" in proc.stderr and "cpu_sim" in proc.stderr
+    assert data is None
+
+
+def test_unknown_backend_lists_the_installed_ones(tmp_path):
+    proc, _ = _suite("nosuchchip", tmp_path)
+    assert proc.returncode == 2
+    assert "nosuchchip" in proc.stderr and "cpu_sim" in proc.stderr
