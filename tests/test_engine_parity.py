@@ -74,7 +74,8 @@ def _run_variant(b, overrides: dict) -> dict:
     res = train(cfg, b, None, out=io.StringIO(), keep_params=True)
     peak = res.summary["peak_memory_bytes"][b.collective.rank()]
     return {"losses": res.losses, "grad_norms": [m["grad_norm"] for m in res.metrics],
-            "params": res.params, "digest": res.summary["params_digest"], "peak_over_base": peak - base}
+            "params": res.params, "digest": res.summary["params_digest"], "peak_over_base": peak - base,
+            "launch_log": res.launch_log}
 
 
 def _static_memory(b, zero: int) -> int:
@@ -199,6 +200,16 @@ def test_accumulation_recompute_and_offload_match_the_plain_run(runs, variant):
     dp, ref = runs
     torch.testing.assert_close(dp[variant]["losses"], ref["ref"]["losses"], rtol=1e-5, atol=0)
     _assert_params_close(dp[variant]["params"], ref["ref"]["params"])
+
+
+@pytest.mark.parametrize("variant", ["zero0", "zero2", "zero3", "zero0_accum"])
+def test_gradient_communication_is_launched_during_backward(runs, variant):
+    """Each bucket launches once per step, the first while other buckets still await gradients."""
+    log = runs[0][variant]["launch_log"]
+    assert len(log) >= 3, log
+    assert sorted(i for i, _ in log) == list(range(len(log)))
+    assert log[0][1] == len(log) - 1, log  # first launch: every other bucket still computing
+    assert [pending for _, pending in log] == sorted((p for _, p in log), reverse=True)
 
 
 def test_grad_accumulation_equals_the_larger_batch_in_one_process(runs):

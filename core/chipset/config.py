@@ -91,13 +91,13 @@ class ParallelConfig:
 class TrainConfig:
     """The optimisation loop."""
 
-    steps: int = 10
+    steps: int = 20
     """Optimizer steps to run."""
     global_batch: int = 8
     """Sequences per optimizer step across all data-parallel ranks and micro-batches."""
     seq_len: int = 16
     """Tokens per sequence."""
-    lr: float = 3e-3
+    lr: float = 1e-2
     """Peak AdamW learning rate."""
     warmup_steps: int = 0
     """Linear warm-up steps before the constant learning rate."""

@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
         "train",
         help="train the reference transformer (default config: a tiny model for a few steps)",
         description="Train the reference decoder-only transformer. With no arguments a tiny model "
-        "trains for 10 steps on the selected backend. Config keys: docs/config.md.",
+        "trains for 20 steps on the selected backend. Config keys: docs/config.md.",
     )
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG.toml", help="TOML config file (optional)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -64,6 +64,7 @@ class Bucket:
         self.lo = e.dp_rank * self.shard
         self.hi = self.lo + self.shard
         self.ready = 0
+        self.done = False
         self.handle: Handle | None = None
         self._inflight: torch.Tensor | None = None  # keeps a reduce-scatter input alive
 
@@ -145,6 +146,7 @@ class Bucket:
         if self.ready < len(self.params):
             return
         self.ready = 0
+        self.done = True
         e = self.engine
         if e.sync:
             self.launch_reduce()
@@ -154,6 +156,9 @@ class Bucket:
     @torch.no_grad()
     def launch_reduce(self) -> None:
         e = self.engine
+        # Record how many buckets were still waiting for gradients: > 0 means this
+        # communication overlaps with the rest of backward.
+        e.launch_log.append((self.index, sum(1 for b in e.buckets if not b.done)))
         if e.zero <= 1:
             if e.dp > 1:
                 self.grad.div_(e.dp)
@@ -248,6 +253,8 @@ class DataParallel:
         self.sync = True
         self.step_count = 0
         self._live: dict[int, Bucket] = {}
+        self.launch_log: list[tuple[int, int]] = []
+        """(bucket index, buckets still computing gradients) per gradient launch of the last step."""
 
         model.to(device=self.device, dtype=dtype)
         named = list(model.named_parameters())
@@ -314,8 +321,10 @@ class DataParallel:
         communication bucket by bucket during backward.
         """
         self.sync = last
+        if last:
+            self.launch_log = []
         for b in self.buckets:
-            b.ready = 0
+            b.ready, b.done = 0, False
         with self._saved_param_hooks():
             loss = self.model.loss(tokens, targets)
         scaled = loss.float() * (self.scaler.scale / self.micro_batches)

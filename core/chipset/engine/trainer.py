@@ -34,6 +34,8 @@ class TrainResult:
     metrics: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    launch_log: list[tuple[int, int]] = field(default_factory=list)
+    """Last step's gradient launches: (bucket, buckets still computing gradients at launch)."""
 
 
 def params_digest(params: dict[str, torch.Tensor]) -> str:
@@ -149,6 +151,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         if metrics_file is not None:
             metrics_file.close()
 
+    res.launch_log = list(engine.launch_log)
     params = engine.full_parameters()
     peaks = torch.zeros(dims.world_size, dtype=torch.float64, device=device)
     peaks[rank] = overall_peak
