@@ -42,7 +42,7 @@ def _import_triton_interpreted():
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        pytest.importorskip("triton")
+        triton = pytest.importorskip("triton")
         import triton.language as tl
         from triton.runtime import interpreter
 
@@ -55,10 +55,10 @@ def _import_triton_interpreted():
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old
-    return tl, interpreter, triton_kernels
+    return triton, tl, interpreter, triton_kernels
 
 
-tl, interpreter, tk = _import_triton_interpreted()
+triton, tl, interpreter, tk = _import_triton_interpreted()
 
 TOL = {torch.float32: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
 DTYPES = list(TOL)
@@ -71,13 +71,18 @@ def interpreting(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def interpreter_rounds_bf16_like_a_gpu(monkeypatch):
+def interpreter_rounds_bf16_like_a_gpu(monkeypatch, request):
     """Triton 3.x's interpreter truncates fp32->bf16 casts; GPUs round to nearest even.
 
     Without this the interpreter, not the kernel, would be tested in bf16. The patch
     converts with torch (round-to-nearest-even), exactly what ``cvt.rn.bf16.f32`` does.
     """
-    original = interpreter.InterpreterBuilder.cast_impl
+    original = getattr(interpreter.InterpreterBuilder, "cast_impl", None)
+    if original is None:
+        if getattr(getattr(request.node, "callspec", None), "params", {}).get("dtype") == torch.bfloat16:
+            pytest.skip(f"triton {triton.__version__}'s interpreter has no InterpreterBuilder.cast_impl to fix "
+                        "bf16 rounding in; update this fixture (tested with triton 3.9.0)")
+        return
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
