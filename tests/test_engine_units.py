@@ -228,3 +228,22 @@ def test_engine_and_models_stay_hardware_agnostic():
             names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
             mod = getattr(node, "module", "") or ""
             assert not mod.startswith("torch.distributed") and not any(n.startswith("torch.distributed") for n in names), f
+
+
+def test_text_source_reads_local_text_as_bytes_deterministically(tmp_path):
+    from chipset.engine.data import TextBytes, make_dataset
+
+    (tmp_path / "b.txt").write_text("hello world, " * 20)
+    (tmp_path / "a.bin").write_bytes(b"\xff" * 100)  # not text: ignored
+    d = TextBytes(str(tmp_path), seq_len=8, global_batch=4, seed=1)
+    tokens, targets = d.batch(0)
+    assert tokens.shape == (4, 8) and int(tokens.max()) < 128
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])
+    assert torch.equal(torch.cat([d.batch(0, r, 2)[0] for r in range(2)]), tokens)
+    cfg = load_config(None, ["data.source=text", "model.vocab_size=256", "data.max_bytes=100000"])
+    stdlib = make_dataset(cfg)  # default: the standard library's sources
+    assert len(stdlib.data) == 100000
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(128\) must be >= 256"):
+        load_config(None, ["data.source=text"]).validate(world_size=1)
+    with pytest.raises(ConfigError, match="no such file or directory"):
+        TextBytes(str(tmp_path / "nope"), 8, 4)

@@ -34,7 +34,7 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16", "float16")
 RECOMPUTE = ("none", "selective", "full")
-DATA_SOURCES = ("synthetic",)
+DATA_SOURCES = ("synthetic", "text")
 
 
 @dataclass
@@ -136,7 +136,11 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "synthetic"
-    """Token source: synthetic (a seeded, learnable token stream; no downloads)."""
+    """Token source: synthetic (a seeded, learnable token stream) or text (bytes of local text files, vocab 256)."""
+    path: str = ""
+    """text: a file or folder of .py/.txt/.md/.rst files; empty = the Python standard library's sources."""
+    max_bytes: int = 1 << 20
+    """text: read at most this many bytes."""
     seed: int = 0
     """Seed of the data stream (independent of train.seed)."""
 
@@ -342,6 +346,13 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
         problems.append(f"train.recompute = {tr.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if da.source not in DATA_SOURCES:
         problems.append(f"data.source = {da.source!r}: expected one of {', '.join(DATA_SOURCES)}")
+    elif da.source == "text" and m.vocab_size < 256:
+        problems.append(
+            f"model.vocab_size ({m.vocab_size}) must be >= 256 for data.source = 'text' (one token per byte); "
+            "set --set model.vocab_size=256"
+        )
+    if da.max_bytes < 1:
+        problems.append(f"data.max_bytes = {da.max_bytes!r}: expected a positive number of bytes")
     for name in ("grad_clip", "weight_decay", "loss_scale", "warmup_steps"):
         v = getattr(tr, name)
         if v < 0 or (isinstance(v, float) and not math.isfinite(v)):

@@ -1,4 +1,4 @@
-"""Synthetic, deterministic language-modelling data (no downloads).
+"""Deterministic language-modelling data (no downloads): synthetic tokens or local text as bytes.
 
 Sequence ``i`` of the stream depends only on ``(seed, i)``: a seeded random walk through a
 fixed permutation of the vocabulary with 10% random jumps, so a model can learn it (the
@@ -12,9 +12,17 @@ batch as a single process.
 
 from __future__ import annotations
 
+import os
+import sysconfig
+from pathlib import Path
+
 import torch
 
-__all__ = ["SyntheticTokens"]
+from chipset.errors import ConfigError
+
+__all__ = ["SyntheticTokens", "TextBytes", "make_dataset", "TEXT_SUFFIXES"]
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
 
 class SyntheticTokens:
@@ -52,3 +60,62 @@ class SyntheticTokens:
         if device is not None:
             seqs = seqs.to(device)
         return seqs[:, :-1], seqs[:, 1:]
+
+
+class TextBytes:
+    """Byte-level language modelling over real local text (token id = byte value, vocab 256).
+
+    ``path``: a file, or a directory whose text files (``TEXT_SUFFIXES``) are read in sorted
+    order; empty means the Python standard library's sources, present on every install.
+    At most ``max_bytes`` are read. Sequence ``i`` starts at an offset drawn from
+    ``(seed, i)``, so every rank and layout sees the same global batch.
+    """
+
+    VOCAB = 256
+
+    def __init__(self, path: str, seq_len: int, global_batch: int, seed: int = 0, max_bytes: int = 1 << 20):
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        root = Path(path) if path else Path(sysconfig.get_paths()["stdlib"])
+        self.source = str(root)
+        data = bytearray()
+        if root.is_file():
+            data += root.read_bytes()[:max_bytes]
+        elif root.is_dir():
+            for dirpath, dirnames, filenames in os.walk(root):
+                dirnames.sort()
+                for name in sorted(filenames):
+                    if not name.endswith(TEXT_SUFFIXES):
+                        continue
+                    try:
+                        data += Path(dirpath, name).read_bytes() + b"\n"
+                    except OSError:
+                        continue
+                    if len(data) >= max_bytes:
+                        break
+                if len(data) >= max_bytes:
+                    break
+        else:
+            raise ConfigError(f"data.path = {path!r}: no such file or directory; give a text file or a folder of them")
+        if len(data) < seq_len + 2:
+            raise ConfigError(
+                f"data.path = {self.source!r} holds {len(data)} bytes of text ({', '.join(TEXT_SUFFIXES)}); "
+                f"need more than train.seq_len + 1 ({seq_len + 1})"
+            )
+        self.data = torch.frombuffer(bytearray(data[:max_bytes]), dtype=torch.uint8)
+
+    def sequence(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        start = int(torch.randint(len(self.data) - self.seq_len - 1, (1,), generator=g))
+        return self.data[start:start + self.seq_len + 1].long()
+
+    batch = SyntheticTokens.batch
+
+
+def make_dataset(cfg) -> SyntheticTokens | TextBytes:
+    """The dataset a :class:`chipset.config.RunConfig` asks for."""
+    tr, da = cfg.train, cfg.data
+    if da.source == "text":
+        return TextBytes(da.path, tr.seq_len, tr.global_batch, seed=da.seed, max_bytes=da.max_bytes)
+    return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed)

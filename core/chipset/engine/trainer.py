@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from chipset.config import RunConfig
-from chipset.engine.data import SyntheticTokens
+from chipset.engine.data import SyntheticTokens, TextBytes, make_dataset
 from chipset.engine.data_parallel import DataParallel
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
@@ -47,7 +47,7 @@ def params_digest(params: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens, ParallelDims]:
+def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | TextBytes, ParallelDims]:
     """Model, engine and data for this rank (process group must be initialised)."""
     col = backend.collective
     world = col.world_size()
@@ -70,7 +70,7 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens, Paral
         grad_clip=tr.grad_clip, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
         scaler=scaler, offload_optimizer=par.offload_optimizer,
     )
-    data = SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=cfg.data.seed)
+    data = make_dataset(cfg)
     return engine, data, dims
 
 
