@@ -214,3 +214,50 @@ def test_hccl_timeouts_become_collective_timeout_errors(npu_double, message):
     coll = load_ascend().collective
     err = coll._translate(RuntimeError(message), "all_reduce on world (8 ranks)")
     assert isinstance(err, CollectiveTimeoutError) and "CHIPSET_COLLECTIVE_TIMEOUT" in str(err)
+
+
+class _DoneWork:
+    def wait(self):
+        return None
+
+    def is_completed(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    "dtype, mine, theirs, want",
+    [(torch.float32, [3.0, 5.0], [0.0, 1.0], [1.5, 3.0]), (torch.int64, [3, -5], [0, 0], [1, -2])],
+)
+def test_avg_is_a_sum_then_a_division_because_hccl_has_no_avg(npu_double, monkeypatch, dtype, mine, theirs, want):
+    # torch_npu's ProcessGroupHCCL maps SUM/MAX/MIN/PRODUCT only: AVG must never reach it.
+    import torch.distributed as dist
+
+    from chipset.interfaces import Group
+
+    coll = load_ascend().collective
+    ops = []
+
+    def two_rank_sum(t, op, group=None, async_op=False):
+        ops.append(op)
+        t.add_(torch.tensor(theirs, dtype=dtype))  # the other rank's contribution
+        return _DoneWork() if async_op else None
+
+    monkeypatch.setattr(dist, "all_reduce", two_rank_sum)
+    monkeypatch.setattr(type(coll), "world", property(lambda self: Group((0, 1), None, "world")))
+    for async_op in (False, True):
+        t = torch.tensor(mine, dtype=dtype)
+        h = coll.all_reduce(t, "avg", async_op=async_op)
+        if async_op:
+            h.wait()
+            assert h.is_completed()
+        assert torch.equal(t, torch.tensor(want, dtype=dtype))
+    assert ops == [dist.ReduceOp.SUM, dist.ReduceOp.SUM]
+
+
+def test_stream_context_makes_the_same_wrapper_current(npu_double):
+    dev = load_ascend().device
+    before = dev.current_stream()
+    s = dev.stream()
+    with s.context():
+        assert dev.current_stream() is s
+    assert dev.current_stream() is before and dev.current_stream() == before
