@@ -131,3 +131,15 @@ def test_prediction_json_has_exactly_the_documented_keys():
     assert list(res.candidates[0].to_json()) == [
         "dp", "tp", "pp", "ep", "cp", "zero", "micro_batch", "schedule", "recompute",
         "memory_per_device_bytes", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu"]
+
+
+def test_published_runs_table_predicts_every_run_it_has_a_profile_for():
+    from chipset.planner.published import RUNS, predict
+
+    profiles = {"a100-80g": ("t", dataclasses.replace(DEV, total_memory=80 * 2**30, peak_flops={"bfloat16": 312e12}))}
+    run = next(r for r in RUNS if r.label == "GPT 145.6B")
+    p = predict(run, profiles)
+    assert p is not None and p.fits
+    assert (p.layout.tp, p.layout.pp, p.layout.dp, p.layout.recompute) == (8, 8, 24, "full")
+    assert 0.5 < p.tflops_per_device / run.tflops < 2  # same order of magnitude as the published 148
+    assert predict(run, {}) is None

@@ -84,7 +84,7 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.1f} GiB"
 
 
-def explain(best, runner_up, model, cluster) -> str:
+def explain(best, runner_up, model, cluster, subject: str = "The fastest layout") -> str:
     """One paragraph on why the winner wins: where its time goes and what it trades."""
     lay, b = best.layout, best.breakdown
     step = best.step_time_s
@@ -107,7 +107,7 @@ def explain(best, runner_up, model, cluster) -> str:
         parts.append(f"replicates over dp={lay.dp} with ZeRO-{lay.zero} "
                      f"({hidden:.0%} of its {b['dp_total']:.2f} s of data-parallel traffic hidden behind compute)")
     layout_txt = "; ".join(parts) if parts else "runs on a single device"
-    text = (f"The fastest layout {layout_txt}. It needs {_gib(best.memory.total)} of the "
+    text = (f"{subject} {layout_txt}. It needs {_gib(best.memory.total)} of the "
             f"{_gib(best.memory_limit_bytes)} usable per device (activations {_gib(best.memory.activations)} "
             f"with recompute={lay.recompute}, model states "
             f"{_gib(best.memory.params + best.memory.grads + best.memory.optimizer)}). "
@@ -183,6 +183,7 @@ def run(args) -> int:
               f"{p.tokens_per_s:>11.4g} {p.tflops_per_device:>8.1f} {p.mfu:>6.1%}{flag}")
     if shown:
         print()
-        print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and shown[0].fits else None,
-                      model, cluster))
+        fixed = res.fixed_only is not None
+        print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and not fixed else None,
+                      model, cluster, "The fixed layout" if fixed else "The fastest layout"))
     return 0

@@ -14,6 +14,7 @@ full recompute 96Bslh^2 (1 + s/6h + V/16lh); without 72Bslh^2 (1 + s/6h + V/12lh
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from chipset.planner.model import ModelSpec
@@ -47,7 +48,11 @@ class ForwardFlops:
 
 def forward_flops_per_token(m: ModelSpec, seq_len: int | None = None) -> ForwardFlops:
     """Forward FLOPs per token for ``m`` at sequence length ``seq_len`` (default m.seq_len)."""
-    s = seq_len or m.seq_len
+    return _forward_flops(m, seq_len or m.seq_len)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_flops(m: ModelSpec, s: int) -> ForwardFlops:
     h, f = m.hidden, m.ffn
     per_mlp = (6 if m.mlp == "swiglu" else 4) * h * f
     mlp = m.dense_layers * per_mlp

@@ -22,6 +22,8 @@ l(1 + (p-1)/(pv)) blocks' worth.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -86,8 +88,12 @@ def in_flight_chunks(lay: Layout, micro_batches: int) -> int:
 
 def params_per_device(m: ModelSpec, lay: Layout) -> tuple[dict[str, float], float]:
     """({stage: non-expert params}, expert params) on the busiest rank of the first/last stage."""
-    t, ep = lay.tp, lay.ep
-    blocks = stage_layers(m, lay)
+    stages, expert = _params_per_device(m, lay.tp, lay.ep, lay.pp, stage_layers(m, lay))
+    return dict(stages), expert
+
+
+@functools.lru_cache(maxsize=4096)  # the search asks the same question for every option of a layout
+def _params_per_device(m: ModelSpec, t: int, ep: int, pp: int, blocks: int) -> tuple[tuple, float]:
     moe_frac = m.moe_layers / m.layers
     norms = 2 * m.norm_params()
     dense_block = (m.attention_params() + m.mlp_params()) / t + norms
@@ -95,10 +101,10 @@ def params_per_device(m: ModelSpec, lay: Layout) -> tuple[dict[str, float], floa
     non_expert = blocks * ((1 - moe_frac) * dense_block + moe_frac * moe_block)
     expert = blocks * moe_frac * m.mlp_params() * (m.num_experts / ep) / t if m.is_moe else 0.0
     emb = m.vocab * m.hidden / t + (m.seq_len * m.hidden if m.position == "learned" else 0)
-    out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and lay.pp == 1) else 1)
-    if lay.pp == 1:
-        return {"only": non_expert + emb + out}, expert
-    return {"first": non_expert + emb, "last": non_expert + out}, expert
+    out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and pp == 1) else 1)
+    if pp == 1:
+        return (("only", non_expert + emb + out),), expert
+    return (("first", non_expert + emb), ("last", non_expert + out)), expert
 
 
 def block_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec | None = None) -> float:
@@ -157,7 +163,7 @@ def memory_per_device(m: ModelSpec, lay: Layout, train: TrainSpec, seq_len: int 
     working = 0.0
     if lay.recompute != "none":
         # The block being recomputed holds its full activations during its backward.
-        full = Layout(**{**lay.to_dict(), "recompute": "none"})
+        full = dataclasses.replace(lay, recompute="none")
         working = block_activation_bytes(m, full, s, train) - per_block
     chunk_blocks = blocks / lay.v
     best: MemoryBreakdown | None = None

@@ -216,7 +216,7 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
                     mem = memory_per_device(m, lay, train, s)
                     limit = cl.device.total_memory * a.memory_usable_fraction
                     if full_fix:
-                        res.fixed_only = evaluate(m, lay, train, cl, a, s)
+                        res.fixed_only = evaluate(m, lay, train, cl, a, s, memory=mem)
                         if mem.total <= limit:
                             res.candidates.append(res.fixed_only)
                         else:
@@ -226,6 +226,6 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
                         res.out_of_memory += 1
                         res.discarded["does not fit in device memory"] += 1
                         if res.smallest_oom is None or mem.total < res.smallest_oom.memory.total:
-                            res.smallest_oom = evaluate(m, lay, train, cl, a, s)
+                            res.smallest_oom = evaluate(m, lay, train, cl, a, s, memory=mem)
                         continue
-                    res.candidates.append(evaluate(m, lay, train, cl, a, s))
+                    res.candidates.append(evaluate(m, lay, train, cl, a, s, memory=mem))

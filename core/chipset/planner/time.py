@@ -16,6 +16,7 @@ Optimizer: the Adam update is memory-bound: it reads and writes P+G+K bytes per 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from chipset.errors import ConfigError
@@ -92,8 +93,12 @@ def _sum(items: list[CommItem], *, dim: str | None = None, phase: str | None = N
 
 
 def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
-             assumptions: Assumptions | None = None, seq_len: int | None = None) -> Prediction:
-    """Predict memory and step time of ``lay`` (no validity filtering: see search for that)."""
+             assumptions: Assumptions | None = None, seq_len: int | None = None,
+             memory: MemoryBreakdown | None = None) -> Prediction:
+    """Predict memory and step time of ``lay`` (no validity filtering: see search for that).
+
+    ``memory`` skips recomputing a breakdown the caller already has for the same inputs.
+    """
     a = assumptions or Assumptions()
     s = seq_len or m.seq_len
     dev = cl.device
@@ -113,7 +118,7 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     t_gemm = stage_flops / (peak * eff)
     t_mem = 0.0
     if dev.memory_bandwidth > 0:
-        base = Layout(**{**lay.to_dict(), "recompute": "none"})
+        base = dataclasses.replace(lay, recompute="none")
         traffic = block_activation_bytes(m, base, s, train) * blocks * a.elementwise_traffic
         traffic *= 4 / 3 if lay.recompute == "full" else 1
         t_mem = traffic / dev.memory_bandwidth
@@ -159,7 +164,7 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     tokens = train.global_batch * s
     hw = step_flops(m, train.global_batch, lay.recompute, s)
     model = model_flops_per_token(m, s) * tokens
-    mem = memory_per_device(m, lay, train, s)
+    mem = memory or memory_per_device(m, lay, train, s)
     return Prediction(
         layout=lay, micro_batches=mb, memory=mem, memory_limit_bytes=dev.total_memory * a.memory_usable_fraction,
         step_time_s=step, tokens_per_s=tokens / step, tflops_per_device=hw / step / n_dev / 1e12,
