@@ -1,0 +1,202 @@
+"""cpu_sim fault injection (CHIPSET_SIM_FAULTS): parsing, kill once per job, delay, and hang -> timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from chipset.errors import ConfigError
+from chipset_cpu_sim.faults import Fault, fault_dir, parse_faults
+
+
+# --- parsing ---------------------------------------------------------------------
+def test_the_documented_example_parses():
+    faults = parse_faults("kill:rank=1,step=7; delay:rank=0,ms=200 ;hang:rank=2,collective=5;kill:rank=3,collective=12")
+    assert faults == [
+        Fault("kill", 1, step=7, spec="kill:rank=1,step=7"),
+        Fault("delay", 0, ms=200, spec="delay:rank=0,ms=200"),
+        Fault("hang", 2, collective=5, spec="hang:rank=2,collective=5"),
+        Fault("kill", 3, collective=12, spec="kill:rank=3,collective=12"),
+    ]
+
+
+def test_empty_means_no_faults():
+    assert parse_faults("") == [] and parse_faults(None) == [] and parse_faults(" ; ") == []
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("explode:rank=1", "unknown kind 'explode'"),
+        ("kill rank=1,step=2", "missing ':'"),
+        ("kill:rank=1", "exactly one of step or collective"),
+        ("kill:rank=1,step=2,collective=3", "exactly one of step or collective"),
+        ("delay:rank=0", "missing ms"),
+        ("delay:ms=10", "missing rank"),
+        ("hang:rank=x,collective=1", "rank='x' is not an integer"),
+        ("hang:rank=1,step=2", "unknown key 'step' for hang"),
+        ("delay:rank=0,ms=-5", "must not be negative"),
+        ("kill:rank=1,rank=2,step=1", "given twice"),
+        ("kill:rank", "is not key=value"),
+    ],
+)
+def test_malformed_entries_are_config_errors_that_quote_the_entry(text, needle):
+    with pytest.raises(ConfigError) as info:
+        parse_faults(f"delay:rank=0,ms=1;{text}")
+    msg = str(info.value)
+    assert needle in msg
+    assert repr(text) in msg and "CHIPSET_SIM_FAULTS" in msg and "kill:rank=1,step=7" in msg
+
+
+def test_malformed_faults_fail_backend_load_with_exit_code_2():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env.update(CHIPSET_BACKEND="cpu_sim", CHIPSET_SIM_FAULTS="kill:rank=1")
+    proc = subprocess.run([sys.executable, "-m", "chipset.cli.main", "info"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "CHIPSET_SIM_FAULTS" in proc.stderr and "step or collective" in proc.stderr
+
+
+def test_fault_dir_comes_from_the_env_or_the_torchelastic_run_id(monkeypatch, tmp_path):
+    monkeypatch.delenv("CHIPSET_SIM_FAULT_DIR", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert fault_dir() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id names no job
+    assert fault_dir() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    assert fault_dir().name == "chipset-sim-faults-job42"
+    monkeypatch.setenv("CHIPSET_SIM_FAULT_DIR", str(tmp_path))
+    assert fault_dir() == tmp_path
+
+
+# --- single-process behaviour ------------------------------------------------------
+STEPS = textwrap.dedent("""
+    import chipset, torch
+    c = chipset.backend("cpu_sim").collective
+    if MODE == "collective":
+        c.init_process_group(rank=0, world_size=1)
+        for i in range(5):
+            c.all_reduce(torch.ones(4))
+            print(i, flush=True)
+    else:
+        for step in range(5):
+            c.notify_step(step)
+            print(step, flush=True)
+""")
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHIPSET_", "TORCHELASTIC_"))}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _steps(mode: str, **env):
+    proc = subprocess.run([sys.executable, "-c", f"MODE = {mode!r}\n" + STEPS], capture_output=True, text=True,
+                          env=_env(**env), timeout=120)
+    return proc.returncode, [int(x) for x in proc.stdout.split()], proc.stderr
+
+
+def test_kill_at_a_step_dies_abruptly_once_per_job(tmp_path):
+    env = dict(RANK=1, CHIPSET_SIM_FAULTS="kill:rank=1,step=2", CHIPSET_SIM_FAULT_DIR=tmp_path)
+    rc, steps, err = _steps("step", **env)
+    assert rc == -9 and steps == [0, 1], (rc, steps, err)
+    assert "fault injected (kill:rank=1,step=2)" in err
+    assert (tmp_path / "kill-rank1-step2.done").exists()
+    rc, steps, _ = _steps("step", **env)  # the elastic restart: the kill does not repeat
+    assert rc == 0 and steps == [0, 1, 2, 3, 4]
+
+
+def test_kill_spares_other_ranks(tmp_path):
+    rc, steps, _ = _steps("step", RANK=0, CHIPSET_SIM_FAULTS="kill:rank=1,step=2", CHIPSET_SIM_FAULT_DIR=tmp_path)
+    assert rc == 0 and steps == [0, 1, 2, 3, 4]
+
+
+def test_kill_does_not_repeat_after_a_torchelastic_restart():
+    rc, steps, _ = _steps("step", RANK=1, CHIPSET_SIM_FAULTS="kill:rank=1,step=2", TORCHELASTIC_RESTART_COUNT=1)
+    assert rc == 0 and steps == [0, 1, 2, 3, 4]
+
+
+def test_kill_at_a_collective_counts_collectives_from_zero(tmp_path):
+    rc, done, _ = _steps("collective", CHIPSET_SIM_FAULTS="kill:rank=0,collective=3", CHIPSET_SIM_FAULT_DIR=tmp_path)
+    assert rc == -9 and done == [0, 1, 2]
+
+
+def test_delay_makes_every_collective_of_that_rank_late():
+    code = textwrap.dedent("""
+        import time, chipset, torch
+        c = chipset.backend("cpu_sim").collective
+        c.init_process_group(rank=0, world_size=1)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            c.all_reduce(torch.ones(4))
+        print(time.perf_counter() - t0, c.stats_dict()["all_reduce@world"]["calls"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_env(CHIPSET_SIM_FAULTS="delay:rank=0,ms=200"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    took, calls = proc.stdout.split()
+    assert float(took) >= 0.6 and int(calls) == 3
+
+
+# --- four ranks, one never arrives -------------------------------------------------
+HANG = textwrap.dedent("""
+    import json, os, sys, time, torch, chipset
+    c = chipset.backend("cpu_sim").collective
+    c.init_process_group()
+    out = {"done": []}
+    t0 = time.monotonic()
+    try:
+        for i in range(3):
+            t0 = time.monotonic()
+            x = torch.ones(1000)
+            c.all_reduce(x)
+            out["done"].append(i)
+    except Exception as exc:
+        out["error"] = type(exc).__name__
+        out["message"] = str(exc)
+        out["waited"] = time.monotonic() - t0
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+""")
+
+
+def test_four_rank_all_reduce_with_a_hung_rank_ends_in_collective_timeout_error(tmp_path):
+    timeout_s = 5
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    t0 = time.monotonic()
+    for rank in range(4):
+        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=4,
+                   CHIPSET_COLLECTIVE_TIMEOUT=timeout_s, CHIPSET_SIM_FAULTS="hang:rank=2,collective=1")
+        procs.append(subprocess.Popen([sys.executable, "-c", HANG, str(tmp_path / f"r{rank}.json")], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s + 60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    wall = time.monotonic() - t0
+    results = [json.loads(Path(tmp_path / f"r{r}.json").read_text()) for r in range(4)]
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r["done"] == [0], r
+        assert r["error"] == "CollectiveTimeoutError", r
+        assert r["waited"] <= timeout_s + 30, r
+        assert "CHIPSET_COLLECTIVE_TIMEOUT" in r["message"]
+    hung = results[2]
+    assert hung["done"] == [0] and hung["error"] == "CollectiveError"
+    assert "withheld collective #1 on purpose" in hung["message"]
+    assert wall < timeout_s + 60
