@@ -78,3 +78,19 @@ def test_scaffold_backend_names_the_first_missing_part(installed_scaffold):
                        env={**_env(), "CHIPSET_BACKEND": "acme_npu"})
     assert r.returncode != 0
     assert "acme_npu: Device.device_count is not implemented yet" in r.stderr
+
+
+def test_conformance_on_the_scaffold_reports_missing_parts_instead_of_crashing(installed_scaffold, tmp_path):
+    py, _ = installed_scaffold
+    report = tmp_path / "r.json"
+    r = subprocess.run(
+        [py, "-m", "chipset.cli.main", "conformance", "--backend", "acme_npu", "--json-report", str(report), "-k", "device or memory"],
+        capture_output=True, text=True, env={**_env(), "CHIPSET_BACKEND": "acme_npu"}, timeout=600,
+    )
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(report.read_text())
+    assert data["backend"] == "acme_npu"
+    bad = [t for t in data["tests"] if t["outcome"] in ("failed", "error")]
+    assert bad, "the scaffold cannot pass: every part is unimplemented"
+    assert all("is not implemented yet" in t["reason"] for t in bad if t["group"] in ("device", "memory"))
+    assert "acme_npu: Device.device_count is not implemented yet" in (r.stdout + r.stderr + report.read_text())
