@@ -247,3 +247,14 @@ def test_text_source_reads_local_text_as_bytes_deterministically(tmp_path):
         load_config(None, ["data.source=text"]).validate(world_size=1)
     with pytest.raises(ConfigError, match="no such file or directory"):
         TextBytes(str(tmp_path / "nope"), 8, 4)
+
+
+def test_every_config_key_is_documented():
+    import dataclasses
+
+    doc = (ROOT / "docs/config.md").read_text()
+    cfg = RunConfig()
+    for section in dataclasses.fields(cfg):
+        assert f"`[{section.name}]`" in doc
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            assert f"| `{f.name}` |" in doc, f"{section.name}.{f.name} missing from docs/config.md"

@@ -31,6 +31,8 @@ def test_bad_config_exits_2_listing_every_problem_and_writes_nothing(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "train.steps = 'ten': expected int, found str" in r.stderr
     assert "train.warp: unknown key" in r.stderr
+    assert "parallel.zero = 7: expected a ZeRO stage 0, 1, 2 or 3" in r.stderr
+    assert "model.num_attention_heads (4) must divide model.hidden_size (30)" in r.stderr
     assert "Traceback" not in r.stderr
     assert not run_dir.exists()
 

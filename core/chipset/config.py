@@ -26,6 +26,7 @@ __all__ = [
     "DataConfig",
     "RunConfig",
     "load_config",
+    "resolve_config",
     "parse_overrides",
     "to_toml",
     "DTYPES",
@@ -273,6 +274,28 @@ def _toml_loads(text: str) -> dict:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Defaults, then the TOML file at ``path`` (if any), then ``--set`` overrides."""
+    cfg, problems = _load(path, overrides)
+    if problems:
+        raise ConfigError(_format(problems, _where(path, overrides)))
+    return cfg
+
+
+def resolve_config(path: str | Path | None, overrides: list[str] | None, *, world_size: int,
+                   dtypes: tuple[str, ...] | None = None) -> RunConfig:
+    """:func:`load_config` plus :meth:`RunConfig.validate`, reporting every problem of both at once."""
+    cfg, problems = _load(path, overrides)
+    problems += validate(cfg, world_size, dtypes)
+    if problems:
+        raise ConfigError(_format(problems, _where(path, overrides)))
+    return cfg
+
+
+def _where(path, overrides) -> str:
+    parts = ([str(path)] if path else []) + (["--set"] if overrides else [])
+    return " + ".join(parts) or "defaults"
+
+
+def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConfig, list[str]]:
     problems: list[str] = []
     cfg = RunConfig()
     if path is not None:
@@ -289,9 +312,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
         _apply(cfg, raw, str(p), problems)
     _apply(cfg, parse_overrides(overrides), "--set", problems)
-    if problems:
-        raise ConfigError(_format(problems, str(path) if path else "config"))
-    return cfg
+    return cfg, problems
 
 
 def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, ...] | None = None) -> list[str]:

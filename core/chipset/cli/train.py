@@ -28,17 +28,17 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from chipset.config import load_config, to_toml
+    from chipset.config import parse_overrides, resolve_config, to_toml
     from chipset.engine.launch import default_run_dir, launch, torchrun_command
     from chipset.loader import backend
 
     if args.nproc < 1 or args.nnodes < 1:
         raise UsageError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be >= 1")
     world = args.nproc * args.nnodes
-    cfg = load_config(args.config, args.overrides)
+    parse_overrides(args.overrides)  # malformed --set items fail before the backend is loaded
     # Resolve the backend once, here; every rank gets its name.
     b = backend()
-    cfg.validate(world_size=world, dtypes=b.capabilities.dtypes)
+    cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes)
     if args.nproc > b.device.device_count():
         raise UsageError(
             f"--nproc ({args.nproc}) exceeds the {b.device.device_count()} device(s) backend {b.name!r} "
