@@ -18,6 +18,11 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="FILE.toml", help="TOML file with a [model] table")
     src.add_argument("--preset", metavar="NAME", help="a named model (gpt3-175b, llama2-7b, ...)")
+    src.add_argument("--module", metavar="package.module:factory",
+                     help="any nn.Module factory: parameters and FLOPs are counted on meta tensors and the "
+                          "planner answers data-parallel questions (needs --input-shape)")
+    p.add_argument("--input-shape", metavar="D1,D2,...", help="per-sample input shape for --module, e.g. 3,224,224")
+    p.add_argument("--input-dtype", default="float32", help="input dtype for --module (default float32; int64 for ids)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",
                    help="override one model field (repeatable)")
     p.add_argument("--cluster", metavar="NODESxDEVICES:PROFILE", help="for example 64x8:a100-80g")
@@ -136,7 +141,6 @@ def run(args) -> int:
                           "'chipset plan --list-profiles' lists the profiles")
     if args.top < 1:
         raise ConfigError(f"--top must be at least 1 (found {args.top})")
-    model = _model(args)
     cluster = resolve_cluster(args.cluster, args.intra_node_bw, args.inter_node_bw)
     fix = parse_fix(args.fix)
     a = Assumptions()
@@ -145,6 +149,9 @@ def run(args) -> int:
             raise ConfigError(f"--efficiency must be in (0, 1] (found {args.efficiency})")
         a = Assumptions(gemm_efficiency=args.efficiency)
     train = TrainSpec(global_batch=args.global_batch, dtype=args.dtype)
+    if args.module:
+        return _run_module(args, cluster, fix, a, train)
+    model = _model(args)
     res = search(model, train, cluster, fix=fix, assumptions=a)
     shown = res.candidates[: args.top]
     if res.fixed_only is not None and not res.fixed_only.fits:
@@ -186,4 +193,41 @@ def run(args) -> int:
         fixed = res.fixed_only is not None
         print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and not fixed else None,
                       model, cluster, "The fixed layout" if fixed else "The fastest layout"))
+    return 0
+
+
+def _run_module(args, cluster, fix, a, train) -> int:
+    from chipset.planner.module import profile_module, search_module
+
+    if args.overrides:
+        raise ConfigError("--set model.KEY=VALUE applies to reference-family models, not to --module")
+    if not args.input_shape:
+        raise ConfigError("--module needs --input-shape (the per-sample input shape, e.g. 3,224,224)")
+    try:
+        shape = tuple(int(x) for x in args.input_shape.replace("x", ",").split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--input-shape {args.input_shape!r}: expected comma-separated positive integers") from None
+    if not shape or min(shape) < 1:
+        raise ConfigError(f"--input-shape {args.input_shape!r}: expected comma-separated positive integers")
+    prof = profile_module(args.module, shape, args.input_dtype)
+    res = search_module(prof, train, cluster, fix=fix, assumptions=a)
+    shown = res.candidates[: args.top]
+    if args.json:
+        print(json.dumps([p.to_json() for p in shown], indent=2))
+        return 0
+    print(f"module {prof.name}: {prof.params / 1e6:.4g}M parameters, {prof.train_flops_per_sample / 1e9:.4g} "
+          f"GFLOP per sample (forward + backward, counted on meta tensors), "
+          f"{prof.activation_bytes_per_sample / 2**20:.4g} MiB saved activations per sample (traced dtype)")
+    print(f"cluster {cluster.nodes}x{cluster.devices_per_node} {cluster.profile} = {cluster.world_size} devices "
+          f"(data parallel only); global batch {train.global_batch} samples")
+    print(f"{res.configurations_evaluated} configurations; {len(res.candidates)} fit, {res.out_of_memory} do not")
+    print()
+    print(f"{'#':>2} {'dp':>5} {'zero':>4} {'mb':>3} {'mem/dev':>10} {'step s':>9} {'samples/s':>11} "
+          f"{'grad bytes/dev':>15} {'dp s':>8} {'exposed':>8} {'TFLOP/s':>8} {'MFU':>6}")
+    for i, p in enumerate(shown, 1):
+        lay, b = p.layout, p.breakdown
+        vol = sum(c.bytes for c in p.comm)
+        print(f"{i:>2} {lay.dp:>5} {lay.zero:>4} {lay.micro_batch:>3} {_gib(p.memory.total):>10} "
+              f"{p.step_time_s:>9.4g} {p.tokens_per_s:>11.4g} {vol:>15.4g} {b['dp_total']:>8.3g} "
+              f"{b['dp_exposed']:>8.3g} {p.tflops_per_device:>8.1f} {p.mfu:>6.1%}")
     return 0

@@ -40,7 +40,7 @@ from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import params_per_device, stage_layers
 from chipset.planner.model import ModelSpec
 
-__all__ = ["CommItem", "ring_bytes", "latency_steps", "group_stride", "is_intra_node", "communication"]
+__all__ = ["CommItem", "data_parallel_items", "ring_bytes", "latency_steps", "group_stride", "is_intra_node", "communication"]
 
 
 def ring_bytes(op: str, size: float, n: int) -> float:
@@ -117,18 +117,11 @@ def _item(cl: Cluster, lay: Layout, dim: str, op: str, what: str, n: int, size: 
                     time_s=t, phase=phase)
 
 
-def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
-                  seq_len: int | None = None) -> list[CommItem]:
-    """Every collective one device on the busiest stage runs in one step."""
-    s = (seq_len or m.seq_len) / lay.cp
-    b, h, t, P, G = lay.micro_batch, m.hidden, lay.tp, train.param_bytes, train.grad_bytes
-    mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
-    blocks = stage_layers(m, lay)
-    stages, expert = params_per_device(m, lay)
-    dense = max(stages.values())
+def data_parallel_items(lay: Layout, train: TrainSpec, cl: Cluster, dense: float, expert: float,
+                        mb: int) -> list[CommItem]:
+    """The ZeRO-stage collectives for ``dense`` parameters over dp*cp ranks and ``expert`` over dp*cp/ep."""
+    P, G = train.param_bytes, train.grad_bytes
     out: list[CommItem | None] = []
-
-    # --- data parallel (ZeRO) ---------------------------------------------------------
     for psi, n, what in ((dense, lay.dp * lay.cp, ""), (expert, lay.dp * lay.cp // lay.ep, " (experts)")):
         if lay.zero == 0:
             out.append(_item(cl, lay, "dp", "all_reduce", "gradients" + what, n, G * psi, 1, "grad"))
@@ -142,6 +135,19 @@ def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
             out.append(_item(cl, lay, "dp", "all_gather", "parameters (forward)" + what, n, P * psi, mb, "param_micro"))
             out.append(_item(cl, lay, "dp", "all_gather", "parameters (backward)" + what, n, P * psi, mb, "grad_micro"))
             out.append(_item(cl, lay, "dp", "reduce_scatter", "gradients" + what, n, G * psi, mb, "grad_micro"))
+    return [i for i in out if i is not None]
+
+
+def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
+                  seq_len: int | None = None) -> list[CommItem]:
+    """Every collective one device on the busiest stage runs in one step."""
+    s = (seq_len or m.seq_len) / lay.cp
+    b, h, t, P, G = lay.micro_batch, m.hidden, lay.tp, train.param_bytes, train.grad_bytes
+    mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
+    blocks = stage_layers(m, lay)
+    stages, expert = params_per_device(m, lay)
+    dense = max(stages.values())
+    out: list[CommItem | None] = list(data_parallel_items(lay, train, cl, dense, expert, mb))
 
     # --- tensor parallel ----------------------------------------------------------------
     act = P * b * s * h

@@ -34,7 +34,7 @@ from chipset.planner.memory import (
 )
 from chipset.planner.model import ModelSpec
 
-__all__ = ["Prediction", "evaluate", "gemm_efficiency", "bubble_fraction"]
+__all__ = ["Prediction", "dp_exposed_time", "evaluate", "gemm_efficiency", "bubble_fraction"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,19 @@ def _sum(items: list[CommItem], *, dim: str | None = None, phase: str | None = N
     return sum(i.time_s for i in items if (dim is None or i.dim == dim) and (phase is None or i.phase == phase))
 
 
+def dp_exposed_time(dp_items: list[CommItem], w_f: float, w_b: float, mb: int, a: Assumptions) -> float:
+    """Data-parallel time not hidden: end-of-step traffic against one micro-batch's backward
+    (gradients) or forward (parameters); per-micro-batch traffic against every micro-batch's."""
+    grad = _sum(dp_items, phase="grad")
+    param = _sum(dp_items, phase="param")
+    grad_micro = _sum(dp_items, phase="grad_micro") / mb
+    param_micro = _sum(dp_items, phase="param_micro") / mb
+    if not a.dp_overlap:
+        return grad + param + mb * (grad_micro + param_micro)
+    return (max(0.0, grad - w_b) + max(0.0, param - w_f)
+            + mb * (max(0.0, grad_micro - w_b) + max(0.0, param_micro - w_f)))
+
+
 def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
              assumptions: Assumptions | None = None, seq_len: int | None = None,
              memory: MemoryBreakdown | None = None) -> Prediction:
@@ -138,17 +151,8 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     bubble = t_slot * (lay.pp - 1) / lay.v
     t_pipeline = t_slot * mb + bubble
 
-    w_f, w_b = t_compute * fwd_share, t_compute * bwd_share
     dp_items = [i for i in items if i.dim == "dp"]
-    grad = _sum(dp_items, phase="grad")
-    param = _sum(dp_items, phase="param")
-    grad_micro = _sum(dp_items, phase="grad_micro") / mb
-    param_micro = _sum(dp_items, phase="param_micro") / mb
-    if a.dp_overlap:
-        dp_exposed = (max(0.0, grad - w_b) + max(0.0, param - w_f)
-                      + mb * (max(0.0, grad_micro - w_b) + max(0.0, param_micro - w_f)))
-    else:
-        dp_exposed = grad + param + mb * (grad_micro + param_micro)
+    dp_exposed = dp_exposed_time(dp_items, t_compute * fwd_share, t_compute * bwd_share, mb, a)
     t_step_comm = _sum(items, phase="step")
 
     t_opt = 0.0
