@@ -9,7 +9,7 @@ import pytest
 
 from chipset.interfaces.device import DeviceProperties
 from chipset.planner.cluster import Cluster
-from chipset.planner.comm import communication, is_intra_node, latency_steps, ring_bytes
+from chipset.planner.comm import bytes_by_collective, communication, is_intra_node, latency_steps, ring_bytes
 from chipset.planner.flops import (
     forward_flops_per_token,
     matmul_params,
@@ -187,3 +187,12 @@ def test_dp_overlap_hides_communication_and_never_costs_time():
     off = evaluate(m, lay, train, cl, Assumptions(dp_overlap=False))
     assert on.step_time_s < off.step_time_s
     assert math.isclose(off.step_time_s - on.step_time_s, off.breakdown["dp_exposed"] - on.breakdown["dp_exposed"])
+
+
+def test_bytes_by_collective_sums_per_dimension_and_op():
+    m = PRESETS["llama2-7b"]
+    items = _items(m, Layout(dp=2, tp=4, zero=3, micro_batch=1), TrainSpec(global_batch=4))
+    by = bytes_by_collective(items)
+    assert set(by) == {("dp", "all_gather"), ("dp", "reduce_scatter"), ("tp", "all_gather"), ("tp", "reduce_scatter")}
+    assert math.isclose(by[("dp", "all_gather")], 2 * by[("dp", "reduce_scatter")])  # forward + backward gathers
+    assert math.isclose(sum(by.values()), sum(i.bytes for i in items))

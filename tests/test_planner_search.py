@@ -85,6 +85,12 @@ def test_parse_fix_reads_interleaved_chunks_and_rejects_unknown_keys():
         parse_fix(["parallel.tpp=2"])
     with pytest.raises(ConfigError, match="integer"):
         parse_fix(["parallel.tp=two"])
+    with pytest.raises(ConfigError, match="ZeRO stage 0, 1, 2 or 3"):
+        parse_fix(["parallel.zero=5"])
+    with pytest.raises(ConfigError, match="positive integer"):
+        parse_fix(["parallel.micro_batch=0"])
+    with pytest.raises(ConfigError, match="expected 1f1b, gpipe or interleaved-vN"):
+        parse_fix(["parallel.schedule=zb"])
 
 
 def _faster_net(dev, factor):

@@ -85,6 +85,15 @@ def _list_profiles(as_json: bool) -> int:
     return 0
 
 
+def _warn_unknown_bandwidth(cluster) -> None:
+    d = cluster.device
+    for what, bw in (("intra-node", d.intra_node_bandwidth), ("inter-node", d.inter_node_bandwidth)):
+        if bw <= 0:
+            flag = "--intra-node-bw" if what == "intra-node" else "--inter-node-bw"
+            print(f"chipset: warning: profile {cluster.profile!r} declares no {what} bandwidth; that traffic is "
+                  f"predicted to cost nothing. Pass {flag} GBps.", file=sys.stderr)
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.1f} GiB"
 
@@ -109,7 +118,8 @@ def explain(best, runner_up, model, cluster, subject: str = "The fastest layout"
     dp_n = lay.dp * lay.cp
     if dp_n > 1:
         hidden = 1 - b["dp_exposed"] / b["dp_total"] if b["dp_total"] > 0 else 1.0
-        parts.append(f"replicates over dp={lay.dp} with ZeRO-{lay.zero} "
+        group = f"dp={lay.dp}" if lay.cp == 1 else f"dp={lay.dp} (ZeRO group dp*cp={dp_n})"
+        parts.append(f"replicates over {group} with ZeRO-{lay.zero} "
                      f"({hidden:.0%} of its {b['dp_total']:.2f} s of data-parallel traffic hidden behind compute)")
     layout_txt = "; ".join(parts) if parts else "runs on a single device"
     text = (f"{subject} {layout_txt}. It needs {_gib(best.memory.total)} of the "
@@ -153,6 +163,7 @@ def run(args) -> int:
         return _run_module(args, cluster, fix, a, train)
     model = _model(args)
     res = search(model, train, cluster, fix=fix, assumptions=a)
+    _warn_unknown_bandwidth(cluster)
     shown = res.candidates[: args.top]
     if res.fixed_only is not None and not res.fixed_only.fits:
         shown = [res.fixed_only]
@@ -209,6 +220,7 @@ def _run_module(args, cluster, fix, a, train) -> int:
         raise ConfigError(f"--input-shape {args.input_shape!r}: expected comma-separated positive integers") from None
     if not shape or min(shape) < 1:
         raise ConfigError(f"--input-shape {args.input_shape!r}: expected comma-separated positive integers")
+    _warn_unknown_bandwidth(cluster)
     prof = profile_module(args.module, shape, args.input_dtype)
     res = search_module(prof, train, cluster, fix=fix, assumptions=a)
     shown = res.candidates[: args.top]

@@ -40,7 +40,7 @@ from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import params_per_device, stage_layers
 from chipset.planner.model import ModelSpec
 
-__all__ = ["CommItem", "data_parallel_items", "ring_bytes", "latency_steps", "group_stride", "is_intra_node", "communication"]
+__all__ = ["CommItem", "bytes_by_collective", "data_parallel_items", "ring_bytes", "latency_steps", "group_stride", "is_intra_node", "communication"]
 
 
 def ring_bytes(op: str, size: float, n: int) -> float:
@@ -178,3 +178,11 @@ def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
             emb = G * m.vocab * h / t
             out.append(_item(cl, lay, "pp", "all_reduce", "tied embedding gradients", 2, emb, 1, "step"))
     return [i for i in out if i is not None]
+
+
+def bytes_by_collective(items: list[CommItem]) -> dict[tuple[str, str], float]:
+    """``{(dim, op): bytes sent per step}``: the shape the simulator's measured counters are compared in."""
+    out: dict[tuple[str, str], float] = {}
+    for i in items:
+        out[(i.dim, i.op)] = out.get((i.dim, i.op), 0.0) + i.bytes
+    return out

@@ -78,6 +78,11 @@ def parse_fix(items: list[str]) -> dict[str, Any]:
                 out[name] = _int(item, value)
     if out.get("schedule", "interleaved") not in ("1f1b", "gpipe", "interleaved"):
         raise ConfigError(f"--fix parallel.schedule={out['schedule']!r}: expected 1f1b, gpipe or interleaved-vN")
+    if out.get("zero", 0) not in (0, 1, 2, 3):
+        raise ConfigError(f"--fix parallel.zero={out['zero']}: expected a ZeRO stage 0, 1, 2 or 3")
+    for k in ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages"):
+        if k in out and out[k] < 1:
+            raise ConfigError(f"--fix parallel.{k}={out[k]}: expected a positive integer")
     return out
 
 
