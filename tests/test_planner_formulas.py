@@ -9,7 +9,13 @@ import pytest
 
 from chipset.interfaces.device import DeviceProperties
 from chipset.planner.cluster import Cluster
-from chipset.planner.comm import bytes_by_collective, communication, is_intra_node, latency_steps, ring_bytes
+from chipset.planner.comm import (
+    bytes_by_collective,
+    communication,
+    is_intra_node,
+    latency_steps,
+    ring_bytes,
+)
 from chipset.planner.flops import (
     forward_flops_per_token,
     matmul_params,
