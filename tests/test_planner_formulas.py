@@ -202,3 +202,34 @@ def test_bytes_by_collective_sums_per_dimension_and_op():
     assert set(by) == {("dp", "all_gather"), ("dp", "reduce_scatter"), ("tp", "all_gather"), ("tp", "reduce_scatter")}
     assert math.isclose(by[("dp", "all_gather")], 2 * by[("dp", "reduce_scatter")])  # forward + backward gathers
     assert math.isclose(sum(by.values()), sum(i.bytes for i in items))
+
+
+def test_single_device_model_states_hold_every_parameter_once():
+    for name in ("llama2-7b", "mixtral-8x7b", "gpt3-175b"):
+        m = PRESETS[name]
+        mem = memory_per_device(m, Layout(), TrainSpec(global_batch=1))
+        assert mem.params == 2 * m.num_params() and mem.grads == 2 * m.num_params()
+        assert mem.optimizer == 12 * m.num_params()
+
+
+def test_tp_and_ep_shard_the_matrices_they_split():
+    m = PRESETS["mixtral-8x7b"]
+    train = TrainSpec(global_batch=8)
+    one = memory_per_device(m, Layout(dp=8), train).params
+    ep8 = memory_per_device(m, Layout(dp=8, ep=8), train).params
+    assert math.isclose(one - ep8, 2 * m.expert_params() * 7 / 8)
+    tp8 = memory_per_device(PRESETS["llama2-7b"], Layout(tp=8), train).params
+    norms = (2 * 32 + 1) * 4096
+    assert math.isclose(tp8, 2 * ((PRESETS["llama2-7b"].num_params() - norms) / 8 + norms))
+
+
+def test_predicted_bubble_is_the_schedule_fraction_of_the_ideal_pipeline_time():
+    m = PRESETS["llama2-7b"]
+    cl = Cluster(1, 8, DEV)
+    train = TrainSpec(global_batch=32)
+    for lay in (Layout(pp=8, schedule="1f1b"), Layout(pp=8, schedule="interleaved", virtual_stages=4),
+                Layout(pp=4, dp=2, schedule="gpipe")):
+        p = evaluate(m, lay, train, cl)
+        slot = (p.breakdown["compute"] + p.breakdown["tp"] + p.breakdown["pp"] + p.breakdown["ep"]
+                + p.breakdown["cp_exposed"])
+        assert math.isclose(p.breakdown["bubble"], slot * bubble_fraction(lay.pp, p.micro_batches, lay.v))
