@@ -149,3 +149,10 @@ def test_published_runs_table_predicts_every_run_it_has_a_profile_for():
     assert (p.layout.tp, p.layout.pp, p.layout.dp, p.layout.recompute) == (8, 8, 24, "full")
     assert 0.5 < p.tflops_per_device / run.tflops < 2  # same order of magnitude as the published 148
     assert predict(run, {}) is None
+
+
+def test_evaluate_rejects_an_impossible_layout_with_a_config_error():
+    with pytest.raises(ConfigError, match=r"ep \(4\) must divide dp\*cp \(2\)"):
+        evaluate(PRESETS["mixtral-8x7b"], Layout(dp=2, ep=4), TrainSpec(global_batch=8), Cluster(1, 8, DEV))
+    with pytest.raises(ConfigError, match="recompute must be one of"):
+        evaluate(TINY, Layout(recompute="some"), TrainSpec(global_batch=8), Cluster(1, 8, DEV))

@@ -113,6 +113,7 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     ``memory`` skips recomputing a breakdown the caller already has for the same inputs.
     """
     a = assumptions or Assumptions()
+    lay.check()
     s = seq_len or m.seq_len
     dev = cl.device
     peak = dev.peak_flops_for(train.dtype)
