@@ -137,8 +137,14 @@ def _job(mode: str, out_path: str) -> None:
     # Memory first, in a fresh process, so nothing from earlier variants is in the counts.
     results["memory"] = {z: _static_memory(b, z) for z in MEMORY_STAGES}
     variants = DP_VARIANTS if mode == "dp" else REF_VARIANTS
+    gc.collect()
+    start = b.memory.stats().allocated
     for name, over in variants.items():
         results[name] = _run_variant(b, over)
+    kept = sum(sum(t.numel() * t.element_size() for t in r["params"].values()) for r in
+               (results[n] for n in variants))
+    gc.collect()
+    results["leaked_bytes"] = b.memory.stats().allocated - start - kept
     results["overflow"] = {z: _overflow_run(b, z, inject_step=1) for z in ((0, 3) if mode == "dp" else (0,))}
     if b.collective.rank() == 0:
         torch.save(results, out_path)
@@ -244,6 +250,12 @@ def test_zero_memory_follows_the_formulas(runs):
     for z, want in expect.items():
         got = mem[z]["bytes"]
         assert abs(got - want) <= 0.10 * want, f"zero {z}: {got} bytes held, formula {want:.0f}"
+
+
+def test_finished_engines_free_their_memory(runs):
+    """Nothing but the returned parameters stays allocated after a run (hooks do not pin engines)."""
+    dp, ref = runs
+    assert abs(dp["leaked_bytes"]) < 4096 and abs(ref["leaked_bytes"]) < 4096, (dp["leaked_bytes"], ref["leaked_bytes"])
 
 
 def test_higher_zero_stages_lower_peak_memory(runs):

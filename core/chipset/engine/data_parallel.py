@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -222,6 +223,12 @@ class Bucket:
             self._inflight = send
 
 
+def _notify(ref: weakref.ref) -> None:
+    bucket = ref()
+    if bucket is not None:  # None once the engine is gone and the model trains without it
+        bucket.on_grad_ready()
+
+
 class DataParallel:
     """Wraps a model for data-parallel training with ZeRO stage ``dims.zero``.
 
@@ -259,9 +266,12 @@ class DataParallel:
         model.to(device=self.device, dtype=dtype)
         named = list(model.named_parameters())
         self.buckets = self._make_buckets(named, bucket_mb)
+        # Hooks hold their bucket weakly: a tensor's hooks live in C++, where Python's
+        # garbage collector cannot see the cycle param -> hook -> bucket -> param.
         for b in self.buckets:
+            ref = weakref.ref(b)
             for p in b.params:
-                p.register_post_accumulate_grad_hook(lambda _p, b=b: b.on_grad_ready())
+                p.register_post_accumulate_grad_hook(lambda _p, ref=ref: _notify(ref))
         if self.zero == 3:
             for unit, b in zip(model.units(), self.buckets, strict=True):
                 unit.register_forward_pre_hook(lambda _m, _a, b=b: b.gather())
