@@ -99,12 +99,13 @@ class Bucket:
         else:
             src = self.full[self.lo:self.hi]
         self.master_aliases_params = e.dtype == torch.float32 and not e.offload and e.zero != 1 and e.zero != 2
-        if self.master_aliases_params:
-            self.master = src  # fp32 compute: the parameters are their own master weights
-        else:
-            self.master = e.place_host(src.detach().float().to(opt_dev).clone())
-        self.exp_avg = e.place_host(torch.zeros_like(self.master))
-        self.exp_avg_sq = e.place_host(torch.zeros_like(self.master))
+        with e.host_scope():
+            if self.master_aliases_params:
+                self.master = src  # fp32 compute: the parameters are their own master weights
+            else:
+                self.master = e.place_host(src.detach().float().to(opt_dev).clone())
+            self.exp_avg = e.place_host(torch.zeros_like(self.master))
+            self.exp_avg_sq = e.place_host(torch.zeros_like(self.master))
 
     # --- parameter storage ---------------------------------------------------------
     def _bind_params(self, flat: torch.Tensor) -> None:
@@ -205,10 +206,12 @@ class Bucket:
     @torch.no_grad()
     def apply_update(self, step: int, grad_scale: float, kernels, hp: dict) -> None:
         e = self.engine
-        g = self.grad_owned().to(self.master.device, torch.float32, copy=True)
-        if grad_scale != 1.0:
-            g.mul_(grad_scale)
-        kernels.fused_adamw([self.master], [g], [self.exp_avg], [self.exp_avg_sq], step, **hp)
+        with e.host_scope():
+            g = self.grad_owned().to(self.master.device, torch.float32, copy=True)
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
+            kernels.fused_adamw([self.master], [g], [self.exp_avg], [self.exp_avg_sq], step, **hp)
+            del g
         if self.master_aliases_params:
             pass
         elif e.zero == 0:
@@ -276,6 +279,10 @@ class DataParallel:
             for unit, b in zip(model.units(), self.buckets, strict=True):
                 unit.register_forward_pre_hook(lambda _m, _a, b=b: b.gather())
                 unit.register_forward_hook(lambda _m, _a, _o, b=b: b.release())
+
+    def host_scope(self):
+        """Offload: allocations inside are host memory (``Memory.host_allocations``)."""
+        return self.backend.memory.host_allocations() if self.offload else contextlib.nullcontext()
 
     def place_host(self, t: torch.Tensor) -> torch.Tensor:
         return self.backend.memory.pin_memory(t) if self.offload else t

@@ -66,6 +66,18 @@ class Memory(ABC):
         """A copy of host ``tensor`` in pinned (page-locked) host memory where the backend has it."""
         return tensor
 
+    @contextlib.contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """Tensors created inside the block are host memory, not device memory.
+
+        The engine wraps host-side work (optimizer-state offload) in this. Backends whose
+        devices have their own torch device type need nothing (host tensors are on
+        ``"cpu"`` and never counted); a backend whose devices *are* the host (the
+        simulator) excludes allocations made inside the block from device accounting.
+        Default: no-op.
+        """
+        yield
+
     # --- OOM translation (template) --------------------------------------------
     def translate_oom(self, exc: BaseException, device: str = "") -> OutOfMemoryError | None:
         """chipset's OutOfMemoryError for a backend OOM exception, or None if ``exc`` is not one."""
