@@ -39,6 +39,11 @@ def run(args) -> int:
     # Resolve the backend once, here; every rank gets its name.
     b = backend()
     cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes)
+    if world > 1 and not b.capabilities.multi_process:
+        raise UsageError(
+            f"backend {b.name!r} does not declare multi_process, so it cannot run {world} ranks; "
+            "use --nproc 1 or choose another backend with CHIPSET_BACKEND"
+        )
     if args.nproc > b.device.device_count():
         raise UsageError(
             f"--nproc ({args.nproc}) exceeds the {b.device.device_count()} device(s) backend {b.name!r} "
