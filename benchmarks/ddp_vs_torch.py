@@ -1,17 +1,25 @@
-"""chipset data parallel vs torch DistributedDataParallel: step time ratio, interleaved in one run.
+"""chipset data parallel vs torch's own: step time and memory ratios, interleaved in one run.
+
+``--against ddp`` (default): chipset DP (``--zero``, default 0) vs DistributedDataParallel.
+``--against fsdp2``: chipset ZeRO-3 vs FSDP2 (``fully_shard`` per block and on the root).
 
 Same model (chipset's reference transformer), same data, same backend, same world size,
 fp32, AdamW, clipping at 1.0. The two trainers alternate step by step so machine noise
 hits both alike; the median step time of each is reported and their ratio
-(chipset / DDP; below 1.00 means chipset is faster).
+(chipset / torch; below 1.00 means chipset is faster). Memory per rank: bytes each
+trainer holds between steps (parameters, gradients, optimizer state; measured by
+``backend.memory.stats()`` when it is built and after its first step) plus its transient
+peak during a step.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/ddp_vs_torch.py \
-        [--steps 20] [--hidden 256] [--layers 4] [--seq 64] [--batch 16] [--zero 0] [--json OUT]
+        [--against ddp|fsdp2] [--steps 20] [--hidden 256] [--layers 4] [--seq 64] [--batch 16] \
+        [--zero 0] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -36,7 +44,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16, help="global batch")
-    ap.add_argument("--zero", type=int, default=0)
+    ap.add_argument("--against", choices=("ddp", "fsdp2"), default="ddp")
+    ap.add_argument("--zero", type=int, default=None, help="chipset ZeRO stage (default 0 vs ddp, 3 vs fsdp2)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -51,12 +60,31 @@ def main() -> None:
     dev = b.device.torch_device()
     data = SyntheticTokens(args.vocab, args.seq, args.batch, seed=0)
 
+    zero = args.zero if args.zero is not None else (3 if args.against == "fsdp2" else 0)
+    mem = b.memory
+
+    def held() -> int:
+        gc.collect()
+        return mem.stats().allocated
+
+    base = held()
     mine = DataParallel(Transformer(cfg.model, b.kernels, seed=1), b,
-                        ParallelDims(dp=world, zero=args.zero, world_size=world),
+                        ParallelDims(dp=world, zero=zero, world_size=world),
                         bucket_mb=args.bucket_mb, grad_clip=1.0, betas=(0.9, 0.95))
+    mid = held()
     ref_model = Transformer(cfg.model, b.kernels, seed=1).to(dev)
-    ddp = DistributedDataParallel(ref_model, bucket_cap_mb=args.bucket_mb)
+    if args.against == "ddp":
+        theirs = DistributedDataParallel(ref_model, bucket_cap_mb=args.bucket_mb)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(b.device.device_type, (world,))
+        for block in ref_model.layers:
+            fully_shard(block, mesh=mesh)
+        theirs = fully_shard(ref_model, mesh=mesh)
     opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    persistent = {"chipset": mid - base, "torch": held() - mid}
 
     def step_chipset(step: int) -> float:
         tokens, targets = data.batch(step, rank, world, device=dev)
@@ -64,35 +92,44 @@ def main() -> None:
         mine.step(1e-3)
         return loss
 
-    def step_ddp(step: int) -> float:
+    def step_torch(step: int) -> float:
         tokens, targets = data.batch(step, rank, world, device=dev)
-        loss = _ddp_loss(ddp, tokens, targets, b)
+        logits = theirs(tokens)  # through the wrapper, so its hooks run
+        loss = b.kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=False)
         return float(loss.detach())
 
-    times: dict[str, list[float]] = {"chipset": [], "ddp": []}
-    losses: dict[str, list[float]] = {"chipset": [], "ddp": []}
+    times: dict[str, list[float]] = {"chipset": [], "torch": []}
+    losses: dict[str, list[float]] = {"chipset": [], "torch": []}
+    transient = {"chipset": 0, "torch": 0}
     for step in range(args.warmup + args.steps):
-        order = [("chipset", step_chipset), ("ddp", step_ddp)]
+        order = [("chipset", step_chipset), ("torch", step_torch)]
         if step % 2:
             order.reverse()
         for name, fn in order:
             b.collective.barrier()
+            before = held()
+            mem.reset_peak_stats()
             t0 = time.perf_counter()
             loss = fn(step)
             b.device.synchronize()
             dt = time.perf_counter() - t0
+            transient[name] = max(transient[name], mem.stats().peak_allocated - before)
+            if step == 0:  # optimizer state appears at the first step
+                persistent[name] += held() - before
             if step >= args.warmup:
                 times[name].append(dt)
             losses[name].append(loss)
     med = {k: statistics.median(v) for k, v in times.items()}
+    peak = {k: persistent[k] + transient[k] for k in persistent}
     result = {
-        "world_size": world, "backend": b.name, "zero": args.zero, "steps": args.steps,
-        "params": sum(p.numel() for p in ref_model.parameters()),
-        "median_step_s": med, "ratio_chipset_over_ddp": med["chipset"] / med["ddp"],
+        "against": args.against, "world_size": world, "backend": b.name, "chipset_zero": zero,
+        "steps": args.steps, "params": sum(p.numel() for p in Transformer(cfg.model, b.kernels).parameters()),
+        "median_step_s": med, "ratio_step_time_chipset_over_torch": med["chipset"] / med["torch"],
+        "peak_memory_bytes_per_rank": peak, "ratio_memory_chipset_over_torch": peak["chipset"] / peak["torch"],
         "final_loss": {k: v[-1] for k, v in losses.items()},
     }
     if rank == 0:
@@ -102,12 +139,6 @@ def main() -> None:
                 json.dump(result, f, indent=2)
     dist.barrier()
     b.collective.destroy()
-
-
-def _ddp_loss(ddp, tokens, targets, b):
-    # DDP hooks run on ddp.forward; compute logits through it, then the same loss kernel.
-    logits = ddp(tokens)
-    return b.kernels.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from torch import nn
 
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.precision import LossScaler
+from chipset.errors import UsageError
 from chipset.interfaces import Group, Handle
 
 __all__ = ["DataParallel", "Bucket"]
@@ -289,11 +290,16 @@ class DataParallel:
 
     def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
         if self.zero == 3:
+            if not callable(getattr(self.model, "units", None)):
+                raise UsageError(
+                    f"ZeRO stage 3 needs the model to list its gather units (model.units()); "
+                    f"{type(self.model).__name__} has none. Add units() or use parallel.zero <= 2"
+                )
             by_id = {id(p): n for n, p in named}
             groups = [[(by_id[id(p)], p) for p in unit.parameters()] for unit in self.model.units()]
             covered = sum(len(g) for g in groups)
             if covered != len(named):
-                raise ValueError(f"model.units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all")
+                raise UsageError(f"model.units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all of them")
         else:
             limit = max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=self.dtype).element_size()))
             groups, cur, size = [], [], 0
