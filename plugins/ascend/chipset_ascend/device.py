@@ -55,7 +55,10 @@ class AscendStream(Stream):
         return isinstance(other, AscendStream) and self._stream == other._stream
 
     def __hash__(self) -> int:
-        return hash(self._stream)
+        try:
+            return hash(self._stream)
+        except TypeError:
+            return id(self._stream)
 
     def synchronize(self) -> None:
         self._stream.synchronize()
@@ -99,9 +102,14 @@ class AscendDevice(Device):
         self._wrappers: dict[object, AscendStream] = {}
 
     def _wrap(self, raw) -> AscendStream:
-        w = self._wrappers.get(raw)
+        try:
+            hash(raw)
+            key = raw
+        except TypeError:  # a stream type without __hash__: identity is all we have
+            key = id(raw)
+        w = self._wrappers.get(key)
         if w is None:
-            w = self._wrappers[raw] = AscendStream(raw)
+            w = self._wrappers[key] = AscendStream(raw)
         return w
 
     def device_count(self) -> int:
