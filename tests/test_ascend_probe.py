@@ -112,3 +112,25 @@ def test_cli_reports_each_reason(tmp_path):
     assert without_cann["status"] == "unavailable" and "ASCEND_HOME_PATH" in without_cann["reason"]
     no_npus = _backends_json({"ASCEND_HOME_PATH": str(tmp_path)})["ascend"]
     assert no_npus["status"] == "unavailable" and "zero NPUs" in no_npus["reason"]
+
+
+def test_whole_process_harness_selects_ascend_and_the_engine_trains_on_it(tmp_path):
+    # The double's subprocess harness (docs/ascend.md, layer 1): fake /dev/davinci files,
+    # host placement. ascend then outranks cpu_sim, and `chipset train` runs on it.
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for i in range(2):
+        (dev / f"davinci{i}").touch()
+    env = {
+        "ASCEND_HOME_PATH": str(tmp_path), "TORCH_NPU_DOUBLE_DEVICE_FILES": str(dev / "davinci[0-9]*"),
+        "TORCH_NPU_DOUBLE_PLACE_ON_HOST": "1", "TORCH_NPU_DOUBLE_CAPACITY": str(1 << 30),
+    }
+    listing = _backends_json(env)
+    assert listing["ascend"]["status"] == "ok" and "2 Ascend NPU(s)" in listing["ascend"]["reason"]
+    run = subprocess.run(
+        [sys.executable, "-m", "chipset.cli.main", "train", "--set", "train.steps=2", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, env=double.subprocess_env(env), timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["backend"] == "ascend" and summary["steps"] == 2 and summary["final_loss"] == summary["final_loss"]
