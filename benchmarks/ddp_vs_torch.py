@@ -129,7 +129,7 @@ def main() -> None:
         "against": args.against, "world_size": world, "backend": b.name, "chipset_zero": zero,
         "steps": args.steps, "params": sum(p.numel() for p in Transformer(cfg.model, b.kernels).parameters()),
         "median_step_s": med, "ratio_step_time_chipset_over_torch": med["chipset"] / med["torch"],
-        "peak_memory_bytes_per_rank": peak, "ratio_memory_chipset_over_torch": peak["chipset"] / peak["torch"],
+        "peak_memory_bytes_per_rank": peak, "held_between_steps_bytes": persistent, "transient_peak_bytes": transient, "ratio_memory_chipset_over_torch": peak["chipset"] / peak["torch"],
         "final_loss": {k: v[-1] for k, v in losses.items()},
     }
     if rank == 0:
