@@ -85,3 +85,12 @@ def test_train_nproc_2_end_to_end_through_torchrun(tmp_path):
     assert r1.returncode == 0, r1.stdout + r1.stderr
     single = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
     assert single == pytest.approx([m["loss"] for m in lines], rel=1e-5)
+
+    # Four ranks at ZeRO-3 (one sequence each) too.
+    four = tmp_path / "four"
+    r4 = _cli("train", "--nproc", "4", "--run-dir", str(four), "--set", "parallel.zero=3", *SMALL)
+    assert r4.returncode == 0, r4.stdout + r4.stderr
+    s4 = json.loads((four / "summary.json").read_text())
+    assert s4["layout"]["dp"] == 4 and len(s4["peak_memory_bytes"]) == 4
+    got = [json.loads(x)["loss"] for x in (four / "metrics.jsonl").read_text().splitlines()]
+    assert got == pytest.approx(single, rel=1e-5)
