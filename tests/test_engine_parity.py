@@ -140,8 +140,14 @@ def _job(mode: str, out_path: str) -> None:
     variants = DP_VARIANTS if mode == "dp" else REF_VARIANTS
     gc.collect()
     start = b.memory.stats().allocated
+    steps_seen: list[int] = []
+    notify = b.collective.notify_step
+    b.collective.notify_step = lambda step: (steps_seen.append(step), notify(step))
     for name, over in variants.items():
         results[name] = _run_variant(b, over)
+        if name == next(iter(variants)):
+            results["notified_steps"] = list(steps_seen)
+    b.collective.notify_step = notify
     kept = sum(sum(t.numel() * t.element_size() for t in r["params"].values()) for r in
                (results[n] for n in variants))
     gc.collect()
@@ -258,6 +264,11 @@ def test_zero_memory_follows_the_formulas(runs):
     for z, want in expect.items():
         got = mem[z]["bytes"]
         assert abs(got - want) <= 0.10 * want, f"zero {z}: {got} bytes held, formula {want:.0f}"
+
+
+def test_every_step_notifies_the_collective(runs):
+    dp, ref = runs
+    assert dp["notified_steps"] == ref["notified_steps"] == list(range(STEPS))
 
 
 def test_finished_engines_free_their_memory(runs):

@@ -60,6 +60,14 @@ def test_torchrun_command_uses_torchs_launcher_and_the_worker(tmp_path):
     assert {"--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:1234"} <= set(multi)
 
 
+def test_launch_pins_the_resolved_backend_for_every_rank(monkeypatch):
+    from chipset.engine.launch import launch
+
+    monkeypatch.setenv("CHIPSET_BACKEND", "a,b,c")  # a preference list in the user's shell
+    check = "import os, sys; sys.exit(0 if os.environ['CHIPSET_BACKEND'] == 'resolved_name' else 3)"
+    assert launch([sys.executable, "-c", check], "resolved_name") == 0
+
+
 def test_train_nproc_2_end_to_end_through_torchrun(tmp_path):
     run_dir = tmp_path / "run"
     r = _cli("train", "--nproc", "2", "--run-dir", str(run_dir), "--set", "parallel.zero=2", *SMALL)
