@@ -11,8 +11,9 @@ Steps: environment; ``chipset backends``; ``chipset info``; fork-safety of the p
 device/memory/OOM/streams/RNG through the chipset interfaces; a one-rank NCCL
 collective; every registered kernel against the core reference (forward and backward,
 conformance tolerances); kernel time vs the eager reference at training shapes; bf16/TF32
-matmul and flash-attention throughput against the declared peak; ``chipset conformance
---backend cuda`` when the installed chipset has it.
+matmul and flash-attention throughput against the declared peak; tokens/s and MFU of a
+~1.1B-parameter reference Transformer in bf16; ``chipset conformance --backend cuda``
+when the installed chipset has it.
 """
 
 from __future__ import annotations
@@ -366,6 +367,62 @@ def throughput() -> dict:
     return out
 
 
+def train_gpt() -> dict:
+    """~1.1B-parameter reference Transformer (TinyLlama shape), bf16, on the registry's kernels.
+
+    A fixed batch is trained for a few steps (the loss must fall: gradients flow through
+    the kernels); tokens/s and MFU (PaLM: tokens/s x (6N + 12 L H Q T) / peak, N without
+    the input embedding) come from the timed steps after warm-up.
+    """
+    import torch
+
+    import chipset
+    from chipset.config import ModelConfig
+    from chipset.models import Transformer
+
+    b = chipset.backend("cuda")
+    dev = b.device.torch_device()
+    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
+                      num_key_value_heads=4, intermediate_size=5632, max_position_embeddings=2048)
+    model = Transformer(cfg, b.kernels).to(device=dev, dtype=torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_flop_params = n_params - model.embed_tokens.weight.numel()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    batch, seq = 8, 2048
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(dev)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> float:
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses = [float(step()) for _ in range(3)]  # warm-up: Triton compiles, allocator settles
+    b.memory.reset_peak_stats()
+    timed = 10
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    last = [step() for _ in range(timed)]
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    losses += [float(v) for v in last]
+    tokens_per_s = batch * seq * timed / seconds
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    flops_per_token = 6 * n_flop_params + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq
+    peak = b.device.properties().peak_flops.get("bfloat16", 0.0)
+    assert all(v == v for v in losses) and losses[-1] < losses[0], f"loss did not fall: {losses}"
+    return {"params": n_params, "batch": batch, "seq_len": seq, "steps_timed": timed,
+            "step_ms": round(1e3 * seconds / timed, 1), "tokens_per_s": round(tokens_per_s),
+            "mfu": round(tokens_per_s * flops_per_token / peak, 4) if peak else None,
+            "peak_memory_gib": round(b.memory.stats().peak_allocated / 2**30, 1),
+            "loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
+            "note": "bf16 parameters and AdamW states (torch fused AdamW), no recompute, one GPU"}
+
+
 def conformance(out_dir: Path) -> dict:
     help_text = _cli("conformance", "--help", timeout=60)
     if help_text.returncode != 0:
@@ -396,6 +453,10 @@ def summary(data: dict) -> str:
         lines += ["", "| kernel (bf16 fwd+bwd) | impl ms | eager reference ms | speedup |", "|---|---|---|---|"]
         for k, r in speed.items():
             lines.append(f"| {k} | {r.get('impl_ms', r.get('impl'))} | {r.get('reference_ms', '')} | {r.get('speedup', '')} |")
+    gpt = (data["steps"].get("train_gpt_1b") or {}).get("detail") or {}
+    if gpt:
+        lines += ["", f"GPT {gpt['params'] / 1e9:.2f}B bf16: {gpt['tokens_per_s']} tokens/s, MFU {gpt['mfu']}, "
+                  f"step {gpt['step_ms']} ms, peak {gpt['peak_memory_gib']} GiB, loss {gpt['loss_first_last']}"]
     tp = (data["steps"].get("throughput") or {}).get("detail") or {}
     if tp:
         lines += ["", "| throughput | TFLOP/s | fraction of declared peak |", "|---|---|---|"]
@@ -424,6 +485,7 @@ def main() -> int:
     rep.step("kernels_vs_reference", kernels_vs_reference)
     rep.step("kernel_speed", kernel_speed)
     rep.step("throughput", throughput)
+    rep.step("train_gpt_1b", train_gpt)
     rep.step("conformance", conformance, out)
     rep.write()
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {time.monotonic() - T0:.0f} s")
