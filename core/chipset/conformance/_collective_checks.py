@@ -223,13 +223,15 @@ def _batch_p2p_ring(ctx: Ctx) -> None:
 
 def _barrier(ctx: Ctx) -> None:
     c, r, w = ctx.collective, ctx.rank, ctx.world
+    late = 1.0
     if r == w - 1:
-        time.sleep(0.5)
+        time.sleep(late)
     t0 = time.monotonic()
     c.barrier()
     waited = time.monotonic() - t0
+    # Generous margin: on a loaded host a rank may reach the barrier a little late itself.
     if r != w - 1:
-        assert waited >= 0.3, f"rank {r} left the barrier after {waited:.3f} s, before rank {w - 1} arrived (0.5 s late)"
+        assert waited >= late / 2, f"rank {r} left the barrier after {waited:.3f} s, before rank {w - 1} arrived ({late} s late)"
 
 
 def _timeout(ctx: Ctx) -> None:
