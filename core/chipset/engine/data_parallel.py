@@ -348,6 +348,10 @@ class DataParallel:
             self.launch_log = []
         for b in self.buckets:
             b.ready, b.done = 0, False
+            if b.grad is not None and any(p.grad is None for p in b.params):
+                # Someone ran model.zero_grad(set_to_none=True): honour it, re-attach the views.
+                b.grad.zero_()
+                b._bind_grads()
         with self._saved_param_hooks():
             loss = self.model.loss(tokens, targets)
         scaled = loss.float() * (self.scaler.scale / self.micro_batches)
