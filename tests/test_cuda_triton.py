@@ -130,6 +130,15 @@ def test_rms_norm_forward_and_backward(dtype):
     _check(reference.rms_norm, tk.rms_norm, [x, w], [1e-6], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_with_a_float32_weight_promotes_like_the_reference(dtype):
+    # Autocast keeps parameters in fp32 while activations are bf16/fp16: output is fp32.
+    x = _randn(3, 5, 40, dtype=dtype)
+    w = _randn(40, dtype=torch.float32, seed=1)
+    assert tk.rms_norm(x, w).dtype == torch.float32
+    _check(reference.rms_norm, tk.rms_norm, [x, w], [1e-6], dtype, out_dtype=torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_without_weight(dtype):
     _check(lambda x: reference.rms_norm(x, None, 1e-5), lambda x: tk.rms_norm(x, None, 1e-5),
@@ -181,6 +190,7 @@ def test_registry_dispatches_to_triton_when_the_predicate_holds(monkeypatch):
     _close(reg.rms_norm(x, w), reference.rms_norm(x, w), torch.float32)
     # Unsupported arguments fall back to the reference.
     assert reg.select("rms_norm", x, w.double()) is reg.reference("rms_norm")
+    assert reg.select("rms_norm", x.bfloat16(), w) is kernels.rms_norm  # autocast: fp32 weight
     assert reg.select("rms_norm", _randn(2, 20000, dtype=torch.float32), None) is reg.reference("rms_norm")
     assert reg.select("rotary_embedding", _randn(2, 4, 7, dtype=torch.float32), x[:4, :7], x[:4, :7]) is reg.reference("rotary_embedding")
     assert reg.select("swiglu", x, x.double()) is reg.reference("swiglu")

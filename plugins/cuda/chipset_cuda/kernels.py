@@ -139,7 +139,7 @@ def _triton_tensor(t) -> bool:
 def rms_norm_available(x, weight, eps=1e-6) -> bool:
     if not _triton_tensor(x) or x.dim() == 0 or x.numel() == 0:
         return False
-    if weight is not None and (weight.dtype != x.dtype or weight.shape != x.shape[-1:] or weight.device != x.device):
+    if weight is not None and (weight.dtype not in _FLOATS or weight.shape != x.shape[-1:] or weight.device != x.device):
         return False
     return x.shape[-1] <= 16384 and _triton_module() is not None
 

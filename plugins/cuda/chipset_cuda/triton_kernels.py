@@ -53,7 +53,7 @@ def _rms_norm_fwd(X, W, Y, RSTD, N, eps, HAS_W: tl.constexpr, BLOCK: tl.constexp
     x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     tl.store(RSTD + row, rstd)
-    y = (x * rstd).to(Y.dtype.element_ty)  # the reference rounds the normalised x first
+    y = (x * rstd).to(X.dtype.element_ty)  # the reference rounds the normalised x first
     if HAS_W:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         y = (y.to(tl.float32) * w).to(Y.dtype.element_ty)
@@ -78,7 +78,7 @@ def _rms_norm_bwd(DY, X, W, RSTD, DX, DW, N, n_rows, rows_per_prog, HAS_W: tl.co
         xhat = x * rstd
         if HAS_W:
             y = xhat.to(X.dtype.element_ty).to(tl.float32)
-            dw += (dy * y).to(X.dtype.element_ty).to(tl.float32)
+            dw += (dy * y).to(DY.dtype.element_ty).to(tl.float32)  # product in the output dtype
             g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
         else:
             g = dy
@@ -93,7 +93,9 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         n = x.shape[-1]
         x2 = x.reshape(-1, n).contiguous()
-        y = torch.empty_like(x2)
+        # As in the reference, a weight of another dtype (fp32 under autocast) promotes the output.
+        out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
+        y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(n)
         has_w = weight is not None
@@ -108,7 +110,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x2, w, rstd = ctx.saved_tensors
         rows, n = x2.shape
-        dy2 = dy.reshape(rows, n).contiguous()
+        dy2 = dy.reshape(rows, n).contiguous()  # in the output dtype
         dx = torch.empty_like(x2)
         progs = _programs(x2, rows)
         per = triton.cdiv(rows, progs)
@@ -121,7 +123,7 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
-    """Triton rms_norm with the reference's signature and rounding."""
+    """Triton rms_norm with the reference's signature, rounding and dtype promotion."""
     return _RMSNorm.apply(x, weight, eps)
 
 
