@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BUDGET_S = 285.0
+BUDGET_S = 250.0
 T0 = time.monotonic()
 
 
