@@ -43,6 +43,7 @@ DP_VARIANTS = {
     "zero3_accum_full": {"parallel": {"zero": 3, "micro_batches": 2}, "train": {"recompute": "full"}},
     "zero1_selective": {"parallel": {"zero": 1}, "train": {"recompute": "selective"}},
     "zero2_offload": {"parallel": {"zero": 2, "offload_optimizer": True}},
+    "zero1_bf16": {"parallel": {"zero": 1}, "train": {"dtype": "bfloat16"}},
 }
 REF_VARIANTS = {
     "ref": {},
@@ -128,6 +129,34 @@ def _overflow_run(b, zero: int, inject_step: int) -> dict:
     return out
 
 
+def _resumed_run(b, zero: int, dtype: str) -> dict:
+    """Train 3 steps, take the engine's state, load it into a fresh engine, train steps 3..5."""
+    from chipset.config import RunConfig
+    from chipset.engine import build
+
+    cfg = RunConfig.from_dict(_merge(BASE, {"parallel": {"zero": zero}, "train": {"dtype": dtype}}))
+    cfg.validate(world_size=b.collective.world_size())
+    tr = cfg.train
+    losses = []
+
+    def run(engine, data, steps):
+        for step in steps:
+            tokens, targets = data.batch(step, engine.dp_rank, engine.dp, device=engine.device)
+            loss = torch.tensor([engine.forward_backward(tokens, targets)])
+            b.collective.all_reduce(loss, "avg", group=engine.group)
+            engine.step(tr.lr)
+            losses.append(float(loss))
+
+    first, data, _ = build(cfg, b)
+    run(first, data, range(3))
+    state = first.state_dict()
+    del first
+    second, data, _ = build(cfg, b)  # fresh: initial weights again until the state is loaded
+    second.load_state_dict(state)
+    run(second, data, range(3, STEPS))
+    return {"losses": losses, "params": second.full_parameters()}
+
+
 def _job(mode: str, out_path: str) -> None:
     from chipset.loader import backend
 
@@ -152,6 +181,9 @@ def _job(mode: str, out_path: str) -> None:
                (results[n] for n in variants))
     gc.collect()
     results["leaked_bytes"] = b.memory.stats().allocated - start - kept
+    if mode == "dp":
+        results["resumed"] = {z: _resumed_run(b, z, "float32") for z in (0, 2, 3)}
+        results["resumed_bf16"] = _resumed_run(b, 1, "bfloat16")
     results["overflow"] = {z: _overflow_run(b, z, inject_step=1) for z in ((0, 3) if mode == "dp" else (0,))}
     if b.collective.rank() == 0:
         torch.save(results, out_path)
@@ -264,6 +296,23 @@ def test_zero_memory_follows_the_formulas(runs):
     for z, want in expect.items():
         got = mem[z]["bytes"]
         assert abs(got - want) <= 0.10 * want, f"zero {z}: {got} bytes held, formula {want:.0f}"
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_engine_state_round_trip_resumes_exactly(runs, zero):
+    dp, _ = runs
+    got = dp["resumed"][zero]
+    assert got["losses"] == dp[f"zero{zero}"]["losses"]
+    for k, v in dp[f"zero{zero}"]["params"].items():
+        assert torch.equal(got["params"][k], v), k
+
+
+def test_engine_state_round_trip_keeps_bf16_masters(runs):
+    dp, _ = runs
+    # Resuming must restore the fp32 masters, not re-derive them from bf16 parameters.
+    assert dp["resumed_bf16"]["losses"] == dp["zero1_bf16"]["losses"]
+    for k, v in dp["zero1_bf16"]["params"].items():
+        assert torch.equal(dp["resumed_bf16"]["params"][k], v), k
 
 
 def test_every_step_notifies_the_collective(runs):

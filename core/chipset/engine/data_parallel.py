@@ -411,4 +411,61 @@ class DataParallel:
         return out
 
     def state_dict(self) -> dict:
-        return {"step": self.step_count, "scaler": self.scaler.state_dict()}
+        """This rank's training state: what it owns of parameters and optimizer, plus the layout.
+
+        Each bucket entry says which parameters (names, shapes, offsets) its flat buffer
+        holds and which slice ``[lo, hi)`` this rank owns, so a checkpoint writer can map
+        shards to parameters (resharding across layouts is issue 6). Tensors are copies on
+        the host. :meth:`load_state_dict` restores it under the same layout.
+        """
+        buckets = []
+        for b in self.buckets:
+            b.wait()
+            if self.zero == 0:
+                owned = b.full
+            elif self.zero == 3:
+                owned = b.param_shard
+            else:
+                owned = b.full[b.lo:b.hi]
+            buckets.append({
+                "names": list(b.names), "shapes": [tuple(x) for x in b.shapes], "offsets": list(b.offsets),
+                "padded": b.padded, "lo": 0 if self.zero == 0 else b.lo, "hi": b.padded if self.zero == 0 else b.hi,
+                "params": owned.detach().to(self.host, copy=True),
+                "master": b.master.detach().to(self.host, copy=True),
+                "exp_avg": b.exp_avg.detach().to(self.host, copy=True),
+                "exp_avg_sq": b.exp_avg_sq.detach().to(self.host, copy=True),
+            })
+        return {"step": self.step_count, "scaler": self.scaler.state_dict(), "zero": self.zero,
+                "dp": self.dp, "dp_rank": self.dp_rank, "dtype": str(self.dtype).removeprefix("torch."),
+                "buckets": buckets}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output written under the same layout (collective for zero 1/2)."""
+        mine = {"zero": self.zero, "dp": self.dp, "dp_rank": self.dp_rank,
+                "dtype": str(self.dtype).removeprefix("torch."), "buckets": len(self.buckets)}
+        theirs = {k: state.get(k) for k in ("zero", "dp", "dp_rank", "dtype")}
+        theirs["buckets"] = len(state.get("buckets", []))
+        if mine != theirs or any(
+            sb["names"] != b.names or sb["padded"] != b.padded for sb, b in zip(state["buckets"], self.buckets, strict=True)
+        ):
+            raise UsageError(
+                f"training state was written under layout {theirs}, this engine is {mine} (or its buckets "
+                "hold different parameters); loading across layouts is not supported yet (issue 6)"
+            )
+        for sb, b in zip(state["buckets"], self.buckets, strict=True):
+            if self.zero == 0:
+                b.full.copy_(sb["params"])
+            elif self.zero == 3:
+                b.param_shard.copy_(sb["params"])
+            else:
+                b.full[b.lo:b.hi].copy_(sb["params"])
+            if not b.master_aliases_params:
+                b.master.copy_(sb["master"])
+            b.exp_avg.copy_(sb["exp_avg"])
+            b.exp_avg_sq.copy_(sb["exp_avg_sq"])
+            if self.zero in (1, 2) and self.dp > 1:
+                send = b.full[b.lo:b.hi].clone()
+                self.collective.all_gather(b.full, send, group=self.group)
+        self.step_count = int(state["step"])
+        self.scaler.load_state_dict(state["scaler"])
