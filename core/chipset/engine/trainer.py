@@ -102,7 +102,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     metrics_file = None
     if run_dir is not None and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(run_dir / "metrics.jsonl", "w")  # noqa: SIM115 - closed below
+        metrics_file = open(run_dir / "metrics.jsonl", "w")
     tokens_per_step = tr.global_batch * tr.seq_len
     res = TrainResult()
     if rank == 0:
