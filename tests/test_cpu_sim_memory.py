@@ -154,3 +154,51 @@ def test_oom_from_a_compute_op_leaves_the_device_usable(oom):
 def test_retry_after_freeing_succeeds(oom):
     assert oom["first_try"] == "oom"
     assert oom["retry"] == 10 * 2**20
+
+
+RESIZE = textwrap.dedent("""
+    import gc, json, torch, chipset
+    b = chipset.backend("cpu_sim")
+    b.device.set_device(0)
+    m = b.memory
+    out = {}
+    p = torch.ones(1024)                               # 4096 bytes
+    base = m.stats().allocated
+    p.untyped_storage().resize_(0)                     # FSDP2 frees an unsharded parameter this way
+    out["freed"] = base - m.stats().allocated
+    p.untyped_storage().resize_(4096)                  # ... and brings it back
+    out["back"] = m.stats().allocated - base
+    try:
+        p.untyped_storage().resize_(32 * 2**20)        # past the 16 MiB capacity
+    except chipset.OutOfMemoryError as e:
+        out["oom"] = [str(e), p.untyped_storage().nbytes(), m.stats().allocated - base]
+    e = torch.empty(0)
+    e.resize_(1000)                                    # tensor-level resize, seen on next use
+    _ = e + 0
+    out["aten_resize"] = m.stats().allocated - base
+    del p, e, _
+    gc.collect()
+    out["end"] = m.stats().allocated
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def resized() -> dict:
+    return _run(RESIZE, CHIPSET_SIM_PROFILE="sim-tiny", CHIPSET_SIM_DEVICES="1")
+
+
+def test_storage_resize_to_zero_credits_the_bytes_and_growing_charges_them(resized):
+    assert resized["freed"] == 4096
+    assert resized["back"] == 0
+
+
+def test_storage_resize_past_capacity_is_refused_and_leaves_the_storage(resized):
+    msg, nbytes, delta = resized["oom"]
+    assert "Tried to allocate" in msg
+    assert nbytes == 4096 and delta == 0
+
+
+def test_tensor_resize_is_resynchronised_and_everything_is_freed(resized):
+    assert resized["aten_resize"] == 2 * 4000
+    assert resized["end"] == 0

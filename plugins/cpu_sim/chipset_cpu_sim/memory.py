@@ -19,6 +19,13 @@ argument and no tensor input) are checked against the capacity *before* they run
 asking a 16 GiB simulated device for 20 GiB never touches 20 GiB of host memory.
 Other ops are charged after they ran (their output size is only known then).
 
+Resizes: ``untyped_storage().resize_(n)`` (how FSDP2 frees and re-materialises unsharded
+parameters) bypasses the dispatcher, so binding a device also wraps
+``torch.UntypedStorage.resize_``: growing a tracked storage is checked against the
+capacity first, and allocated/active follow the new size (shrinking to 0 credits the
+bytes back, the freed block goes to the cache). A tensor-level ``resize_`` (an aten op)
+is re-synchronised the next time the dispatcher sees the storage.
+
 Overhead: one Python call per aten op (measured in docs/cpu_sim.md).
 """
 
@@ -98,8 +105,9 @@ class SimMemory(Memory):
     def __init__(self, device) -> None:
         self.device = device
         self._counters = [_Counters() for _ in range(device.device_count())]
-        self._seen: set[int] = set()
-        self._lock = threading.Lock()
+        self._charged: dict[int, tuple[int, int]] = {}
+        """storage key -> (device index, bytes charged)"""
+        self._lock = threading.RLock()
         self._mode: _Tracker | None = None
         device.on_set_device(self._bind)
 
@@ -108,36 +116,76 @@ class SimMemory(Memory):
         if self._mode is None:
             self._mode = _Tracker(self)
             self._mode.__enter__()  # stays active for the life of the process
+            self._wrap_storage_resize()
+
+    def _wrap_storage_resize(self) -> None:
+        previous = torch.UntypedStorage.resize_
+        memory = self
+
+        def resize_(storage, size):
+            entry = memory._charged.get(storage._cdata)
+            if entry is None:
+                return previous(storage, size)
+            memory._resize(storage._cdata, int(size), check=True)
+            try:
+                return previous(storage, size)
+            except BaseException:
+                memory._resize(storage._cdata, entry[1], check=False)
+                raise
+
+        resize_.__doc__ = previous.__doc__
+        torch.UntypedStorage.resize_ = resize_
+
+    def _resize(self, key: int, new: int, check: bool) -> None:
+        with self._lock:
+            entry = self._charged.get(key)
+            if entry is None:
+                return
+            idx, old = entry
+            c = self._counters[idx]
+            grow = _round(new) - _round(old)
+            if check and grow > 0:
+                self._check_capacity_locked(idx, new - old, need=grow)
+            self._charged[key] = (idx, new)
+            c.allocated += new - old
+            c.active += grow
+            c.cached = max(0, c.cached - grow) if grow > 0 else c.cached - grow
+            self._peaks(c)
 
     def _charge(self, t: torch.Tensor) -> None:
         s = t.untyped_storage()
         key = s._cdata
-        if key in self._seen:
-            return
         n = s.nbytes()
-        if n == 0:
+        entry = self._charged.get(key)
+        if entry is not None:
+            if entry[1] != n:  # resized by an op since we last saw it
+                self._resize(key, n, check=True)
             return
         idx = self.device.current_device()
         c = self._counters[idx]
         need = _round(n)
         with self._lock:
             self._check_capacity_locked(idx, n)
-            self._seen.add(key)
+            self._charged[key] = (idx, n)
             c.allocated += n
             c.active += need
             c.cached = max(0, c.cached - need)
-            c.peak_allocated = max(c.peak_allocated, c.allocated)
-            c.peak_active = max(c.peak_active, c.active)
-            c.peak_reserved = max(c.peak_reserved, c.reserved)
-        weakref.finalize(s, self._release, key, idx, n, need)
+            self._peaks(c)
+        weakref.finalize(s, self._release, key)
+
+    @staticmethod
+    def _peaks(c: _Counters) -> None:
+        c.peak_allocated = max(c.peak_allocated, c.allocated)
+        c.peak_active = max(c.peak_active, c.active)
+        c.peak_reserved = max(c.peak_reserved, c.reserved)
 
     def _check_capacity(self, n: int) -> None:
         with self._lock:
             self._check_capacity_locked(self.device.current_device(), n)
 
-    def _check_capacity_locked(self, idx: int, n: int) -> None:
+    def _check_capacity_locked(self, idx: int, n: int, need: int | None = None) -> None:
         c = self._counters[idx]
-        need = _round(n)
+        need = _round(n) if need is None else need
         cap = self.device.profile.memory
         if c.active + need <= cap:
             return
@@ -152,13 +200,16 @@ class SimMemory(Memory):
                 requested_bytes=n,
             )
 
-    def _release(self, key: int, idx: int, n: int, need: int) -> None:
+    def _release(self, key: int) -> None:
         with self._lock:
-            self._seen.discard(key)
+            entry = self._charged.pop(key, None)
+            if entry is None:
+                return
+            idx, n = entry
             c = self._counters[idx]
             c.allocated -= n
-            c.active -= need
-            c.cached += need
+            c.active -= _round(n)
+            c.cached += _round(n)
 
     # --- the interface ---------------------------------------------------------
     def _index(self, index: int | None) -> int:
