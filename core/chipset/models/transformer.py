@@ -8,6 +8,14 @@ fused kernels are used where it registers them and the core references elsewhere
 Recompute is data on the model: ``block.recompute`` is ``"none"``, ``"selective"``
 (the attention core is recomputed in backward) or ``"full"`` (the whole block is).
 The engine sets it (:func:`chipset.engine.recompute.apply_recompute`).
+
+Parallelism is data on the model too, swapped in by the engine's ``apply_*`` functions
+(the model never imports torch.distributed): ``Attention.attend`` (the attention core
+over ``(q, k, v)``; None = the kernel's causal attention), ``Transformer.loss_fn`` (None
+= the cross-entropy kernel), ``Transformer.seq_layout`` (None = every rank sees whole
+sequences; else an object with ``local(t)`` selecting this rank's tokens along dim 1 and
+``positions(s, device)`` giving their positions), and the projection, embedding and norm
+submodules themselves (replaced by tensor-parallel layers of the same parameter names).
 """
 
 from __future__ import annotations
@@ -46,15 +54,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
         self._k = kernels
         self.recompute_core = False
+        self.attend = None  # pluggable attention core (context parallel); None = causal kernel
 
     def _core(self, q, k, v, cos, sin):
         q = self._k.rotary_embedding(q, cos, sin)
         k = self._k.rotary_embedding(k, cos, sin)
+        if self.attend is not None:
+            return self.attend(q, k, v)
         return self._k.scaled_dot_product_attention(q, k, v, causal=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x)
+        # Shapes from the projection: a sequence-parallel projection gathers the sequence.
+        b, s = q.shape[0], q.shape[1]
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         if self.recompute_core and torch.is_grad_enabled():
@@ -115,6 +128,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.num_hidden_layers))
         self.head = OutputHead(cfg, kernels)
         self.recompute = "none"
+        self.loss_fn = None  # pluggable (vocab-parallel cross-entropy); None = the kernel
+        self.seq_layout = None  # pluggable (context parallel): which tokens this rank holds
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         ang = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), inv)
@@ -137,10 +152,13 @@ class Transformer(nn.Module):
         """The modules whose parameters are gathered together under ZeRO-3, in forward order."""
         return [self.embed_tokens, *self.layers, self.head]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``tokens`` at ``positions`` (default ``0..s-1``)."""
         s = tokens.shape[1]
-        cos = self.rope_cos[:s].to(self.embed_tokens.weight.dtype)
-        sin = self.rope_sin[:s].to(self.embed_tokens.weight.dtype)
+        cos = self.rope_cos[:s] if positions is None else self.rope_cos[positions]
+        sin = self.rope_sin[:s] if positions is None else self.rope_sin[positions]
+        cos = cos.to(self.embed_tokens.weight.dtype)
+        sin = sin.to(self.embed_tokens.weight.dtype)
         x = self.embed_tokens(tokens)
         for block in self.layers:
             if self.recompute == "full" and torch.is_grad_enabled():
@@ -150,6 +168,11 @@ class Transformer(nn.Module):
         return self.head(x)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (float32)."""
-        logits = self(tokens)
-        return self._k.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        """Mean next-token cross-entropy (float32) over the tokens this rank holds."""
+        positions = None
+        if self.seq_layout is not None:
+            positions = self.seq_layout.positions(tokens.shape[1], tokens.device)
+            tokens, targets = self.seq_layout.local(tokens), self.seq_layout.local(targets)
+        logits = self(tokens, positions)
+        loss_fn = self.loss_fn or self._k.cross_entropy
+        return loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
