@@ -85,6 +85,7 @@ STEPS = textwrap.dedent("""
         for i in range(5):
             c.all_reduce(torch.ones(4))
             print(i, flush=True)
+        c.destroy()  # leaving a gloo group alive at exit can abort the interpreter
     else:
         for step in range(5):
             c.notify_step(step)
@@ -137,7 +138,8 @@ def test_delay_makes_every_collective_of_that_rank_late():
         t0 = time.perf_counter()
         for _ in range(3):
             c.all_reduce(torch.ones(4))
-        print(time.perf_counter() - t0, c.stats_dict()["all_reduce@world"]["calls"])
+        print(time.perf_counter() - t0, c.stats_dict()["all_reduce@world"]["calls"], flush=True)
+        c.destroy()  # leaving a gloo group alive at exit can abort the interpreter
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=_env(CHIPSET_SIM_FAULTS="delay:rank=0,ms=200"), timeout=120)
