@@ -130,6 +130,8 @@ class TrainConfig:
     """Activation recompute: none, selective (attention core) or full (whole blocks)."""
     log_every: int = 1
     """Print a progress line every N steps on rank 0."""
+    profile_steps: str = ""
+    """Steps FIRST:LAST (1-based, inclusive) to record a torch.profiler Chrome trace per rank into RUN_DIR/traces; empty = off."""
 
 
 @dataclass
@@ -315,6 +317,20 @@ def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConf
     return cfg, problems
 
 
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """``train.profile_steps``: ``"a:b"`` -> (a, b), 1-based inclusive; ``""`` -> None; ValueError if malformed."""
+    if not text:
+        return None
+    a, sep, b = text.partition(":")
+    try:
+        first, last = int(a), int(b if sep else a)
+    except ValueError:
+        raise ValueError(f"expected FIRST:LAST step numbers such as 3:5, found {text!r}") from None
+    if first < 1 or last < first:
+        raise ValueError(f"expected 1 <= FIRST <= LAST, found {text!r}")
+    return first, last
+
+
 def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, ...] | None = None) -> list[str]:
     """Every cross-field problem of ``cfg`` as a list of messages (fills ``parallel.dp`` when 0)."""
     m, par, tr, da = cfg.model, cfg.parallel, cfg.train, cfg.data
@@ -330,6 +346,10 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
              "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "init_std")
     positive("parallel", par, "tp", "pp", "ep", "cp", "micro_batches", "bucket_mb")
     positive("train", tr, "steps", "global_batch", "seq_len", "lr", "eps", "log_every")
+    try:
+        parse_profile_steps(tr.profile_steps)
+    except ValueError as exc:
+        problems.append(f"train.profile_steps = {tr.profile_steps!r}: {exc}")
     if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         problems.append(
             f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size ({m.hidden_size})"

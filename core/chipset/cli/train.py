@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
                    help="rendezvous endpoint for multi-node jobs (passed to torchrun)")
     p.add_argument("--run-dir", default=None, metavar="DIR", help="where to write config.toml, metrics.jsonl, "
                    "summary.json (default runs/<timestamp>)")
+    p.add_argument("--profile-steps", default=None, metavar="FIRST:LAST",
+                   help="record a torch.profiler Chrome trace of steps FIRST..LAST (1-based) per rank into "
+                   "RUN_DIR/traces (same as --set train.profile_steps=FIRST:LAST)")
     p.set_defaults(run=run)
 
 
@@ -35,6 +38,8 @@ def run(args) -> int:
     if args.nproc < 1 or args.nnodes < 1:
         raise UsageError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be >= 1")
     world = args.nproc * args.nnodes
+    if args.profile_steps is not None:
+        args.overrides = [*args.overrides, f'train.profile_steps="{args.profile_steps}"']
     parse_overrides(args.overrides)  # malformed --set items fail before the backend is loaded
     # Resolve the backend once, here; every rank gets its name.
     b = backend()

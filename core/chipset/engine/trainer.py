@@ -16,11 +16,14 @@ from pathlib import Path
 import torch
 
 from chipset.config import RunConfig
+from chipset.engine.context_parallel import ContextParallel, apply_cp
 from chipset.engine.data import SyntheticTokens, TextBytes, make_dataset
 from chipset.engine.data_parallel import DataParallel
+from chipset.engine.metrics import StepMetrics, trace_range
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
 from chipset.engine.recompute import apply_recompute
+from chipset.engine.tensor_parallel import TPContext, apply_tp
 from chipset.models import Transformer
 
 __all__ = ["TrainResult", "build", "train", "params_digest"]
@@ -57,6 +60,11 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
     dtype = DTYPE_BY_NAME[tr.dtype]
     backend.device.check_dtype(dtype)
     model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
+    if dims.tp_enabled:
+        tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
+        apply_tp(model, tp=tp)
+    if dims.cp_enabled:
+        apply_cp(model, cp=ContextParallel(col, dims.group("cp", col), backend.kernels))
     apply_recompute(model, mode=tr.recompute)
     if tr.dtype == "float16":
         scaler = LossScaler(
@@ -95,7 +103,8 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     col = backend.collective
     rank = col.rank()
     engine, data, dims = build(cfg, backend)
-    dp_rank = engine.dp_rank
+    # Data is split over dp only: tp and cp ranks of one dp index see the same sequences.
+    dp_rank, dp_size = dims.coords(rank)["dp"], dims.dp
     tr, par = cfg.train, cfg.parallel
     device = engine.device
     run_dir = Path(run_dir) if run_dir is not None else None
@@ -112,17 +121,20 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
               f"recompute {tr.recompute}", file=out, flush=True)
     overall_peak = 0
     times = []
+    obs = StepMetrics(cfg, backend, dims, device=device, run_dir=run_dir, rank=rank, out=out)
     try:
         for step in range(tr.steps):
             col.notify_step(step)
             backend.memory.reset_peak_stats()
+            obs.begin_step(step)
             t0 = time.perf_counter()
             losses = []
             for m in range(par.micro_batches):
-                tokens, targets = data.batch(step, dp_rank, engine.dp, m, par.micro_batches, device=device)
+                tokens, targets = data.batch(step, dp_rank, dp_size, m, par.micro_batches, device=device)
                 losses.append(engine.forward_backward(tokens, targets, last=m == par.micro_batches - 1))
             lr = lr_at(cfg, step)
-            stats = engine.step(lr)
+            with trace_range("chipset::optimizer"):
+                stats = engine.step(lr)
             # Loss of the global batch: mean over micro-batches and dp ranks.
             loss_t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32, device=device)
             if engine.dp > 1:
@@ -137,6 +149,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             rec = {"step": step + 1, "loss": loss, "grad_norm": stats["grad_norm"], "lr": lr,
                    "loss_scale": stats["loss_scale"], "skipped": stats["skipped"],
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "peak_memory_bytes": peak}
+            rec = obs.end_step(rec)  # every rank's time, memory and communication, gathered
             res.losses.append(loss)
             res.metrics.append(rec)
             if metrics_file is not None:
@@ -148,6 +161,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
                       f"lr {lr:.2e}  {rec['tokens_per_s']:9.0f} tok/s  mem {_fmt_bytes(peak)}{skipped}",
                       file=out, flush=True)
     finally:
+        obs.close()
         if metrics_file is not None:
             metrics_file.close()
 
@@ -171,6 +185,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         "skipped_steps": engine.scaler.skipped_steps,
         "loss_scale": engine.scaler.state_dict(),
         "params_digest": params_digest(params),
+        **obs.summary(),
     }
     res.summary = summary
     if keep_params:

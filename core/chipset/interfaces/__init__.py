@@ -1,7 +1,7 @@
 """The interfaces a backend implements: Device, Memory, Collective, Capabilities."""
 
 from chipset.interfaces.capabilities import ALL_COLLECTIVES, Capabilities
-from chipset.interfaces.collective import Collective, Group, Handle, P2POp
+from chipset.interfaces.collective import Collective, CommStats, Group, Handle, OpCounter, P2POp
 from chipset.interfaces.device import Device, DeviceProperties, Event, Stream, dtype_name
 from chipset.interfaces.memory import Memory, MemoryStats
 
@@ -9,6 +9,7 @@ __all__ = [
     "ALL_COLLECTIVES",
     "Capabilities",
     "Collective",
+    "CommStats",
     "Device",
     "DeviceProperties",
     "Event",
@@ -16,6 +17,7 @@ __all__ = [
     "Handle",
     "Memory",
     "MemoryStats",
+    "OpCounter",
     "P2POp",
     "Stream",
     "dtype_name",

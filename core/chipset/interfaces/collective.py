@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from chipset.errors import CollectiveError, CollectiveTimeoutError, ConfigError
 from chipset.interfaces.device import Device
 
-__all__ = ["Collective", "Group", "Handle", "P2POp", "REDUCE_OPS", "collective_timeout"]
+__all__ = ["Collective", "CommStats", "Group", "Handle", "OpCounter", "P2POp", "REDUCE_OPS", "collective_timeout"]
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -70,22 +71,64 @@ class P2POp:
     group: Group | None = None
 
 
+@dataclass
+class OpCounter:
+    """Accounting of one collective op type on this rank."""
+
+    calls: int = 0
+    bytes: int = 0
+    """Bytes of the tensors handed to the op (inputs; for send/recv the buffer), summed over calls."""
+    seconds: float = 0.0
+    """Seconds the caller was blocked: the call itself plus, for async ops, ``Handle.wait()``."""
+
+    def add_seconds(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
+class CommStats:
+    """Per-op-type counters of one Collective (``Collective.comm_stats``); cumulative since creation."""
+
+    def __init__(self) -> None:
+        self.ops: dict[str, OpCounter] = {}
+
+    def counter(self, op: str) -> OpCounter:
+        c = self.ops.get(op)
+        if c is None:
+            c = self.ops[op] = OpCounter()
+        return c
+
+    def snapshot(self) -> dict[str, tuple[int, int, float]]:
+        """``{op: (calls, bytes, seconds)}``: subtract two snapshots to account a window."""
+        return {op: (c.calls, c.bytes, c.seconds) for op, c in self.ops.items()}
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+
 class Handle:
     """An in-flight async collective; ``wait()`` raises chipset errors on failure."""
 
-    def __init__(self, work: Any, describe: str, translate: Callable[[BaseException, str], BaseException]):
+    _account: Callable[[float], None] | None = None
+
+    def __init__(self, work: Any, describe: str, translate: Callable[[BaseException, str], BaseException],
+                 account: Callable[[float], None] | None = None):
         self._work = work
         self._describe = describe
         self._translate = translate
+        self._account = account  # gets the seconds wait() blocked: the op's exposed time
 
     def wait(self) -> None:
         """Block until the op has completed."""
         if self._work is None:
             return
+        t0 = time.perf_counter()
         try:
             self._work.wait()
         except Exception as exc:
             raise self._translate(exc, self._describe) from exc
+        finally:
+            if self._account is not None:
+                self._account(time.perf_counter() - t0)
 
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
@@ -241,17 +284,40 @@ class Collective:
         self._run("barrier", g, [], lambda: dist.barrier(group=g.pg), False)
 
     # --- the single choke point ----------------------------------------------
+    @property
+    def comm_stats(self) -> CommStats:
+        """Calls, bytes and blocking seconds per op type, counted by :meth:`_run` on every backend."""
+        stats = self.__dict__.get("_comm_stats")
+        if stats is None:  # created lazily: subclasses need not call our __init__
+            stats = self.__dict__["_comm_stats"] = CommStats()
+        return stats
+
     def _run(self, op: str, group: Group, tensors: list[torch.Tensor], fn: Callable[[], Any], async_op: bool, raw: bool = False):
-        """Run one collective. Backends override to add accounting or fault injection."""
+        """Run one collective. Backends override to add accounting or fault injection.
+
+        Counts the op in :attr:`comm_stats` (one dict update and two clock reads, so it is
+        always on) and, while a torch profiler is recording, marks it as a
+        ``chipset::<op>`` range in the trace.
+        """
         describe = f"{op} on {group.name} ({group.size} ranks)"
+        counter = self.comm_stats.counter(op)
+        counter.calls += 1
+        counter.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        t0 = time.perf_counter()
         try:
-            work = fn()
+            if torch.autograd.profiler._is_profiler_enabled:
+                with torch.profiler.record_function(f"chipset::{op}"):
+                    work = fn()
+            else:
+                work = fn()
         except Exception as exc:
             raise self._translate(exc, describe) from exc
+        finally:
+            counter.seconds += time.perf_counter() - t0
         if raw:
             return work
         if async_op:
-            return Handle(work, describe, self._translate)
+            return Handle(work, describe, self._translate, account=counter.add_seconds)
         return None
 
     def _translate(self, exc: BaseException, describe: str) -> BaseException:

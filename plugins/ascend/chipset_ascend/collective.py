@@ -119,7 +119,7 @@ class AscendCollective(Collective):
     def _run(self, op, group, tensors, fn, async_op, raw=False):
         handle = super()._run(op, group, tensors, fn, async_op, raw)
         if async_op and not raw and handle is not None:
-            return _WaitedHandle(handle._work, handle._describe, handle._translate)
+            return _WaitedHandle(handle._work, handle._describe, handle._translate, account=handle._account)
         return handle
 
     @staticmethod

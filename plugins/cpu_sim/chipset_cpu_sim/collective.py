@@ -110,7 +110,7 @@ class SimCollective(Collective):
         try:
             h = super()._run(op, group, tensors, fn, async_op, raw)
             if isinstance(h, Handle):
-                h = _SimHandle(h._work, h._describe, h._translate)
+                h = _SimHandle(h._work, h._describe, h._translate, account=h._account)
             return h
         finally:
             s = self.stats[(op, group.name)]
