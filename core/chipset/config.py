@@ -71,13 +71,13 @@ class ParallelConfig:
     dp: int = 0
     """Data-parallel degree; 0 means world size / (tp*pp*cp)."""
     tp: int = 1
-    """Tensor-parallel degree (not yet supported: must be 1)."""
+    """Tensor-parallel degree: attention heads, kv heads and the MLP width are split over tp ranks; must divide each."""
     pp: int = 1
     """Pipeline-parallel degree (not yet supported: must be 1)."""
     ep: int = 1
     """Expert-parallel degree (not yet supported: must be 1)."""
     cp: int = 1
-    """Context-parallel degree (not yet supported: must be 1)."""
+    """Context-parallel degree: each sequence is split over cp ranks (2*cp chunks, load-balanced causal attention)."""
     zero: int = 0
     """ZeRO stage: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters."""
     micro_batches: int = 1
@@ -86,6 +86,8 @@ class ParallelConfig:
     """Gradient bucket size in MiB for zero 0..2 (zero 3 uses one bucket per layer)."""
     offload_optimizer: bool = False
     """Keep the fp32 master weights and Adam state on the host (ZeRO-Offload style)."""
+    sequence_parallel: bool = False
+    """With tp > 1: split norm regions along the sequence over tp (reduce-scatter/all-gather instead of all-reduce)."""
 
 
 @dataclass
@@ -371,7 +373,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
         problems.append(f"parallel.zero = {par.zero!r}: expected a ZeRO stage 0, 1, 2 or 3")
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
-    for name in ("tp", "pp", "ep", "cp"):
+    problems += _tp_cp_problems(m, par, tr)
+    for name in ("pp", "ep"):
         v = getattr(par, name)
         if v > 1:
             problems.append(
@@ -425,6 +428,28 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
                 f"train.global_batch ({tr.global_batch}) must be divisible by dp*micro_batches "
                 f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
             )
+    return problems
+
+
+def _tp_cp_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig) -> list[str]:
+    """Tensor, sequence and context parallelism against the model and the sequence length."""
+    problems = []
+    kv = m.num_key_value_heads or m.num_attention_heads
+    if par.tp > 1:
+        for what, n, key in (("heads", m.num_attention_heads, "num_attention_heads"),
+                             ("kv heads", kv, "num_key_value_heads"),
+                             ("the MLP width", m.intermediate_size, "intermediate_size")):
+            if n > 0 and n % par.tp:
+                problems.append(f"tp ({par.tp}) must divide {what} ({n}) (model.{key}); choose another parallel.tp")
+    if par.cp > 1 and tr.seq_len > 0 and tr.seq_len % (2 * par.cp):
+        problems.append(
+            f"train.seq_len ({tr.seq_len}) must be divisible by 2*cp ({2 * par.cp}): context parallelism cuts each "
+            "sequence into 2*cp chunks"
+        )
+    elif par.sequence_parallel and par.tp > 1 and par.cp > 0 and tr.seq_len > 0 and (tr.seq_len // par.cp) % par.tp:
+        problems.append(
+            f"train.seq_len/cp ({tr.seq_len}/{par.cp}) must be divisible by tp ({par.tp}) with parallel.sequence_parallel"
+        )
     return problems
 
 

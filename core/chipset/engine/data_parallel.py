@@ -66,6 +66,7 @@ class Bucket:
         self.shard = self.padded // e.dp
         self.lo = e.dp_rank * self.shard
         self.hi = self.lo + self.shard
+        self.norm_segments = self._norm_segments() if e.tp_group is not None else None
         self.ready = 0
         self.done = False
         self.handle: Handle | None = None
@@ -108,6 +109,29 @@ class Bucket:
                 self.master = e.place_host(src.detach().float().to(opt_dev).clone())
             self.exp_avg = e.place_host(torch.zeros_like(self.master))
             self.exp_avg_sq = e.place_host(torch.zeros_like(self.master))
+
+    def _norm_segments(self) -> list[tuple[int, int, float]]:
+        """(start, end, weight) over the owned gradient for the global-norm sum under tp:
+        weight 1 for tp-sharded parameters, 1/tp for replicated ones (their squares are then
+        summed over tp, so each replicated element counts once)."""
+        e = self.engine
+        lo, hi = (0, self.padded) if e.zero == 0 else (self.lo, self.hi)
+        out = []
+        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append((a - lo, b - lo, 1.0 if hasattr(p, "tp_dim") else 1.0 / e.tp_group.size))
+        return out
+
+    def owned_sq(self) -> torch.Tensor:
+        """Sum of squares of the owned gradient (weighted under tp, see ``_norm_segments``)."""
+        g = self.grad_owned().float()
+        if self.norm_segments is None:
+            return g.pow(2).sum()
+        total = torch.zeros((), dtype=torch.float32, device=g.device)
+        for a, b, w in self.norm_segments:
+            total += g[a:b].pow(2).sum() * w
+        return total
 
     # --- parameter storage ---------------------------------------------------------
     def _bind_params(self, flat: torch.Tensor) -> None:
@@ -255,7 +279,10 @@ class DataParallel:
         self.device = backend.device.torch_device()
         self.host = torch.device("cpu")
         self.offload = offload_optimizer
-        self.group: Group = dims.dp_group(self.collective)
+        # Gradients are averaged over the ranks holding replicas: dp x cp, never tp or pp.
+        self.group: Group = dims.replica_group(self.collective)
+        # Clipping sums squares of tp-sharded gradients over tp (replicated ones count once).
+        self.tp_group: Group | None = dims.group("tp", self.collective) if dims.tp_enabled else None
         self.dp = self.group.size
         self.dp_rank = self.group.ranks.index(self.collective.rank())
         self.micro_batches = micro_batches
@@ -372,13 +399,14 @@ class DataParallel:
         # Sum of squares and an overflow flag over what this rank owns, in one all-reduce.
         sq = torch.zeros(2, dtype=torch.float32, device=self.device)
         for b in self.buckets:
-            g = b.grad_owned().float()
-            sq[0] += g.pow(2).sum()
+            sq[0] += b.owned_sq()
         if not torch.isfinite(sq[0]):
             sq[1] = 1.0
             sq[0] = 0.0
         if self.zero >= 1 and self.dp > 1:
             self.collective.all_reduce(sq, "sum", group=self.group)
+        if self.tp_group is not None:
+            self.collective.all_reduce(sq, "sum", group=self.tp_group)
         found_inf = bool(sq[1] > 0)
         norm = math.sqrt(float(sq[0])) * inv_scale
         self.scaler.update(found_inf)
@@ -401,7 +429,8 @@ class DataParallel:
     # --- inspection -------------------------------------------------------------------
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, unsharded, as float32 on the host (collective for stage 3)."""
+        """Every parameter, unsharded, as float32 on the host, by its single-process name
+        (collective for stage 3 and under tp: tp slices are gathered, vocabulary padding dropped)."""
         out = {}
         for b in self.buckets:
             was = b.full is not None
@@ -410,6 +439,12 @@ class DataParallel:
                 out[n] = b.full[off:off + k].view(shape).float().to(self.host).clone()
             if not was:
                 b.release()
+        if self.tp_group is not None:
+            from chipset.engine.tensor_parallel import TPContext, gather_full_parameters
+
+            order = [n for n, _ in self.model.named_parameters()]
+            out = {n: out[n] for n in order}  # the same gather order on every tp rank
+            out = gather_full_parameters(out, self.model, TPContext(self.collective, self.tp_group), self.device)
         return out
 
     def state_dict(self) -> dict:

@@ -99,15 +99,22 @@ class ParallelDims:
         return r
 
     def group_ranks(self, dim: str) -> list[list[int]]:
-        """Every group of dimension ``dim``: lists of global ranks that differ only along ``dim``."""
-        if dim not in _ORDER:
-            raise ValueError(f"unknown dimension {dim!r}; expected one of {', '.join(_ORDER)}")
+        """Every group of dimension ``dim``: lists of global ranks that differ only along ``dim``.
+
+        ``dim`` may join several dimensions with ``_`` (``"dp_cp"``): ranks that differ only
+        along those, in rank order.
+        """
+        names = dim.split("_")
+        if any(n not in _ORDER for n in names):
+            raise ValueError(f"unknown dimension {dim!r}; expected one of {', '.join(_ORDER)} (or several joined by _)")
         sizes = self._sizes()
-        others = [n for n in _ORDER if n != dim]
+        inner = [n for n in _ORDER if n in names]
+        others = [n for n in _ORDER if n not in names]
         out = []
         for idx in product(*(range(sizes[n]) for n in others)):
             fixed = dict(zip(others, idx, strict=True))
-            out.append([self.rank_of(**fixed, **{dim: i}) for i in range(sizes[dim])])
+            out.append([self.rank_of(**fixed, **dict(zip(inner, j, strict=True)))
+                        for j in product(*(range(sizes[n]) for n in inner))])
         return out
 
     # --- groups (lazy) ----------------------------------------------------------
@@ -117,9 +124,10 @@ class ParallelDims:
             return self._groups[dim]
         me = collective.rank()
         mine = None
-        if self.world_size == 1 or (dim != "dp" and getattr(self, dim) == self.world_size) or (
-            dim == "dp" and self.dp == self.world_size
-        ):
+        span = 1
+        for n in dim.split("_"):
+            span *= self._sizes().get(n, 1)
+        if self.world_size == 1 or span == self.world_size:
             mine = collective.world
         else:
             # new_group is collective over the world: every rank creates every group.
@@ -133,3 +141,9 @@ class ParallelDims:
 
     def dp_group(self, collective: Collective) -> Group:
         return self.group("dp", collective)
+
+    def replica_group(self, collective: Collective) -> Group:
+        """Ranks holding replicas of this rank's parameters: dp x cp (context-parallel ranks see
+        different tokens of the same sequences, so they average gradients like dp ranks).
+        The dp group itself when cp is 1."""
+        return self.group("dp_cp", collective) if self.cp_enabled else self.dp_group(collective)

@@ -16,12 +16,14 @@ from pathlib import Path
 import torch
 
 from chipset.config import RunConfig
+from chipset.engine.context_parallel import ContextParallel, apply_cp
 from chipset.engine.data import SyntheticTokens, TextBytes, make_dataset
 from chipset.engine.data_parallel import DataParallel
 from chipset.engine.metrics import StepMetrics, trace_range
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
 from chipset.engine.recompute import apply_recompute
+from chipset.engine.tensor_parallel import TPContext, apply_tp
 from chipset.models import Transformer
 
 __all__ = ["TrainResult", "build", "train", "params_digest"]
@@ -58,6 +60,11 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
     dtype = DTYPE_BY_NAME[tr.dtype]
     backend.device.check_dtype(dtype)
     model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
+    if dims.tp_enabled:
+        tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
+        apply_tp(model, tp=tp)
+    if dims.cp_enabled:
+        apply_cp(model, cp=ContextParallel(col, dims.group("cp", col), backend.kernels))
     apply_recompute(model, mode=tr.recompute)
     if tr.dtype == "float16":
         scaler = LossScaler(
@@ -96,7 +103,8 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     col = backend.collective
     rank = col.rank()
     engine, data, dims = build(cfg, backend)
-    dp_rank = engine.dp_rank
+    # Data is split over dp only: tp and cp ranks of one dp index see the same sequences.
+    dp_rank, dp_size = dims.coords(rank)["dp"], dims.dp
     tr, par = cfg.train, cfg.parallel
     device = engine.device
     run_dir = Path(run_dir) if run_dir is not None else None
@@ -122,7 +130,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             t0 = time.perf_counter()
             losses = []
             for m in range(par.micro_batches):
-                tokens, targets = data.batch(step, dp_rank, engine.dp, m, par.micro_batches, device=device)
+                tokens, targets = data.batch(step, dp_rank, dp_size, m, par.micro_batches, device=device)
                 losses.append(engine.forward_backward(tokens, targets, last=m == par.micro_batches - 1))
             lr = lr_at(cfg, step)
             with trace_range("chipset::optimizer"):

@@ -1,0 +1,92 @@
+"""Context parallelism: each sequence is split across cp ranks; attention sees all of it.
+
+Load-balanced layout: the sequence is cut into ``2*cp`` equal chunks and cp rank ``i`` holds
+chunks ``i`` and ``2*cp-1-i`` (one early, one late), so under the causal mask every rank
+has the same number of (query, key) pairs to attend.
+
+Attention: each rank computes queries for its own tokens; keys and values are all-gathered
+over the cp group (backward: their gradients are reduce-scattered back to the owners), and
+the causal mask is built from global positions (key position <= query position). Rotary
+embeddings use global positions too (``Transformer.forward(tokens, positions)``).
+
+Everything else in the model is per token, so nothing else changes; each rank's loss is
+the mean over its tokens (an equal share), and cp ranks act as data-parallel replicas for
+the parameter gradients (DataParallel averages over dp x cp).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from chipset.errors import ConfigError
+from chipset.interfaces import Collective, Group
+
+__all__ = ["ContextParallel", "apply_cp"]
+
+
+class ContextParallel:
+    """This rank's share of every sequence (``model.seq_layout``) and the attention over all of it."""
+
+    def __init__(self, collective: Collective, group: Group, kernels):
+        self.collective = collective
+        self.group = group
+        self.size = group.size
+        self.rank = group.ranks.index(collective.rank())
+        self._k = kernels
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _chunks(self, rank: int) -> tuple[int, int]:
+        return rank, 2 * self.size - 1 - rank
+
+    def _check(self, s: int) -> int:
+        if s % (2 * self.size):
+            raise ConfigError(
+                f"context parallel: sequence length ({s}) must be divisible by 2*cp ({2 * self.size}); "
+                "change train.seq_len or parallel.cp"
+            )
+        return s // (2 * self.size)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of ``t`` (batch, seq, ...): chunks ``i`` and ``2cp-1-i``."""
+        c = self._check(t.shape[1])
+        a, b = self._chunks(self.rank)
+        return torch.cat([t[:, a * c:(a + 1) * c], t[:, b * c:(b + 1) * c]], dim=1)
+
+    def positions_of(self, rank: int, s: int, device=None) -> torch.Tensor:
+        c = self._check(s)
+        a, b = self._chunks(rank)
+        return torch.cat([torch.arange(a * c, (a + 1) * c, device=device),
+                          torch.arange(b * c, (b + 1) * c, device=device)])
+
+    def positions(self, s: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's tokens in a sequence of length ``s``."""
+        return self.positions_of(self.rank, s, device)
+
+    def _mask(self, s_local: int, device) -> torch.Tensor:
+        key = (s_local, str(device))
+        if key not in self._masks:
+            s = s_local * self.size
+            q = self.positions(s, device)
+            k = torch.cat([self.positions_of(r, s, device) for r in range(self.size)])
+            self._masks[key] = k.unsqueeze(0) <= q.unsqueeze(1)  # (s_local, s): True = attend
+        return self._masks[key]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of local queries over the whole sequence's keys/values ((b, h, s, d))."""
+        from chipset.engine.tensor_parallel import all_gather_along
+
+        k_all = all_gather_along(k, 2, self.collective, self.group)
+        v_all = all_gather_along(v, 2, self.collective, self.group)
+        mask = self._mask(q.shape[2], q.device)
+        return self._k.scaled_dot_product_attention(q, k_all, v_all, mask=mask, causal=False)
+
+
+def apply_cp(model: nn.Module, *, cp: ContextParallel) -> nn.Module:
+    """Make ``model`` train on this rank's share of each sequence, attending over all of it."""
+    if cp.size == 1:
+        return model
+    model.seq_layout = cp
+    for block in model.layers:
+        block.self_attn.attend = cp.attend
+    return model

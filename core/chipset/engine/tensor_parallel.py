@@ -1,0 +1,394 @@
+"""Tensor parallelism (Megatron-style) and sequence parallelism, through ``backend.collective``.
+
+Layers (each a drop-in for the module it replaces; parameter names stay the same):
+
+* :class:`ColumnParallelLinear` — the output features are split over tp ranks. Input:
+  identity forward / all-reduce backward (or, with sequence parallelism, all-gather of the
+  sequence forward / reduce-scatter backward).
+* :class:`RowParallelLinear` — the input features are split; the partial outputs are
+  all-reduced (or reduce-scattered along the sequence with sequence parallelism).
+* :class:`VocabParallelEmbedding` — rows of the (padded) vocabulary are split; ids outside
+  a rank's range look up zeros, and the partial embeddings are summed.
+* :func:`vocab_parallel_cross_entropy` — cross-entropy over logits whose vocabulary is
+  split across ranks, without gathering them: a max all-reduce and one sum all-reduce.
+* :class:`SequenceParallelRMSNorm` — with sequence parallelism each rank normalises its own
+  slice of the sequence, so the (replicated) weight's gradient is a partial sum: it is
+  all-reduced over tp in backward.
+
+A vocabulary tp does not divide is padded to the next multiple of tp; the padded rows of
+the embedding are never looked up and the padded logits are masked to -inf, so results
+equal the unpadded model's and the padded weights stay zero.
+
+Every sharded parameter carries ``tp_dim`` (the split dimension) and ``tp_size`` (its
+logical size along it, before padding); :func:`gather_full_parameters` uses them to
+rebuild single-process tensors by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chipset.errors import ConfigError
+from chipset.interfaces import Collective, Group
+
+__all__ = [
+    "TPContext",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "SequenceParallelRMSNorm",
+    "vocab_parallel_cross_entropy",
+    "apply_tp",
+    "check_tp_divides",
+    "gather_full_parameters",
+    "gather_along",
+    "reduce_scatter_along",
+]
+
+
+class TPContext:
+    """The tensor-parallel group of this rank and whether sequence parallelism is on."""
+
+    def __init__(self, collective: Collective, group: Group, *, sequence_parallel: bool = False):
+        self.collective = collective
+        self.group = group
+        self.size = group.size
+        self.rank = group.ranks.index(collective.rank())
+        self.sequence_parallel = sequence_parallel
+
+
+# --- collectives along a dimension (autograd-free helpers) ---------------------------------
+
+
+def gather_along(x: torch.Tensor, dim: int, collective: Collective, group: Group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+    xt = x.movedim(dim, 0).contiguous()
+    out = torch.empty((group.size * xt.shape[0], *xt.shape[1:]), dtype=x.dtype, device=x.device)
+    collective.all_gather(out, xt, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, collective: Collective, group: Group) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's 1/size slice along ``dim``."""
+    xt = x.movedim(dim, 0).contiguous()
+    out = torch.empty((xt.shape[0] // group.size, *xt.shape[1:]), dtype=x.dtype, device=x.device)
+    collective.reduce_scatter(out, xt, "sum", group=group)
+    return out.movedim(0, dim)
+
+
+def _all_reduce(x: torch.Tensor, collective: Collective, group: Group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    collective.all_reduce(out, "sum", group=group)
+    return out
+
+
+# --- the conjugate pairs as autograd functions ----------------------------------------------
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward, all-reduce backward (input of a column-parallel layer; replicated weights under SP)."""
+
+    @staticmethod
+    def forward(ctx, x, collective, group):
+        ctx.collective, ctx.group = collective, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.collective, ctx.group), None, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """All-reduce forward, identity backward (output of a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, collective, group):
+        return _all_reduce(x, collective, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    """All-gather along ``dim`` forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, collective, group):
+        ctx.dim, ctx.collective, ctx.group = dim, collective, group
+        return gather_along(x, dim, collective, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_along(g, ctx.dim, ctx.collective, ctx.group), None, None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    """Reduce-scatter along ``dim`` forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, dim, collective, group):
+        ctx.dim, ctx.collective, ctx.group = dim, collective, group
+        return reduce_scatter_along(x, dim, collective, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_along(g, ctx.dim, ctx.collective, ctx.group), None, None, None
+
+
+def copy_to_group(x, collective, group):
+    return _CopyToGroup.apply(x, collective, group)
+
+
+def reduce_from_group(x, collective, group):
+    return _ReduceFromGroup.apply(x, collective, group)
+
+
+def all_gather_along(x, dim, collective, group):
+    """Differentiable all-gather along ``dim`` (backward: reduce-scatter of the gradient)."""
+    return _GatherAlong.apply(x, dim, collective, group)
+
+
+def reduce_scatter_along_grad(x, dim, collective, group):
+    return _ReduceScatterAlong.apply(x, dim, collective, group)
+
+
+_SEQ = 1  # activations are (batch, seq, hidden)
+
+
+# --- layers --------------------------------------------------------------------------------------
+
+
+def _shard(full: torch.Tensor, dim: int, tp: TPContext) -> tuple[torch.Tensor, int]:
+    """This rank's slice of ``full`` along ``dim``, zero-padded to a multiple of tp first."""
+    size = full.shape[dim]
+    padded = math.ceil(size / tp.size) * tp.size
+    if padded != size:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded - size
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    per = padded // tp.size
+    return full.narrow(dim, tp.rank * per, per).clone(), size
+
+
+def _sharded_param(full: torch.Tensor, dim: int, tp: TPContext) -> nn.Parameter:
+    data, size = _shard(full.detach(), dim, tp)
+    p = nn.Parameter(data)
+    p.tp_dim = dim
+    p.tp_size = size
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T`` with W's output rows split over tp; the output stays split (no bias)."""
+
+    def __init__(self, full_weight: torch.Tensor, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = _sharded_param(full_weight, 0, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.tp
+        if t.sequence_parallel:
+            x = all_gather_along(x, _SEQ, t.collective, t.group)
+        else:
+            x = copy_to_group(x, t.collective, t.group)
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with W's input columns split over tp; partial outputs are summed over tp."""
+
+    def __init__(self, full_weight: torch.Tensor, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = _sharded_param(full_weight, 1, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.tp
+        y = F.linear(x, self.weight)
+        if t.sequence_parallel:
+            return reduce_scatter_along_grad(y, _SEQ, t.collective, t.group)
+        return reduce_from_group(y, t.collective, t.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose (padded) vocabulary rows are split over tp."""
+
+    def __init__(self, full_weight: torch.Tensor, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = _sharded_param(full_weight, 0, tp)
+        self.per = self.weight.shape[0]
+        self.lo = tp.rank * self.per
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = self.tp
+        outside = (tokens < self.lo) | (tokens >= self.lo + self.per)
+        local = (tokens - self.lo).masked_fill(outside, 0)
+        x = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if t.sequence_parallel:
+            return reduce_scatter_along_grad(x, _SEQ, t.collective, t.group)
+        return reduce_from_group(x, t.collective, t.group)
+
+
+class SequenceParallelRMSNorm(nn.Module):
+    """RMSNorm on this rank's slice of the sequence; the weight's gradient is all-reduced over tp."""
+
+    def __init__(self, norm: nn.Module, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = norm.weight  # same Parameter: the name and the init are kept
+        self.eps = norm.eps
+        self._k = norm._k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = copy_to_group(self.weight, self.tp.collective, self.tp.group)
+        return self._k.rms_norm(x, w, self.eps)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, lo, vocab_size, ignore_index, collective, group):
+        lf = logits.float()
+        n_local = lf.shape[-1]
+        cols = torch.arange(lo, lo + n_local, device=lf.device)
+        if lo + n_local > vocab_size:  # padded vocabulary columns never win and get no gradient
+            lf = lf.masked_fill(cols >= vocab_size, float("-inf"))
+        m = lf.max(dim=-1).values
+        collective.all_reduce(m, "max", group=group)
+        ex = torch.exp(lf - m.unsqueeze(-1))
+        valid = target != ignore_index
+        mine = valid & (target >= lo) & (target < lo + n_local)
+        idx = torch.where(mine, target - lo, torch.zeros_like(target))
+        picked = torch.where(mine, lf.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(m))
+        both = torch.stack([ex.sum(dim=-1), picked])
+        collective.all_reduce(both, "sum", group=group)
+        sumexp, picked = both[0], both[1]
+        loss = torch.where(valid, torch.log(sumexp) + m - picked, torch.zeros_like(m))
+        count = valid.sum().clamp(min=1)
+        ctx.save_for_backward(ex, sumexp, idx, mine, valid, count)
+        ctx.dtype = logits.dtype
+        return loss.sum() / count
+
+    @staticmethod
+    def backward(ctx, g):
+        ex, sumexp, idx, mine, valid, count = ctx.saved_tensors
+        grad = ex / sumexp.unsqueeze(-1)
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows[mine], idx[mine]] -= 1.0
+        grad = grad * (valid.unsqueeze(-1) * (g / count))
+        return grad.to(ctx.dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, tp: TPContext, vocab_size: int,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` (N, V_padded/tp: this rank's vocabulary columns) on ``target`` (N,).
+
+    Equals the unsharded ``cross_entropy`` on the full logits; padded columns (ids >=
+    ``vocab_size``) are masked.
+    """
+    lo = tp.rank * logits.shape[-1]
+    return _VocabParallelCE.apply(logits, target, lo, vocab_size, ignore_index, tp.collective, tp.group)
+
+
+class _VocabParallelLoss:
+    """``model.loss_fn`` under tp (a small callable object rather than a lambda, for pickling/reprs)."""
+
+    def __init__(self, tp: TPContext, vocab_size: int):
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, target, tp=self.tp, vocab_size=self.vocab_size)
+
+
+# --- applying tp to the reference transformer --------------------------------------------------
+
+
+def check_tp_divides(tp: int, *, heads: int, kv_heads: int, intermediate: int) -> list[str]:
+    """Problems that stop ``tp`` from splitting the model (messages quote the numbers)."""
+    problems = []
+    if tp > 1:
+        if heads % tp:
+            problems.append(f"tp ({tp}) must divide heads ({heads}) (model.num_attention_heads)")
+        if kv_heads % tp:
+            problems.append(f"tp ({tp}) must divide kv heads ({kv_heads}) (model.num_key_value_heads)")
+        if intermediate % tp:
+            problems.append(f"tp ({tp}) must divide the MLP width ({intermediate}) (model.intermediate_size)")
+    return problems
+
+
+def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
+    """Replace the projections, embedding, logit layer, loss (and, with sequence parallelism, the
+    norms) of the reference Transformer by tensor-parallel versions, in place.
+
+    The model must hold the full, single-process initialised weights; each rank keeps its
+    slice. Logits come out split over the vocabulary; ``model.loss`` uses the
+    vocab-parallel cross-entropy.
+    """
+    cfg = model.cfg
+    kv = cfg.num_key_value_heads or cfg.num_attention_heads
+    problems = check_tp_divides(tp.size, heads=cfg.num_attention_heads, kv_heads=kv,
+                                intermediate=cfg.intermediate_size)
+    if problems:
+        raise ConfigError("cannot apply tensor parallelism: " + "; ".join(problems) + "; choose another parallel.tp")
+    if tp.size == 1:
+        return model
+    sp = tp.sequence_parallel
+
+    def norm(m):
+        return SequenceParallelRMSNorm(m, tp) if sp else m
+
+    for block in model.layers:
+        a = block.self_attn
+        a.q_proj = ColumnParallelLinear(a.q_proj.weight, tp)
+        a.k_proj = ColumnParallelLinear(a.k_proj.weight, tp)
+        a.v_proj = ColumnParallelLinear(a.v_proj.weight, tp)
+        a.o_proj = RowParallelLinear(a.o_proj.weight, tp)
+        a.n_heads //= tp.size
+        a.n_kv //= tp.size
+        m = block.mlp
+        m.gate_proj = ColumnParallelLinear(m.gate_proj.weight, tp)
+        m.up_proj = ColumnParallelLinear(m.up_proj.weight, tp)
+        m.down_proj = RowParallelLinear(m.down_proj.weight, tp)
+        block.input_layernorm = norm(block.input_layernorm)
+        block.post_attention_layernorm = norm(block.post_attention_layernorm)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, tp)
+    model.head.norm = norm(model.head.norm)
+    model.head.lm_head = ColumnParallelLinear(model.head.lm_head.weight, tp)
+    model.loss_fn = _VocabParallelLoss(tp, cfg.vocab_size)
+    return model
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is one rank's slice of a tensor-parallel parameter."""
+    return hasattr(p, "tp_dim")
+
+
+@torch.no_grad()
+def gather_full_parameters(local: dict[str, torch.Tensor], model: nn.Module, tp: TPContext | None,
+                           device: torch.device) -> dict[str, torch.Tensor]:
+    """Logical (single-process) tensors by name from this rank's tp slices (collective over tp).
+
+    ``local``: name -> this rank's tensor (e.g. ``DataParallel.full_parameters()`` before
+    the gather). Replicated parameters pass through; sharded ones are all-gathered over
+    tp along ``tp_dim`` and trimmed to ``tp_size`` (vocabulary padding dropped). Every tp
+    rank returns the same dict, on the device of ``local``'s tensors.
+    """
+    if tp is None or tp.size == 1:
+        return dict(local)
+    params = dict(model.named_parameters())
+    out = {}
+    for name in local:  # same order on every rank: the model's parameter order
+        p = params.get(name)
+        t = local[name]
+        if p is None or not is_tp_sharded(p):
+            out[name] = t
+            continue
+        full = gather_along(t.to(device), p.tp_dim, tp.collective, tp.group)
+        out[name] = full.narrow(p.tp_dim, 0, p.tp_size).to(t.device).clone()
+    return out
