@@ -65,7 +65,7 @@ def test_validation_quotes_the_numbers():
     assert "model.num_attention_heads (5) must divide model.hidden_size (32)" in msg
     assert "train.dtype = 'float8'" in msg
     assert "dp*tp*pp*cp (6) must equal world size (4)" in msg
-    assert "parallel.tp = 2: tp > 1 is not supported yet" in msg
+    assert "tp (2) must divide heads (5)" in msg
 
 
 def test_dp_defaults_to_world_size_and_must_divide_the_batch():
