@@ -185,5 +185,73 @@ def test_tp_ranks_hold_about_half_the_parameters(runs):
     assert got["numel_tp2"] < 0.55 * ref["numel"], (got["numel_tp2"], ref["numel"])
 
 
+def test_cli_trains_tp_sp_cp_through_torchrun_like_one_process(runs, tmp_path):
+    """`chipset train --nproc 4 --set parallel.tp=2 --set parallel.cp=2 --set parallel.sequence_parallel=true`
+    lands on the single-process reference's first steps (same model, seed and global batch)."""
+    import json
+
+    sets = [f"{sec}.{k}={v}" for sec, body in BASE.items() for k, v in body.items() if k != "steps"]
+    sets += ["train.steps=3", "parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"]
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "4", "--run-dir", str(run_dir),
+                        *(x for item in sets for x in ("--set", item))],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"]["tp"] == 2 and summary["layout"]["cp"] == 2 and summary["layout"]["dp"] == 1
+    got = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert got == pytest.approx(runs[1]["ref"]["losses"][:3], rel=1e-5)
+
+
+@pytest.mark.parametrize(("args", "expect"), [
+    (["--nproc", "3", "--set", "parallel.tp=3", "--set", "model.num_attention_heads=8"], "tp (3) must divide heads (8)"),
+    (["--nproc", "2", "--set", "parallel.tp=2", "--set", "model.num_key_value_heads=1"], "tp (2) must divide kv heads (1)"),
+    (["--nproc", "2", "--set", "parallel.cp=2", "--set", "train.seq_len=6"],
+     "train.seq_len (6) must be divisible by 2*cp (4)"),
+    (["--nproc", "2", "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true", "--set", "train.seq_len=15"],
+     "train.seq_len/cp (15/1) must be divisible by tp (2)"),
+])
+def test_layouts_the_model_cannot_take_are_refused_before_launch(tmp_path, capsys, args, expect):
+    from chipset.cli.main import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", *args, "--run-dir", str(run_dir)]) == 2
+    assert expect in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_gradient_replicas_are_dp_times_cp_never_tp():
+    from chipset.engine import ParallelDims
+
+    d = ParallelDims(dp=2, tp=2, world_size=4)
+    assert d.group_ranks("dp") == [[0, 2], [1, 3]] and d.group_ranks("tp") == [[0, 1], [2, 3]]
+    d = ParallelDims(dp=2, cp=2, tp=2, world_size=8)  # rank = (dp_i*cp + cp_i)*tp + tp_i
+    assert d.group_ranks("dp_cp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert d.group_ranks("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_context_parallel_chunks_are_load_balanced():
+    """cp rank i holds chunks i and 2cp-1-i; every rank has the same number of causal (q, k) pairs."""
+    from chipset.engine.context_parallel import ContextParallel
+    from chipset.interfaces import Group
+
+    class Col:
+        def __init__(self, r):
+            self.r = r
+
+        def rank(self):
+            return self.r
+
+    cp, s = 4, 32
+    layouts = [ContextParallel(Col(r), Group(tuple(range(cp))), kernels=None) for r in range(cp)]
+    pos = [lay.positions(s) for lay in layouts]
+    assert torch.cat(pos).sort().values.tolist() == list(range(s))
+    assert pos[0].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]
+    pairs = [int((p + 1).sum()) for p in pos]  # query at position t attends t+1 keys
+    assert len(set(pairs)) == 1, pairs
+    tokens = torch.arange(s).unsqueeze(0)
+    assert layouts[1].local(tokens).tolist() == [pos[1].tolist()]
+
+
 if __name__ == "__main__":
     _job(sys.argv[1], sys.argv[2])
