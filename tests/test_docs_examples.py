@@ -1,0 +1,135 @@
+"""Every fenced example in docs/*.md and README.md runs and exits 0 on cpu_sim.
+
+Which blocks run: ```python (the block is a script, run in the test's process),
+```console (each ``$ `` line is a
+command; other lines are output and are not compared), ```bash and ```sh (the block is a
+bash script, ``set -e``). Blocks of one page run in order in one fresh directory, so a
+later block may read what an earlier one wrote (``runs/...``). To keep a block from
+running, give its fence a reason: ```` ```bash skip-example: needs a GPU ````; the test is
+then reported as skipped with that reason (mkdocs_hooks.py drops the marker when the site
+is built). Keep examples tiny (a few steps, a small batch) so this file stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNABLE = {"python", "console", "bash", "sh"}
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+_SKIP = re.compile(r"\bskip-example:\s*(?P<reason>.*)$")
+
+
+def blocks(path: Path) -> list[tuple[int, str, str, str | None]]:
+    """``(line, language, code, skip reason or None)`` for each runnable fenced block of ``path``."""
+    out = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, info, indent = m["fence"], m["info"].strip(), len(m["indent"])
+        start = i + 1
+        i += 1
+        body = []
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][indent:] if lines[i][:indent].strip() == "" else lines[i])
+            i += 1
+        i += 1
+        lang = info.split()[0].lower() if info else ""
+        if lang in RUNNABLE:
+            skip = _SKIP.search(info)
+            out.append((start, lang, "\n".join(body) + "\n", skip["reason"].strip() if skip else None))
+    return out
+
+
+PAGES = sorted(ROOT.glob("docs/*.md")) + [ROOT / "README.md"]
+CASES = [(page, *b) for page in PAGES for b in blocks(page)]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env["CHIPSET_BACKEND"] = "cpu_sim"
+    env["OMP_NUM_THREADS"] = "1"
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def console_commands(code: str) -> list[str]:
+    """The ``$ `` commands of a console block; a trailing backslash continues a command."""
+    cmds, cur = [], None
+    for line in code.splitlines():
+        if cur is not None:
+            cur += "\n" + line
+        elif line.startswith("$ "):
+            cur = line[2:]
+        else:
+            continue
+        if not cur.endswith("\\"):
+            cmds.append(cur)
+            cur = None
+    return cmds
+
+
+@pytest.fixture(scope="module")
+def page_dirs(tmp_path_factory):
+    dirs: dict[Path, Path] = {}
+
+    def get(page: Path) -> Path:
+        if page not in dirs:
+            dirs[page] = tmp_path_factory.mktemp(page.stem.replace(".", "_"))
+        return dirs[page]
+
+    return get
+
+
+@pytest.mark.parametrize("page, line, lang, code, skip", CASES,
+                         ids=[f"{c[0].name}:{c[1]}" for c in CASES])
+def test_doc_example_runs(page, line, lang, code, skip, page_dirs, monkeypatch):
+    if skip is not None:
+        pytest.skip(f"{page.name}:{line}: {skip or 'marked skip-example'}")
+    cwd = page_dirs(page)
+    where = f"{page.relative_to(ROOT)}:{line} ({lang} example)"
+    if lang == "python":
+        # In this process (torch is imported once), in the page's directory, on cpu_sim.
+        script = cwd / f"example_{line}.py"
+        script.write_text(code)
+        for key in [k for k in os.environ if k.startswith("CHIPSET_")]:
+            monkeypatch.delenv(key)
+        monkeypatch.setenv("CHIPSET_BACKEND", "cpu_sim")
+        monkeypatch.chdir(cwd)
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit as exc:
+            assert exc.code in (0, None), f"{where} exited {exc.code}"
+        return
+    if lang == "console":
+        cmds = console_commands(code)
+        assert cmds, f"{where}: a console block needs '$ ' command lines (or a skip-example reason)"
+        runs = [["bash", "-o", "pipefail", "-c", c] for c in cmds]
+    else:
+        runs = [["bash", "-e", "-o", "pipefail", "-c", code]]
+    for cmd in runs:
+        r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, (
+            f"{where} exited {r.returncode}: {cmd[-1]!r}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}\n"
+            "Fix the example (keep it tiny), or mark its fence 'skip-example: REASON' if it cannot run on cpu_sim."
+        )
+
+
+def test_the_example_collector_sees_fences_markers_and_console_prompts(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("x\n\n```python\nprint(1)\n```\n\n```toml\na = 1\n```\n\n"
+                    "```bash skip-example: needs a GPU\nnvidia-smi\n```\n\n  ```console\n  $ echo a \\\n  b\n  output\n  ```\n")
+    got = blocks(page)
+    assert [(b[1], b[3]) for b in got] == [("python", None), ("bash", "needs a GPU"), ("console", None)]
+    assert console_commands(got[2][2]) == ["echo a \\\nb"]
