@@ -35,6 +35,7 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16", "float16")
 RECOMPUTE = ("none", "selective", "full")
+ROUTERS = ("softmax", "sigmoid")
 DATA_SOURCES = ("synthetic", "text")
 
 
@@ -62,6 +63,18 @@ class ModelConfig:
     """Base of the rotary embedding frequencies."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
+    num_experts: int = 0
+    """Experts per MoE layer; 0 or 1 means a dense model (planner spec name)."""
+    top_k: int = 1
+    """Experts each token is routed to in a MoE layer."""
+    moe_every: int = 1
+    """Every n-th block is MoE (block i, 0-based, when (i+1) % moe_every == 0); the others keep the dense MLP."""
+    router: str = "softmax"
+    """MoE gating: softmax (over all experts) or sigmoid (per expert); top-k gates renormalised when top_k > 1."""
+    capacity_factor: float = 0.0
+    """Expert capacity per sequence = ceil(capacity_factor * seq_len * top_k / num_experts); 0 = no dropping."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformers' alpha), added to the loss per MoE layer."""
 
 
 @dataclass
@@ -75,7 +88,7 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (not yet supported: must be 1)."""
     ep: int = 1
-    """Expert-parallel degree (not yet supported: must be 1)."""
+    """Expert-parallel degree: experts sharded over ep ranks carved out of dp (needs model.num_experts divisible by ep)."""
     cp: int = 1
     """Context-parallel degree: each sequence is split over cp ranks (2*cp chunks, load-balanced causal attention)."""
     zero: int = 0
@@ -374,7 +387,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
     problems += _tp_cp_problems(m, par, tr)
-    for name in ("pp", "ep"):
+    for name in ("pp",):
         v = getattr(par, name)
         if v > 1:
             problems.append(
@@ -428,6 +441,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
                 f"train.global_batch ({tr.global_batch}) must be divisible by dp*micro_batches "
                 f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
             )
+    problems += _moe_problems(m, par)
     return problems
 
 
@@ -450,6 +464,49 @@ def _tp_cp_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig) -> lis
         problems.append(
             f"train.seq_len/cp ({tr.seq_len}/{par.cp}) must be divisible by tp ({par.tp}) with parallel.sequence_parallel"
         )
+    return problems
+
+def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
+    """Mixture-of-experts keys and their combination with the parallel layout."""
+    problems = []
+    moe = m.num_experts > 1
+    if m.num_experts < 0:
+        problems.append(f"model.num_experts = {m.num_experts!r}: expected 0 (dense) or a number of experts")
+    if m.top_k < 1 or m.moe_every < 1:
+        problems.append(f"model.top_k ({m.top_k}) and model.moe_every ({m.moe_every}) must be >= 1")
+    elif moe and m.top_k > m.num_experts:
+        problems.append(f"model.top_k ({m.top_k}) must be <= model.num_experts ({m.num_experts})")
+    if m.router not in ROUTERS:
+        problems.append(f"model.router = {m.router!r}: expected one of {', '.join(ROUTERS)}")
+    for name in ("capacity_factor", "aux_loss_coef"):
+        v = getattr(m, name)
+        if not (v >= 0 and math.isfinite(v)):
+            problems.append(f"model.{name} = {v!r}: expected a finite number >= 0")
+    if moe and m.num_hidden_layers > 0 and m.moe_every > m.num_hidden_layers:
+        problems.append(
+            f"model.moe_every ({m.moe_every}) > model.num_hidden_layers ({m.num_hidden_layers}) leaves no MoE block; "
+            "lower moe_every or set model.num_experts=0"
+        )
+    if par.ep > 1:
+        if not moe:
+            problems.append(
+                f"parallel.ep = {par.ep} needs a mixture-of-experts model: set model.num_experts to a multiple of {par.ep}"
+            )
+        elif m.num_experts % par.ep:
+            problems.append(f"parallel.ep ({par.ep}) must divide model.num_experts ({m.num_experts})")
+        if par.dp > 0 and par.dp % par.ep:
+            problems.append(
+                f"parallel.ep ({par.ep}) must divide parallel.dp ({par.dp}): expert-parallel groups are carved out of dp"
+            )
+        if par.zero == 3:
+            problems.append("parallel.ep > 1 with parallel.zero = 3 is not supported yet; use parallel.zero <= 2")
+    if moe:
+        for name in ("tp", "pp", "cp"):
+            if getattr(par, name) > 1:
+                problems.append(
+                    f"model.num_experts = {m.num_experts} with parallel.{name} = {getattr(par, name)}: MoE layers do not "
+                    f"compose with {name} yet; set parallel.{name}=1 (ep and dp do)"
+                )
     return problems
 
 

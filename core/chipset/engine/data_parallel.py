@@ -50,7 +50,8 @@ __all__ = ["DataParallel", "Bucket"]
 class Bucket:
     """Parameters sharing one flat buffer, sharded over the dp group."""
 
-    def __init__(self, index: int, params: list[tuple[str, nn.Parameter]], engine: DataParallel):
+    def __init__(self, index: int, params: list[tuple[str, nn.Parameter]], engine: DataParallel,
+                 group: Group | None = None):
         self.index = index
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -62,9 +63,14 @@ class Bucket:
         for n in self.numels[:-1]:
             self.offsets.append(self.offsets[-1] + n)
         total = sum(self.numels)
-        self.padded = math.ceil(total / e.dp) * e.dp
-        self.shard = self.padded // e.dp
-        self.lo = e.dp_rank * self.shard
+        # The group this bucket is sharded and reduced over: dp, or for MoE expert weights
+        # the expert-data-parallel group (engine/expert_parallel.py).
+        self.expert = group is not None
+        self.group = group or e.group
+        self.n = self.group.size
+        self.padded = math.ceil(total / self.n) * self.n
+        self.shard = self.padded // self.n
+        self.lo = self.group.ranks.index(e.collective.rank()) * self.shard
         self.hi = self.lo + self.shard
         self.norm_segments = self._norm_segments() if e.tp_group is not None else None
         self.ready = 0
@@ -155,7 +161,7 @@ class Bucket:
             return
         e = self.engine
         full = torch.empty(self.padded, dtype=e.dtype, device=e.device)
-        e.collective.all_gather(full, self.param_shard, group=e.group)
+        e.collective.all_gather(full, self.param_shard, group=self.group)
         self.full = full
         self._bind_params(full)
         e._live[full.untyped_storage().data_ptr()] = self
@@ -188,9 +194,12 @@ class Bucket:
         # communication overlaps with the rest of backward.
         e.launch_log.append((self.index, sum(1 for b in e.buckets if not b.done)))
         if e.zero <= 1:
+            # Divide by the whole dp degree even for expert buckets: an expert's gradient
+            # already sums the tokens of its ep group.
             if e.dp > 1:
                 self.grad.div_(e.dp)
-                self.handle = e.collective.all_reduce(self.grad, "sum", group=e.group, async_op=True)
+            if self.n > 1:
+                self.handle = e.collective.all_reduce(self.grad, "sum", group=self.group, async_op=True)
             return
         parts = [p.grad.reshape(-1) for p in self.params]
         if self.padded > sum(self.numels):
@@ -200,8 +209,9 @@ class Bucket:
             p.grad = None
         if e.dp > 1:
             flat.div_(e.dp)
+        if self.n > 1:
             self._inflight = flat
-            self.handle = e.collective.reduce_scatter(self.grad_shard_buf, flat, "sum", group=e.group, async_op=True)
+            self.handle = e.collective.reduce_scatter(self.grad_shard_buf, flat, "sum", group=self.group, async_op=True)
         else:
             self.grad_shard_buf.copy_(flat)
 
@@ -246,9 +256,9 @@ class Bucket:
             self.param_shard.copy_(self.master)
         else:
             self.full[self.lo:self.hi].copy_(self.master)
-        if e.zero in (1, 2) and e.dp > 1:
+        if e.zero in (1, 2) and self.n > 1:
             send = self.full[self.lo:self.hi].clone()
-            self.handle = e.collective.all_gather(self.full, send, group=e.group, async_op=True)
+            self.handle = e.collective.all_gather(self.full, send, group=self.group, async_op=True)
             self._inflight = send
 
 
@@ -285,6 +295,9 @@ class DataParallel:
         self.tp_group: Group | None = dims.group("tp", self.collective) if dims.tp_enabled else None
         self.dp = self.group.size
         self.dp_rank = self.group.ranks.index(self.collective.rank())
+        # MoE with ep > 1: expert weights are sharded over "ep" and reduced over "edp".
+        self.ep_group: Group | None = dims.group("ep", self.collective) if dims.ep_enabled else None
+        self.edp_group: Group | None = dims.group("edp", self.collective) if dims.ep_enabled else None
         self.micro_batches = micro_batches
         self.grad_clip = grad_clip
         self.hp = {"beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
@@ -318,6 +331,8 @@ class DataParallel:
 
     def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
         if self.zero == 3:
+            if self.ep_group is not None:
+                raise UsageError("ZeRO stage 3 with expert parallelism (ep > 1) is not supported yet; use zero <= 2")
             if not callable(getattr(self.model, "units", None)):
                 raise UsageError(
                     f"ZeRO stage 3 needs the model to list its gather units (model.units()); "
@@ -331,15 +346,24 @@ class DataParallel:
         else:
             limit = max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=self.dtype).element_size()))
             groups, cur, size = [], [], 0
+            experts = self._expert_names()
             for n, p in reversed(named):
-                if cur and size + p.numel() > limit:
-                    groups.append(cur)
+                if cur and (size + p.numel() > limit or (n in experts) != (cur[0][0] in experts)):
+                    groups.append(cur)  # expert and other weights never share a bucket
                     cur, size = [], 0
                 cur.append((n, p))
                 size += p.numel()
             if cur:
                 groups.append(cur)
+            return [Bucket(i, g, self, self.edp_group if g[0][0] in experts else None) for i, g in enumerate(groups)]
         return [Bucket(i, g, self) for i, g in enumerate(groups)]
+
+    def _expert_names(self) -> set[str]:
+        if self.ep_group is None:
+            return set()
+        from chipset.engine.expert_parallel import expert_param_names
+
+        return expert_param_names(self.model)
 
     # --- training ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -398,8 +422,18 @@ class DataParallel:
         inv_scale = 1.0 / self.scaler.scale
         # Sum of squares and an overflow flag over what this rank owns, in one all-reduce.
         sq = torch.zeros(2, dtype=torch.float32, device=self.device)
+        ep_sum = self.ep_group is not None and self.zero == 0
         for b in self.buckets:
-            sq[0] += b.owned_sq()
+            if not (ep_sum and b.expert):
+                sq[0] += b.owned_sq()
+        if ep_sum:
+            # Each ep rank holds only its experts' (already edp-reduced) gradients.
+            esq = torch.zeros(1, dtype=torch.float32, device=self.device)
+            for b in self.buckets:
+                if b.expert:
+                    esq += b.owned_sq()
+            self.collective.all_reduce(esq, "sum", group=self.ep_group)
+            sq[0] += esq[0]
         if not torch.isfinite(sq[0]):
             sq[1] = 1.0
             sq[0] = 0.0
@@ -445,6 +479,10 @@ class DataParallel:
             order = [n for n, _ in self.model.named_parameters()]
             out = {n: out[n] for n in order}  # the same gather order on every tp rank
             out = gather_full_parameters(out, self.model, TPContext(self.collective, self.tp_group), self.device)
+        if self.ep_group is not None:
+            from chipset.engine.expert_parallel import gather_expert_params
+
+            out = gather_expert_params(out, self.model, dims=self.dims, collective=self.collective)
         return out
 
     def state_dict(self) -> dict:
@@ -467,6 +505,8 @@ class DataParallel:
             buckets.append({
                 "names": list(b.names), "shapes": [tuple(x) for x in b.shapes], "offsets": list(b.offsets),
                 "padded": b.padded, "lo": 0 if self.zero == 0 else b.lo, "hi": b.padded if self.zero == 0 else b.hi,
+                # "edp": MoE expert weights, this rank's ep block sharded over the expert-data-parallel group
+                "group": "edp" if b.expert else "dp",
                 "params": owned.detach().to(self.host, copy=True),
                 "master": b.master.detach().to(self.host, copy=True),
                 "exp_avg": b.exp_avg.detach().to(self.host, copy=True),
@@ -501,8 +541,8 @@ class DataParallel:
                 b.master.copy_(sb["master"])
             b.exp_avg.copy_(sb["exp_avg"])
             b.exp_avg_sq.copy_(sb["exp_avg_sq"])
-            if self.zero in (1, 2) and self.dp > 1:
+            if self.zero in (1, 2) and b.n > 1:
                 send = b.full[b.lo:b.hi].clone()
-                self.collective.all_gather(b.full, send, group=self.group)
+                self.collective.all_gather(b.full, send, group=b.group)
         self.step_count = int(state["step"])
         self.scaler.load_state_dict(state["scaler"])

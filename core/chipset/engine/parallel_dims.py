@@ -6,7 +6,12 @@ Rank order (documented, fixed): ranks are laid out as a row-major grid over
 
     rank = ((pp_idx * dp + dp_idx) * cp + cp_idx) * tp + tp_idx
 
-Expert parallelism (ep) folds inside dp*cp and is built by part 2 of the engine.
+Expert parallelism (ep) is carved out of the data-parallel ranks (``engine/expert_parallel.py``):
+with the data index ``d = dp_idx * cp + cp_idx``, ``ep_idx = d % ep`` (ep fastest, so
+expert-parallel peers are neighbours) and ``edp_idx = d // ep``. Dimension ``"ep"`` groups
+the ranks that differ only in ``ep_idx`` (tokens move between them by all-to-all);
+``"edp"`` (expert-data-parallel, ``dp*cp/ep`` ranks) those that differ only in
+``edp_idx``: they hold the same experts and reduce their gradients together.
 Groups are created through ``backend.collective.new_group`` the first time they are
 asked for; every rank must ask for them in the same order (collective creation).
 """
@@ -75,6 +80,11 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: ranks holding the same experts (``dp*cp/ep``)."""
+        return self.dp * self.cp // self.ep
+
     def layout(self) -> dict[str, int]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep, "cp": self.cp, "zero": self.zero}
 
@@ -104,6 +114,8 @@ class ParallelDims:
         ``dim`` may join several dimensions with ``_`` (``"dp_cp"``): ranks that differ only
         along those, in rank order.
         """
+        if dim in ("ep", "edp"):
+            return self._expert_group_ranks(dim)
         names = dim.split("_")
         if any(n not in _ORDER for n in names):
             raise ValueError(f"unknown dimension {dim!r}; expected one of {', '.join(_ORDER)} (or several joined by _)")
@@ -116,6 +128,16 @@ class ParallelDims:
             out.append([self.rank_of(**fixed, **dict(zip(inner, j, strict=True)))
                         for j in product(*(range(sizes[n]) for n in inner))])
         return out
+
+    def _expert_group_ranks(self, dim: str) -> list[list[int]]:
+        """Groups of ``"ep"`` or ``"edp"`` (module docstring: data index d, ep_idx = d % ep)."""
+        out: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            d = c["dp"] * self.cp + c["cp"]
+            key = (c["pp"], c["tp"], d // self.ep if dim == "ep" else d % self.ep)
+            out.setdefault(key, []).append(rank)
+        return list(out.values())
 
     # --- groups (lazy) ----------------------------------------------------------
     def group(self, dim: str, collective: Collective) -> Group:

@@ -19,6 +19,7 @@ from chipset.config import RunConfig
 from chipset.engine.context_parallel import ContextParallel, apply_cp
 from chipset.engine.data import SyntheticTokens, TextBytes, make_dataset
 from chipset.engine.data_parallel import DataParallel
+from chipset.engine.expert_parallel import apply_ep
 from chipset.engine.metrics import StepMetrics, trace_range
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
@@ -65,6 +66,8 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
         apply_tp(model, tp=tp)
     if dims.cp_enabled:
         apply_cp(model, cp=ContextParallel(col, dims.group("cp", col), backend.kernels))
+    if dims.ep_enabled:
+        apply_ep(model, dims=dims, collective=col)
     apply_recompute(model, mode=tr.recompute)
     if tr.dtype == "float16":
         scaler = LossScaler(

@@ -46,6 +46,8 @@ class Capabilities:
     """Page-locked host memory is available."""
     multi_process: bool = True
     """Several processes (ranks) can run collectives together."""
+    ranks_share_device: bool = False
+    """Several ranks may bind to the same device (true for simulators; NCCL/HCCL refuse it)."""
     kernels: tuple[str, ...] = ()
     """Kernels this backend registers its own implementation for."""
     tolerances: Mapping[str, tuple[float, float]] = field(default_factory=dict)

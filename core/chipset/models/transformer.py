@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from chipset.config import ModelConfig
 from chipset.kernels import KernelRegistry
+from chipset.models.moe import MoE, is_moe_layer
 
 __all__ = ["Transformer", "Block", "OutputHead"]
 
@@ -93,12 +94,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry):
+    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry, *, moe: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = Attention(cfg, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, kernels)
+        self.mlp = MoE(cfg, kernels) if moe else MLP(cfg, kernels)  # MoE: models/moe.py
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -125,7 +126,9 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self._k = kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, kernels, moe=is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)
+        )
         self.head = OutputHead(cfg, kernels)
         self.recompute = "none"
         self.loss_fn = None  # pluggable (vocab-parallel cross-entropy); None = the kernel
@@ -175,4 +178,8 @@ class Transformer(nn.Module):
             tokens, targets = self.seq_layout.local(tokens), self.seq_layout.local(targets)
         logits = self(tokens, positions)
         loss_fn = self.loss_fn or self._k.cross_entropy
-        return loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        moe = [m for m in self.modules() if isinstance(m, MoE)]
+        if moe and self.cfg.aux_loss_coef:  # MoE load-balancing loss (models/moe.py)
+            loss = loss + self.cfg.aux_loss_coef * torch.stack([m.aux_loss for m in moe]).sum()
+        return loss

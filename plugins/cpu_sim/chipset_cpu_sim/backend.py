@@ -36,6 +36,7 @@ def chipset_capabilities(device):
         memory_capacity_enforced=True,
         pinned_memory=False,
         multi_process=True,
+        ranks_share_device=True,
     )
 
 
