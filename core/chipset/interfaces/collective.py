@@ -32,6 +32,10 @@ REDUCE_OPS = {
 
 _TIMEOUT_MARKERS = ("timed out", "timeout", "deadline")
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn); older releases lack the new ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def collective_timeout() -> _dt.timedelta:
     """The collective timeout: ``CHIPSET_COLLECTIVE_TIMEOUT`` seconds, default 600."""
@@ -219,14 +223,14 @@ class Collective:
         """Concatenate every rank's ``input`` along dim 0 into ``output`` (size * input rows)."""
         g = group or self.world
         _expect_numel(output, input.numel() * g.size, "all_gather output")
-        return self._run("all_gather", g, [input], lambda: dist.all_gather_into_tensor(output, input, group=g.pg, async_op=async_op), async_op)
+        return self._run("all_gather", g, [input], lambda: _all_gather_single(output, input, group=g.pg, async_op=async_op), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", group: Group | None = None, async_op: bool = False):
         """Reduce ``input`` across ranks and leave rank i's 1/size slice (dim 0) in ``output``."""
         rop = _reduce_op(op)
         g = group or self.world
         _expect_numel(input, output.numel() * g.size, "reduce_scatter input")
-        return self._run("reduce_scatter", g, [input], lambda: dist.reduce_scatter_tensor(output, input, rop, group=g.pg, async_op=async_op), async_op)
+        return self._run("reduce_scatter", g, [input], lambda: _reduce_scatter_single(output, input, rop, group=g.pg, async_op=async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group | None = None, async_op: bool = False):
         """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
