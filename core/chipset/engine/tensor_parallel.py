@@ -45,6 +45,8 @@ __all__ = [
     "apply_tp",
     "check_tp_divides",
     "gather_full_parameters",
+    "is_tp_sharded",
+    "logical_slice",
     "gather_along",
     "reduce_scatter_along",
 ]
@@ -180,6 +182,7 @@ def _sharded_param(full: torch.Tensor, dim: int, tp: TPContext) -> nn.Parameter:
     p = nn.Parameter(data)
     p.tp_dim = dim
     p.tp_size = size
+    p.tp_rank = tp.rank
     return p
 
 
@@ -367,6 +370,24 @@ def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
 def is_tp_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is one rank's slice of a tensor-parallel parameter."""
     return hasattr(p, "tp_dim")
+
+
+def logical_slice(p: torch.Tensor) -> tuple[int, int, int, tuple[int, ...]] | None:
+    """Where this rank's slice of a tp-sharded parameter sits in the logical tensor.
+
+    Returns ``(dim, start, length, logical_shape)``: the slice's first ``length`` entries
+    along ``dim`` are logical entries ``start .. start+length-1``; any entries after those
+    are vocabulary padding (zero, never trained). ``None`` for replicated parameters.
+    For checkpoint writers that store logical tensors (resharding across tp degrees).
+    """
+    if not is_tp_sharded(p):
+        return None
+    per = p.shape[p.tp_dim]
+    start = p.tp_rank * per
+    length = max(0, min(per, p.tp_size - start))
+    shape = list(p.shape)
+    shape[p.tp_dim] = p.tp_size
+    return p.tp_dim, start, length, tuple(shape)
 
 
 @torch.no_grad()
