@@ -79,7 +79,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the job is split across ranks. Only dp (with zero 0..3) runs today; other degrees must be 1."""
+    """How the job is split across ranks: dp (with zero 0..3), tp (+ sequence parallel), cp and ep; pp must be 1 for now."""
 
     dp: int = 0
     """Data-parallel degree; 0 means world size / (tp*pp*cp)."""
