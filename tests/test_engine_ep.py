@@ -304,5 +304,29 @@ def test_expert_weights_have_their_single_process_shapes(runs):
     assert "layers.0.mlp.router.weight" in p
 
 
+def test_chipset_train_runs_moe_with_ep2_on_two_ranks(tmp_path):
+    """The command from issue 5: ``chipset train --set model.num_experts=4 --set parallel.ep=2 --nproc 2``."""
+    import json
+
+    import chipset
+    from chipset.config import load_config
+
+    b = chipset.backend()
+    if not b.capabilities.multi_process or b.device.device_count() < 2:
+        pytest.skip("needs multi_process and 2 devices")
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in _env().items() if not k.startswith("CHIPSET_")}
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "model.num_experts=4",
+                        "--set", "parallel.ep=2", "--nproc", "2", "--set", "train.steps=6",
+                        "--run-dir", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"]["ep"] == 2 and summary["layout"]["dp"] == 2 and summary["world_size"] == 2
+    losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    cfg = load_config(run_dir / "config.toml")
+    assert cfg.model.num_experts == 4 and cfg.parallel.ep == 2
+
+
 if __name__ == "__main__":
     _job(sys.argv[1], sys.argv[2])

@@ -75,17 +75,10 @@ class AllToAllDispatcher:
         in_splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
         out_splits = [sum(row) for row in recv]
         arrived = _AllToAll.apply(tokens, out_splits, in_splits, self.collective, self.group)
-        # Arrival order is (source, local expert); the experts want (local expert, source).
-        starts, at = [], 0
-        for src in range(ep):
-            row = []
-            for e in range(local):
-                row.append(at)
-                at += recv[src][e]
-            starts.append(row)
-        order = [i for e in range(local) for src in range(ep)
-                 for i in range(starts[src][e], starts[src][e] + recv[src][e])]
-        perm = torch.tensor(order, dtype=torch.int64, device=tokens.device)
+        # Arrival order is (source, local expert) blocks; the experts want (local expert, source):
+        # a stable sort by the block's key e*ep + src.
+        key = torch.arange(local * ep, device=tokens.device).view(local, ep).t().reshape(-1)
+        perm = torch.argsort(torch.repeat_interleave(key, recv_counts), stable=True)
         per_expert = [sum(recv[src][e] for src in range(ep)) for e in range(local)]
         done = experts(arrived[perm], per_expert)
         back = torch.empty_like(done).index_copy(0, perm, done)  # arrival order again
