@@ -1,0 +1,374 @@
+"""Pipeline parallelism: schedules as data, checked before they run, and equal to one process.
+
+Unit tests cover the schedule generators and the checker (including broken schedules it
+must reject). The parity tests start two torchrun jobs (2 and 4 ranks, gloo on the
+default backend) that run every pipeline variant in turn, plus one single-process job for
+the reference; this file is also the jobs' script (``__main__`` below).
+
+Tolerance: fp32, rtol 1e-5 on per-step losses, gradient norms and parameters (issue 5).
+Parameters also get atol 1e-5 (= lr * 1e-3): the stages' norm partial sums are added in
+another order, so the clip coefficient differs in the last bit, and AdamW turns the
+rounding of an element whose gradient is ~0 into an update of up to lr (seen: 1 element
+in 2048 off by 1.4e-6 after 5 steps; everything else within 1e-7).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from chipset.engine.pipeline import (
+    Instruction,
+    Op,
+    PipelineSchedule,
+    ScheduleError,
+    check_schedule,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    parse_split,
+    split_model,
+)
+from chipset.errors import ConfigError
+
+HERE = Path(__file__).resolve()
+STEPS = 5
+M = 4
+BASE = {
+    "model": {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 6, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64},
+    "train": {"steps": STEPS, "global_batch": 8, "seq_len": 16, "lr": 1e-2, "grad_clip": 0.5, "seed": 7},
+    "parallel": {"bucket_mb": 0.02, "micro_batches": M},
+}
+VARIANTS = {
+    2: {
+        "pp2_gpipe": {"parallel": {"pp": 2, "schedule": "gpipe"}},
+        "pp2_1f1b": {"parallel": {"pp": 2, "schedule": "1f1b"}},
+        "pp2_interleaved": {"parallel": {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
+        "pp2_1f1b_split": {"parallel": {"pp": 2, "schedule": "1f1b", "pipeline_split": "1,5"},
+                           "train": {"recompute": "full"}},
+    },
+    4: {
+        "pp4_interleaved": {"parallel": {"pp": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
+        "dp2_pp2": {"parallel": {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"}},
+    },
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = {k: dict(v) for k, v in base.items()}
+    for k, v in over.items():
+        out.setdefault(k, {}).update(v)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Unit tests: generators and checker (no processes)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_gpipe_and_1f1b_pass_the_checker_with_the_theoretical_bubble(p, m):
+    for sched in (gpipe(p, m), one_f_one_b(p, m)):
+        sim = check_schedule(sched)
+        assert sim.bubble == pytest.approx((p - 1) / m)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (2, 8, 3), (4, 4, 2), (4, 8, 2), (4, 16, 4), (8, 8, 2)])
+def test_interleaved_passes_the_checker_with_bubble_over_v(p, m, v):
+    sched = interleaved_1f1b(p, m, v)
+    assert check_schedule(sched).bubble == pytest.approx((p - 1) / (v * m))
+
+
+def test_1f1b_keeps_at_most_p_minus_r_micro_batches_in_flight():
+    p, m = 4, 8
+    for sched, bound in ((one_f_one_b(p, m), lambda r: p - r), (gpipe(p, m), lambda r: m)):
+        for r, instrs in enumerate(sched.ranks):
+            live = peak = 0
+            for ins in instrs:
+                live += {Op.FORWARD: 1, Op.BACKWARD: -1}.get(ins.op, 0)
+                peak = max(peak, live)
+            assert peak == bound(r), (sched.name, r, peak)
+
+
+def test_every_rank_runs_each_forward_and_backward_once():
+    s = interleaved_1f1b(4, 8, 2)
+    for instrs in s.ranks:
+        f = sorted((i.chunk, i.mb) for i in instrs if i.op is Op.FORWARD)
+        b = sorted((i.chunk, i.mb) for i in instrs if i.op is Op.BACKWARD)
+        assert f == b == [(c, mb) for c in range(2) for mb in range(8)]
+
+
+def _edit(s: PipelineSchedule, rank: int, instrs: list[Instruction]) -> PipelineSchedule:
+    ranks = list(s.ranks)
+    ranks[rank] = tuple(instrs)
+    return replace(s, ranks=tuple(ranks))
+
+
+def test_checker_rejects_a_deadlocking_schedule_naming_rank_and_instruction():
+    # A pure ordering deadlock: both ranks receive before they send.
+    r0 = [Instruction(Op.FORWARD, 0), Instruction(Op.RECV_GRAD, 0, 0, 1), Instruction(Op.BACKWARD, 0),
+          Instruction(Op.SEND_ACT, 0, 0, 1)]
+    r1 = [Instruction(Op.RECV_ACT, 0, 0, 0), Instruction(Op.FORWARD, 0), Instruction(Op.BACKWARD, 0),
+          Instruction(Op.SEND_GRAD, 0, 0, 0)]
+    with pytest.raises(ScheduleError, match=r"rank 0, instruction 1 \(RECV_GRAD mb 0 <- rank 1\).*deadlock"):
+        check_schedule(PipelineSchedule("broken", 2, 1, 1, (tuple(r0), tuple(r1))))
+
+
+def test_checker_rejects_swapped_transfers_as_a_mismatch():
+    s = one_f_one_b(2, 4)
+    r1 = list(s.ranks[1])
+    a, b = r1.index(Instruction(Op.RECV_ACT, 1, 0, 0)), r1.index(Instruction(Op.RECV_ACT, 2, 0, 0))
+    r1[a], r1[b] = r1[b], r1[a]  # rank 1 now expects micro-batch 2 where rank 0 sends 1
+    with pytest.raises(ScheduleError) as exc:
+        check_schedule(_edit(s, 1, r1))
+    msg = str(exc.value)
+    assert "rank 1" in msg and "before its input activation" in msg or "micro-batch" in msg
+
+
+def test_checker_rejects_a_mismatch_the_static_pass_cannot_see():
+    # Two sends on one pair in the opposite order from the receives: every instruction is
+    # locally plausible, only pairing the n-th send with the n-th receive exposes it.
+    r0 = [Instruction(Op.FORWARD, 0), Instruction(Op.FORWARD, 1), Instruction(Op.SEND_ACT, 1, 0, 1),
+          Instruction(Op.SEND_ACT, 0, 0, 1), Instruction(Op.RECV_GRAD, 0, 0, 1), Instruction(Op.RECV_GRAD, 1, 0, 1),
+          Instruction(Op.BACKWARD, 0), Instruction(Op.BACKWARD, 1)]
+    r1 = [Instruction(Op.RECV_ACT, 0, 0, 0), Instruction(Op.RECV_ACT, 1, 0, 0), Instruction(Op.FORWARD, 0),
+          Instruction(Op.FORWARD, 1), Instruction(Op.BACKWARD, 0), Instruction(Op.BACKWARD, 1),
+          Instruction(Op.SEND_GRAD, 0, 0, 0), Instruction(Op.SEND_GRAD, 1, 0, 0)]
+    with pytest.raises(ScheduleError, match=r"pairs rank 0 instruction 2 \(SEND_ACT mb 1 -> rank 1.*micro-batch 0"):
+        check_schedule(PipelineSchedule("swapped", 2, 2, 1, (tuple(r0), tuple(r1))))
+
+
+def test_checker_rejects_missing_work_and_wrong_peers():
+    s = gpipe(2, 2)
+    with pytest.raises(ScheduleError, match="never runs the backward of chunk 0, micro-batch 1"):
+        check_schedule(_edit(s, 0, [i for i in s.ranks[0] if i != Instruction(Op.BACKWARD, 1)]))
+    r0 = [replace(i, peer=0) if i.op is Op.SEND_ACT else i for i in s.ranks[0]]
+    with pytest.raises(ScheduleError, match="peer must be rank 1"):
+        check_schedule(_edit(s, 0, r0))
+
+
+def test_schedule_options_are_validated():
+    with pytest.raises(ConfigError, match="divisible by pipeline ranks"):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ConfigError, match="expected one of gpipe, 1f1b, interleaved_1f1b"):
+        make_schedule("zb", 2, 4)
+    with pytest.raises(ConfigError, match="only interleaved_1f1b"):
+        make_schedule("1f1b", 2, 4, 2)
+
+
+def test_render_prints_a_timeline_and_every_instruction():
+    text = one_f_one_b(2, 4).render()
+    assert "rank 0: F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3" in text
+    assert "simulated bubble 0.250 (theory 0.250)" in text
+    assert "  + RECV_GRAD mb 0 <- rank 1" in text
+
+
+def test_split_balances_parameters_and_accepts_an_explicit_split():
+    from chipset.config import ModelConfig
+    from chipset.kernels import KernelRegistry
+    from chipset.models import Transformer
+
+    model = Transformer(ModelConfig(**BASE["model"]), KernelRegistry("reference"))
+    specs = split_model(model, 2)
+    assert specs[0].embed and not specs[0].head and specs[-1].head and not specs[-1].embed
+    assert [s.last - s.first for s in specs] == [3, 3]
+    assert [s.last - s.first for s in split_model(model, 8)] == [0, 1, 1, 1, 1, 1, 1, 0]
+    assert [s.last - s.first for s in split_model(model, 2, "1,5")] == [1, 5]
+    with pytest.raises(ConfigError, match="sums to 5 blocks, expected model.num_hidden_layers = 6"):
+        parse_split("1,4", 2, 6)
+    with pytest.raises(ConfigError, match="has 3 entries, expected"):
+        parse_split("1,4,1", 2, 6)
+
+
+def test_config_validation_refuses_bad_pipeline_settings_before_launch():
+    from chipset.config import RunConfig
+
+    def problems(**par):
+        cfg = RunConfig.from_dict(_merge(BASE, {"parallel": par}))
+        with pytest.raises(ConfigError) as exc:
+            cfg.validate(world_size=par.get("pp", 1) * max(par.get("dp", 1), 1))
+        return str(exc.value)
+
+    assert "needs parallel.virtual_stages >= 2" in problems(pp=2, schedule="interleaved_1f1b")
+    assert "expected one of gpipe" in problems(pp=2, schedule="nope")
+    assert "zero = 3 with parallel.pp > 1" in problems(pp=2, zero=3)
+    assert "pipeline_split" in problems(pp=2, pipeline_split="2,2")
+    assert "divisible by pipeline ranks" in problems(pp=4, schedule="interleaved_1f1b", virtual_stages=2,
+                                                    micro_batches=2)
+    RunConfig.from_dict(_merge(BASE, {"parallel": {"pp": 2}})).validate(world_size=2)
+
+
+def test_print_schedule_prints_and_exits_without_training(capsys):
+    from chipset.cli.main import main
+
+    rc = main(["train", "--print-schedule", "--set", "parallel.pp=2", "--set", "parallel.micro_batches=4",
+               "--set", "model.num_hidden_layers=4", "--nproc", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "pipeline schedule 1f1b: 2 ranks, 4 micro-batches" in out
+    assert "rank 1: .  F0 B0 B0" in out
+    assert "virtual stage 0 (rank 0): embedding, blocks 0-1" in out
+    assert "step " not in out  # nothing trained
+
+
+# --------------------------------------------------------------------------------------
+# The jobs (run under torchrun or as one process)
+# --------------------------------------------------------------------------------------
+
+
+def _run_variant(b, overrides: dict) -> dict:
+    from chipset.config import RunConfig
+    from chipset.engine import train
+
+    cfg = RunConfig.from_dict(_merge(BASE, overrides)).validate(world_size=b.collective.world_size())
+    res = train(cfg, b, None, out=io.StringIO(), keep_params=True)
+    return {"losses": res.losses, "grad_norms": [m["grad_norm"] for m in res.metrics], "params": res.params}
+
+
+def _pipeline_step_probe(b, schedule: str, m: int, delay: tuple[float, float] | None, seqs: int = 4,
+                         seq_len: int = 64) -> dict:
+    """One pp2 engine: peak memory of a step over the memory before it; compute timings with ``delay``.
+
+    ``seqs`` sequences of ``seq_len`` tokens per micro-batch.
+    """
+    from chipset.config import RunConfig
+    from chipset.engine import build
+
+    over = {"parallel": {"pp": 2, "schedule": schedule, "micro_batches": m},
+            "train": {"global_batch": seqs * m, "seq_len": seq_len}}
+    cfg = RunConfig.from_dict(_merge(BASE, over)).validate(world_size=b.collective.world_size())
+    engine, data, dims = build(cfg, b)
+    col = b.collective
+    batches = [data.batch(0, 0, 1, i, m, device=engine.device) for i in range(m)]
+    engine.forward_backward_step(batches)  # warm up (allocator, first-touch)
+    engine.step(1e-3)
+    out = {}
+    gc.collect()
+    b.memory.reset_peak_stats()
+    base = b.memory.stats().allocated
+    if delay:
+        engine.compute_delay = delay
+    col.barrier()
+    engine.forward_backward_step(batches)
+    out["activation_peak"] = b.memory.stats().peak_allocated - base
+    engine.step(1e-3)
+    # Timings of every compute instruction, gathered to every rank (same clock: one host).
+    t = torch.tensor([[s, e] for _, s, e in engine.timings], dtype=torch.float64)
+    allt = torch.zeros((col.world_size(), *t.shape), dtype=torch.float64)
+    allt[col.rank()] = t
+    col.all_reduce(allt, "sum")
+    start, end = allt[..., 0].min(), allt[..., 1].max()
+    busy = (allt[..., 1] - allt[..., 0]).sum(-1)  # per rank
+    out["bubble"] = float((end - start) / busy.mean() - 1)
+    out["theory"] = engine.schedule.theoretical_bubble()
+    del engine
+    gc.collect()
+    return out
+
+
+def _job(mode: str, out_path: str) -> None:
+    from chipset.loader import backend
+
+    b = backend()
+    b.device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    b.collective.init_process_group()
+    world = b.collective.world_size()
+    results: dict = {"world_size": world}
+    if mode == "ref":
+        results["ref"] = _run_variant(b, {})
+    else:
+        for name, over in VARIANTS[world].items():
+            results[name] = _run_variant(b, over)
+        if world == 2:
+            results["memory"] = {s: _pipeline_step_probe(b, s, 8, None)["activation_peak"] for s in ("gpipe", "1f1b")}
+            # A sleep per forward/backward (backward = 2 x forward) makes the step schedule-bound:
+            # the model's own compute (one 16-token sequence per micro-batch) is ~1% of it, so
+            # a loaded host shifts the measurement little (issue 5 asks for 10% of theory).
+            results["bubble"] = {s: _pipeline_step_probe(b, s, 4, (0.25, 0.5), seqs=1, seq_len=16)
+                                 for s in ("gpipe", "1f1b")}
+    if b.collective.rank() == 0:
+        torch.save(results, out_path)
+    b.collective.destroy()
+
+
+# --------------------------------------------------------------------------------------
+# Parity tests
+# --------------------------------------------------------------------------------------
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import chipset
+
+    b = chipset.backend()
+    if not b.capabilities.multi_process:
+        pytest.skip("backend does not declare multi_process")
+    if b.device.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    d = tmp_path_factory.mktemp("pp")
+    outs = {n: d / f"{n}.pt" for n in ("w2", "w4", "ref")}
+
+    def torchrun(n: int, out: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(HERE),
+             "pp", str(out)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    # The reference runs beside the 4-rank job; the 2-rank job (which times the bubble) runs alone.
+    ref = subprocess.Popen([sys.executable, str(HERE), "ref", str(outs["ref"])], env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for job in (torchrun(4, outs["w4"]), ref, None):
+        job = job or torchrun(2, outs["w2"])
+        log, _ = job.communicate(timeout=400)
+        assert job.returncode == 0, log
+    res = {}
+    for path in outs.values():
+        res.update({k: v for k, v in torch.load(path, weights_only=False).items() if k != "world_size"})
+    return res
+
+
+def _assert_params_close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS[2], *VARIANTS[4]])
+def test_pipeline_losses_and_params_equal_single_process(runs, variant):
+    ref = runs["ref"]
+    torch.testing.assert_close(runs[variant]["losses"], ref["losses"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(runs[variant]["grad_norms"], ref["grad_norms"], rtol=1e-5, atol=0)
+    _assert_params_close(runs[variant]["params"], ref["params"])
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05  # training moved: equality is not vacuous
+    assert all(n > BASE["train"]["grad_clip"] for n in ref["grad_norms"])  # clipping active: global norm matters
+
+
+def test_1f1b_peak_activation_memory_is_below_gpipe(runs):
+    mem = runs["memory"]
+    assert mem["1f1b"] < 0.6 * mem["gpipe"], mem
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_measured_bubble_is_within_10_percent_of_theory(runs, schedule):
+    got = runs["bubble"][schedule]
+    assert abs(got["bubble"] - got["theory"]) <= 0.10 * got["theory"], got
+
+
+if __name__ == "__main__":
+    _job(sys.argv[1], sys.argv[2])
