@@ -176,6 +176,21 @@ def test_moe_config_errors_say_what_to_do():
     RunConfig.from_dict({"model": {"num_experts": 4}, "parallel": {"ep": 2}}).validate(world_size=2)
 
 
+def test_planner_reads_the_engines_moe_keys():
+    import chipset
+    from chipset.config import ModelConfig
+    from chipset.models import Transformer
+    from chipset.planner.model import from_engine_model_config
+
+    cfg = ModelConfig(num_hidden_layers=4, num_experts=4, top_k=2, moe_every=2)
+    spec = from_engine_model_config(cfg, seq_len=16)
+    assert (spec.num_experts, spec.top_k, spec.moe_layers) == (4, 2, 2)
+    # The planner counts the engine's MoE model exactly: all parameters, and those in experts.
+    named = dict(Transformer(cfg, chipset.backend().kernels).named_parameters())
+    assert sum(p.numel() for p in named.values()) == spec.num_params()
+    assert sum(p.numel() for n, p in named.items() if ".experts." in n) == spec.expert_params()
+
+
 def test_expert_groups_are_carved_out_of_dp_ep_fastest():
     from chipset.engine.parallel_dims import ParallelDims
 
