@@ -86,7 +86,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: attention heads, kv heads and the MLP width are split over tp ranks; must divide each."""
     pp: int = 1
-    """Pipeline-parallel degree (not yet supported: must be 1)."""
+    """Pipeline-parallel degree: the model is cut into pp stages (embedding first, head+loss last), see schedule."""
     ep: int = 1
     """Expert-parallel degree: experts sharded over ep ranks carved out of dp (needs model.num_experts divisible by ep)."""
     cp: int = 1
@@ -101,6 +101,12 @@ class ParallelConfig:
     """Keep the fp32 master weights and Adam state on the host (ZeRO-Offload style)."""
     sequence_parallel: bool = False
     """With tp > 1: split norm regions along the sequence over tp (reduce-scatter/all-gather instead of all-reduce)."""
+    schedule: str = "1f1b"
+    """With pp > 1: pipeline schedule gpipe, 1f1b or interleaved_1f1b (docs/engine.md, `chipset train --print-schedule`)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank; > 1 only with schedule interleaved_1f1b (bubble (pp-1)/(v*m))."""
+    pipeline_split: str = ""
+    """Blocks per virtual stage, e.g. "3,1" (pp*virtual_stages entries); empty = balanced by parameter count."""
 
 
 @dataclass
@@ -387,12 +393,10 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
     problems += _tp_cp_problems(m, par, tr)
-    for name in ("pp",):
-        v = getattr(par, name)
-        if v > 1:
-            problems.append(
-                f"parallel.{name} = {v}: {name} > 1 is not supported yet (only data parallelism and ZeRO run today); set parallel.{name}=1"
-            )
+    if par.pp > 1:  # schedule, split and combinations: engine/pipeline/__init__.py
+        from chipset.engine.pipeline import pipeline_problems
+
+        problems += pipeline_problems(cfg)
     if tr.dtype not in DTYPES:
         problems.append(f"train.dtype = {tr.dtype!r}: expected one of {', '.join(DTYPES)}")
     elif dtypes is not None and tr.dtype not in dtypes:

@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--profile-steps", default=None, metavar="FIRST:LAST",
                    help="record a torch.profiler Chrome trace of steps FIRST..LAST (1-based) per rank into "
                    "RUN_DIR/traces (same as --set train.profile_steps=FIRST:LAST)")
+    p.add_argument("--print-schedule", action="store_true",
+                   help="with parallel.pp > 1: print the stage split and the checked pipeline schedule (per-rank "
+                   "timeline and instructions), then exit without training")
     p.set_defaults(run=run)
 
 
@@ -44,6 +47,8 @@ def run(args) -> int:
     # Resolve the backend once, here; every rank gets its name.
     b = backend()
     cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes)
+    if args.print_schedule:
+        return _print_schedule(cfg, b)
     if world > 1 and not b.capabilities.multi_process:
         raise UsageError(
             f"backend {b.name!r} does not declare multi_process, so it cannot run {world} ranks; "
@@ -69,3 +74,12 @@ def run(args) -> int:
     if rc != 0:
         print(f"chipset train: torchrun exited with status {rc}; see the rank output above", flush=True)
     return rc
+
+
+def _print_schedule(cfg, b) -> int:
+    if cfg.parallel.pp < 2:
+        raise UsageError("--print-schedule needs a pipeline: set parallel.pp >= 2 (e.g. --set parallel.pp=2 --nproc 2)")
+    from chipset.engine.pipeline import describe_pipeline
+
+    print(describe_pipeline(cfg, b.kernels))
+    return 0

@@ -307,6 +307,9 @@ class DataParallel:
         self._live: dict[int, Bucket] = {}
         self.launch_log: list[tuple[int, int]] = []
         """(bucket index, buckets still computing gradients) per gradient launch of the last step."""
+        self.norm_groups: list[Group] = []
+        """Extra groups whose ranks hold disjoint parts of the model (pipeline stages): the squared
+        gradient norm and the overflow flag are summed over each, so clipping sees the whole model."""
 
         model.to(device=self.device, dtype=dtype)
         named = list(model.named_parameters())
@@ -441,6 +444,8 @@ class DataParallel:
             self.collective.all_reduce(sq, "sum", group=self.group)
         if self.tp_group is not None:
             self.collective.all_reduce(sq, "sum", group=self.tp_group)
+        for g in self.norm_groups:  # pipeline stages: each holds a different part of the model
+            self.collective.all_reduce(sq, "sum", group=g)
         found_inf = bool(sq[1] > 0)
         norm = math.sqrt(float(sq[0])) * inv_scale
         self.scaler.update(found_inf)

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from chipset.engine.data_parallel import DataParallel
 from chipset.engine.expert_parallel import apply_ep
 from chipset.engine.metrics import StepMetrics, trace_range
 from chipset.engine.parallel_dims import ParallelDims
+from chipset.engine.pipeline import build_pipeline
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
 from chipset.engine.recompute import apply_recompute
 from chipset.engine.tensor_parallel import TPContext, apply_tp
@@ -76,7 +78,9 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
         )
     else:
         scaler = LossScaler(scale=1.0, dynamic=False)
-    engine = DataParallel(
+    # pp > 1: this rank's stages, with DataParallel over dp inside (engine/pipeline/).
+    make = partial(build_pipeline, par) if dims.pp_enabled else DataParallel
+    engine = make(
         model, backend, dims, dtype=dtype, bucket_mb=par.bucket_mb, micro_batches=par.micro_batches,
         grad_clip=tr.grad_clip, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
         scaler=scaler, offload_optimizer=par.offload_optimizer,
@@ -132,7 +136,11 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             obs.begin_step(step)
             t0 = time.perf_counter()
             losses = []
-            for m in range(par.micro_batches):
+            if dims.pp_enabled:  # the schedule runs every micro-batch at once
+                losses = engine.forward_backward_step([
+                    data.batch(step, dp_rank, dp_size, m, par.micro_batches, device=device)
+                    for m in range(par.micro_batches)])
+            for m in range(0 if dims.pp_enabled else par.micro_batches):
                 tokens, targets = data.batch(step, dp_rank, dp_size, m, par.micro_batches, device=device)
                 losses.append(engine.forward_backward(tokens, targets, last=m == par.micro_batches - 1))
             lr = lr_at(cfg, step)

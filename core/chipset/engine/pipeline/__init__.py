@@ -1,0 +1,126 @@
+"""Pipeline parallelism with schedules as data (docs/engine.md, "Pipeline parallel").
+
+* :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B as per-rank instruction lists.
+* :mod:`.check` — a simulator proving a schedule deadlock-free with matching transfers,
+  before anything runs; also its timeline and bubble.
+* :mod:`.split` — the model cut into stages (balanced by parameters or explicit).
+* :mod:`.runtime` — :class:`PipelineEngine` executes a schedule with batched p2p, data
+  parallelism (ZeRO 0-2) over each stage's parameters.
+"""
+
+from __future__ import annotations
+
+from chipset.engine.pipeline.check import ScheduleError, SimResult, check_schedule
+from chipset.engine.pipeline.runtime import PipelineEngine
+from chipset.engine.pipeline.schedules import (
+    SCHEDULES,
+    Instruction,
+    Op,
+    PipelineSchedule,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+)
+from chipset.engine.pipeline.split import StageModel, StageSpec, parse_split, split_model
+from chipset.errors import ConfigError
+
+__all__ = [
+    "SCHEDULES",
+    "Instruction",
+    "Op",
+    "PipelineEngine",
+    "PipelineSchedule",
+    "ScheduleError",
+    "SimResult",
+    "StageModel",
+    "StageSpec",
+    "build_pipeline",
+    "check_schedule",
+    "describe_pipeline",
+    "gpipe",
+    "interleaved_1f1b",
+    "make_schedule",
+    "one_f_one_b",
+    "parse_split",
+    "pipeline_problems",
+    "schedule_for",
+    "split_model",
+]
+
+
+def schedule_for(par) -> PipelineSchedule:
+    """The checked schedule a :class:`chipset.config.ParallelConfig` asks for (ScheduleError if broken)."""
+    sched = make_schedule(par.schedule, par.pp, par.micro_batches, par.virtual_stages)
+    check_schedule(sched)
+    return sched
+
+
+def pipeline_problems(cfg) -> list[str]:
+    """Every configuration problem of a pp > 1 run, as messages (called by config validation)."""
+    m, par = cfg.model, cfg.parallel
+    problems = []
+    if par.schedule not in SCHEDULES:
+        problems.append(f"parallel.schedule = {par.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    elif par.virtual_stages < 1:
+        problems.append(f"parallel.virtual_stages = {par.virtual_stages!r}: expected a positive number of chunks")
+    elif par.schedule == "interleaved_1f1b" and par.virtual_stages < 2:
+        problems.append(
+            f"parallel.schedule = 'interleaved_1f1b' needs parallel.virtual_stages >= 2 (found {par.virtual_stages}); "
+            "set parallel.virtual_stages=2 or choose schedule 1f1b"
+        )
+    elif par.micro_batches > 0:
+        try:
+            schedule_for(par)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    parts = par.pp * max(par.virtual_stages, 1)
+    if par.pipeline_split:
+        try:
+            parse_split(par.pipeline_split, parts, m.num_hidden_layers)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    elif parts > m.num_hidden_layers + 2:
+        problems.append(
+            f"pp*virtual_stages ({parts}) exceeds the model's {m.num_hidden_layers + 2} pipeline units (embedding, "
+            f"{m.num_hidden_layers} blocks, head); lower parallel.pp/virtual_stages or raise model.num_hidden_layers"
+        )
+    if par.zero == 3:
+        problems.append("parallel.zero = 3 with parallel.pp > 1 is not supported (each stage gathers nothing "
+                        "across stages); use parallel.zero <= 2, which shards each stage's optimizer and gradients")
+    if par.cp > 1:
+        problems.append(f"parallel.cp = {par.cp} with parallel.pp > 1 is not supported yet; set parallel.cp=1")
+    if par.tp > 1 and par.sequence_parallel:
+        problems.append("parallel.sequence_parallel with parallel.pp > 1 is not supported yet (stages exchange "
+                        "whole sequences); set parallel.sequence_parallel=false")
+    return problems
+
+
+def build_pipeline(par, model, backend, dims, **dp_kwargs) -> PipelineEngine:
+    """This rank's :class:`PipelineEngine` for ``model`` under ``par`` (a ParallelConfig)."""
+    sched = schedule_for(par)
+    specs = split_model(model, par.pp * par.virtual_stages, par.pipeline_split)
+    return PipelineEngine(model, backend, dims, sched, specs, **dp_kwargs)
+
+
+def describe_pipeline(cfg, kernels) -> str:
+    """What ``chipset train --print-schedule`` prints: the split, then the checked schedule."""
+    import torch
+
+    from chipset.models import Transformer
+
+    par = cfg.parallel
+    sched = schedule_for(par)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = Transformer(cfg.model, kernels, seed=cfg.train.seed)
+    specs = split_model(model, par.pp * par.virtual_stages, par.pipeline_split)
+    units = {"embed": model.embed_tokens, "head": model.head}
+    lines = [f"pipeline split ({'explicit: ' + par.pipeline_split if par.pipeline_split else 'balanced by parameter count'}):"]
+    for spec in specs:
+        mods = ([units["embed"]] if spec.embed else []) + [model.layers[i] for i in spec.layers] + (
+            [units["head"]] if spec.head else [])
+        n = sum(p.numel() for m in mods for p in m.parameters())
+        rank, chunk = sched.locate(spec.virtual_stage)
+        chunk_txt = f", chunk {chunk}" if sched.virtual_stages > 1 else ""
+        lines.append(f"  virtual stage {spec.virtual_stage} (rank {rank}{chunk_txt}): {spec.describe()}  [{n} params]")
+    return "\n".join(lines) + "\n\n" + sched.render()

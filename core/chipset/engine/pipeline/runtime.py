@@ -1,0 +1,229 @@
+"""Executing a pipeline schedule: one optimizer step = one pass over this rank's instructions.
+
+:class:`PipelineEngine` holds this rank's pieces of the model (a
+:class:`~chipset.engine.pipeline.split.StageModel`) wrapped in a
+:class:`~chipset.engine.data_parallel.DataParallel` over the dp dimension, so ZeRO,
+bucketing, clipping, AdamW and mixed precision are the data-parallel engine's own.
+
+Per step it interprets the schedule (checked by
+:func:`~chipset.engine.pipeline.check.check_schedule` when the engine is built):
+FORWARD/BACKWARD run a chunk on a micro-batch; a run of consecutive transfers is posted
+as one ``backend.collective.batch_p2p`` in the schedule's order and waited on as a whole.
+
+Loss: the last virtual stage computes each micro-batch's mean cross-entropy and
+back-propagates ``loss * scale / m``, exactly as the single-process gradient-accumulation
+loop does; the m losses reach every pipeline rank through one all-reduce over the pp
+group. Gradient norm and fp16 overflow are summed over the pp group too
+(``DataParallel.norm_groups``), so clipping sees the whole model's norm.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from chipset.engine.data_parallel import DataParallel
+from chipset.engine.parallel_dims import ParallelDims
+from chipset.engine.pipeline.check import check_schedule
+from chipset.engine.pipeline.schedules import Instruction, Op, PipelineSchedule
+from chipset.engine.pipeline.split import StageModel, StageSpec
+from chipset.interfaces import P2POp
+
+__all__ = ["PipelineEngine"]
+
+
+class PipelineEngine:
+    """One pipeline rank: its chunks, their data-parallel engine, and the schedule it runs.
+
+    Use: ``losses = pe.forward_backward_step(batches)`` (a list of m (tokens, targets)),
+    then ``pe.step(lr)``. ``pe.full_parameters()`` returns the whole model's parameters by
+    their single-process names on every rank (collective over the pp group).
+    """
+
+    def __init__(self, model, backend, dims: ParallelDims, schedule: PipelineSchedule, specs: list[StageSpec],
+                 **dp_kwargs):
+        self.backend = backend
+        self.collective = backend.collective
+        self.dims = dims
+        self.schedule = schedule
+        self.sim = check_schedule(schedule)  # refuse a broken schedule before anything runs
+        p, v = schedule.stages, schedule.virtual_stages
+        if len(specs) != p * v:
+            raise ValueError(f"{len(specs)} stage specs for {p} ranks x {v} chunks")
+        col = self.collective
+        self.pp_group = dims.group("pp", col)
+        self.pp_rank = self.pp_group.ranks.index(col.rank())
+        self.specs = specs
+        self.my_specs = [specs[schedule.virtual_stage(self.pp_rank, c)] for c in range(v)]
+        self.hidden_size = model.cfg.hidden_size
+        # Every rank learns every parameter's name, shape and owning stage (for full_parameters).
+        self._owners: list[list[tuple[str, torch.Size]]] = [[] for _ in range(p)]
+        for r in range(p):
+            sm = StageModel(model, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
+            self._owners[r] = [(n, t.shape) for n, t in sm.named_parameters()]
+        self.model = StageModel(model, self.my_specs)
+        self.engine = DataParallel(self.model, backend, dims, **dp_kwargs)
+        self.engine.norm_groups = [self.pp_group]
+        self.instructions = schedule.ranks[self.pp_rank]
+        self.compute_delay: tuple[float, float] = (0.0, 0.0)
+        """Seconds slept after each forward/backward (benchmarks and the bubble test make compute dominate)."""
+        self.timings: list[tuple[Instruction, float, float]] = []
+        """Last step: (compute instruction, start, end) in ``time.perf_counter`` seconds."""
+
+    # --- what the trainer reads off a data-parallel engine ----------------------------------
+    @property
+    def dp(self) -> int:
+        return self.engine.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.engine.dp_rank
+
+    @property
+    def group(self):
+        return self.engine.group
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def scaler(self):
+        return self.engine.scaler
+
+    @property
+    def launch_log(self):
+        return self.engine.launch_log
+
+    # --- one step --------------------------------------------------------------------------
+    def _vs(self, chunk: int) -> int:
+        return self.schedule.virtual_stage(self.pp_rank, chunk)
+
+    def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """Run the schedule over ``batches`` (one (tokens, targets) per micro-batch); the m losses."""
+        s, e = self.schedule, self.engine
+        m, last_vs = s.micro_batches, s.num_virtual - 1
+        if len(batches) != m:
+            raise ValueError(f"schedule expects {m} micro-batches, got {len(batches)}")
+        e.sync = False
+        for b in e.buckets:
+            b.ready, b.done = 0, False
+            if b.grad is not None and any(p.grad is None for p in b.params):
+                b.grad.zero_()  # someone ran model.zero_grad(set_to_none=True): re-attach the views
+                b._bind_grads()
+        act_shape = (*batches[0][0].shape, self.hidden_size)
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        grads_in: dict[tuple[int, int], torch.Tensor] = {}
+        grads_out: dict[tuple[int, int], torch.Tensor] = {}
+        losses = torch.zeros(m, dtype=torch.float32, device=self.device)
+        scale = self.scaler.scale / m
+        # With one chunk, the final backward is the last time every bucket fills: launch the
+        # gradient communication during it (overlap). With several, buckets span chunks
+        # whose last backwards interleave, so communication starts after the last one.
+        final_backward = max(i for i, ins in enumerate(self.instructions) if ins.op is Op.BACKWARD)
+        overlap = s.virtual_stages == 1
+        self.timings = []
+        batch: list[tuple[Instruction, torch.Tensor]] = []
+
+        def flush() -> None:
+            if not batch:
+                return
+            peers = self.pp_group.ranks
+            handles = self.collective.batch_p2p(
+                [P2POp("send" if ins.op.is_send else "recv", t, peers[ins.peer]) for ins, t in batch])
+            for h in handles:
+                h.wait()
+            for ins, t in batch:
+                key = (ins.chunk, ins.mb)
+                if ins.op is Op.RECV_ACT:
+                    inputs[key] = t.requires_grad_(True)
+                elif ins.op is Op.RECV_GRAD:
+                    grads_in[key] = t
+            batch.clear()
+
+        for i, ins in enumerate(self.instructions):
+            key = (ins.chunk, ins.mb)
+            if ins.op is Op.SEND_ACT:
+                batch.append((ins, outputs[key].detach().contiguous()))
+                continue
+            if ins.op is Op.SEND_GRAD:
+                batch.append((ins, grads_out.pop(key).contiguous()))
+                continue
+            if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                batch.append((ins, torch.empty(act_shape, dtype=e.dtype, device=self.device)))
+                continue
+            flush()
+            t0 = time.perf_counter()
+            vs = self._vs(ins.chunk)
+            if ins.op is Op.FORWARD:
+                tokens, targets = batches[ins.mb]
+                x = tokens if vs == 0 else inputs[key]
+                out = self.model.chunk_forward(ins.chunk, x)
+                if vs == last_vs:
+                    loss = self.model.loss(out, targets)
+                    losses[ins.mb] = loss.detach().float()
+                    out = loss.float() * scale
+                outputs[key] = out
+                delay = self.compute_delay[0]
+            else:
+                if overlap and i == final_backward:
+                    e.sync = True
+                    for b in e.buckets:
+                        b.ready, b.done = 0, False
+                    e.launch_log = []
+                out = outputs.pop(key)
+                if vs == last_vs:
+                    out.backward()
+                else:
+                    out.backward(grads_in.pop(key))
+                if vs > 0:
+                    grads_out[key] = inputs.pop(key).grad
+                delay = self.compute_delay[1]
+            if delay:
+                time.sleep(delay)
+            self.timings.append((ins, t0, time.perf_counter()))
+        flush()
+        if not overlap:
+            e.launch_log = []
+            for b in e.buckets:
+                b.launch_reduce()
+        e.sync = True
+        if s.stages > 1:
+            self.collective.all_reduce(losses, "sum", group=self.pp_group)
+        return [float(x) for x in losses.tolist()]
+
+    def step(self, lr: float) -> dict:
+        """Finish gradient communication, clip over the whole model, update (DataParallel.step)."""
+        return self.engine.step(lr)
+
+    # --- inspection ------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the whole model, float32 on the host, by its single-process name.
+
+        Collective over the pp group (each stage broadcasts what it holds); checkpoints and
+        ``params_digest`` use this to see one logical model whatever the split.
+        """
+        mine = self.engine.full_parameters()
+        if self.schedule.stages == 1:
+            return mine
+        out = {}
+        for r, owned in enumerate(self._owners):
+            numels = [shape.numel() for _, shape in owned]
+            if r == self.pp_rank:
+                flat = torch.cat([mine[n].reshape(-1) for n, _ in owned]).to(self.device)
+            else:
+                flat = torch.empty(sum(numels), dtype=torch.float32, device=self.device)
+            self.collective.broadcast(flat, self.pp_group.ranks[r], group=self.pp_group)
+            flat = flat.to("cpu")
+            off = 0
+            for (n, shape), k in zip(owned, numels, strict=True):
+                out[n] = flat[off:off + k].view(shape).clone()
+                off += k
+        return out
+
+    def owners(self) -> dict[str, int]:
+        """Parameter name -> the pipeline rank holding it."""
+        return {n: r for r, owned in enumerate(self._owners) for n, _ in owned}
