@@ -38,7 +38,8 @@ JOBS = {
         "tp2_sp_vocab127_full_recompute": (
             {"parallel": {"tp": 2, "sequence_parallel": True}, "train": {"recompute": "full"}, **ODD_VOCAB},
             "ref_vocab127"),
-        "cp2_selective_accum": ({"parallel": {"cp": 2, "micro_batches": 2}, "train": {"recompute": "selective"}}, "ref"),
+        "cp2_ring_selective_accum": ({"parallel": {"cp": 2, "micro_batches": 2, "cp_attention": "ring"},
+                                      "train": {"recompute": "selective"}}, "ref"),
     },
     4: {
         "dp2_tp2": ({"parallel": {"tp": 2}}, "ref"),
@@ -46,7 +47,8 @@ JOBS = {
         "dp2_tp2_sp_zero2": ({"parallel": {"tp": 2, "zero": 2, "sequence_parallel": True}}, "ref"),
         "dp2_tp2_zero3": ({"parallel": {"tp": 2, "zero": 3}}, "ref"),
         "tp2_cp2": ({"parallel": {"tp": 2, "cp": 2}}, "ref"),
-        "tp2_cp2_sp": ({"parallel": {"tp": 2, "cp": 2, "sequence_parallel": True}}, "ref"),
+        "tp2_cp2_sp_ring": ({"parallel": {"tp": 2, "cp": 2, "sequence_parallel": True, "cp_attention": "ring"}}, "ref"),
+        "cp4_ring": ({"parallel": {"cp": 4, "cp_attention": "ring"}}, "ref"),
         "dp2_cp2_zero2": ({"parallel": {"cp": 2, "zero": 2}}, "ref"),
     },
 }
@@ -210,6 +212,8 @@ def test_cli_trains_tp_sp_cp_through_torchrun_like_one_process(runs, tmp_path):
      "train.seq_len (6) must be divisible by 2*cp (4)"),
     (["--nproc", "2", "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true", "--set", "train.seq_len=15"],
      "train.seq_len/cp (15/1) must be divisible by tp (2)"),
+    (["--nproc", "2", "--set", "parallel.cp=2", "--set", "parallel.cp_attention=flash"],
+     "parallel.cp_attention = 'flash': expected allgather or ring"),
 ])
 def test_layouts_the_model_cannot_take_are_refused_before_launch(tmp_path, capsys, args, expect):
     from chipset.cli.main import main

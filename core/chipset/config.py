@@ -101,6 +101,8 @@ class ParallelConfig:
     """Keep the fp32 master weights and Adam state on the host (ZeRO-Offload style)."""
     sequence_parallel: bool = False
     """With tp > 1: split norm regions along the sequence over tp (reduce-scatter/all-gather instead of all-reduce)."""
+    cp_attention: str = "allgather"
+    """With cp > 1: allgather (all-gather K/V over cp) or ring (pass K/V blocks around the cp ring, online softmax)."""
     schedule: str = "1f1b"
     """With pp > 1: pipeline schedule gpipe, 1f1b or interleaved_1f1b (docs/engine.md, `chipset train --print-schedule`)."""
     virtual_stages: int = 1
@@ -459,6 +461,8 @@ def _tp_cp_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig) -> lis
                              ("the MLP width", m.intermediate_size, "intermediate_size")):
             if n > 0 and n % par.tp:
                 problems.append(f"tp ({par.tp}) must divide {what} ({n}) (model.{key}); choose another parallel.tp")
+    if par.cp_attention not in ("allgather", "ring"):
+        problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected allgather or ring")
     if par.cp > 1 and tr.seq_len > 0 and tr.seq_len % (2 * par.cp):
         problems.append(
             f"train.seq_len ({tr.seq_len}) must be divisible by 2*cp ({2 * par.cp}): context parallelism cuts each "

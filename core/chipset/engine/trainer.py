@@ -67,7 +67,7 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
         tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
         apply_tp(model, tp=tp)
     if dims.cp_enabled:
-        apply_cp(model, cp=ContextParallel(col, dims.group("cp", col), backend.kernels))
+        apply_cp(model, cp=ContextParallel(col, dims.group("cp", col), backend.kernels, attention=par.cp_attention))
     if dims.ep_enabled:
         apply_ep(model, dims=dims, collective=col)
     apply_recompute(model, mode=tr.recompute)
