@@ -280,7 +280,8 @@ class Collective:
             return dist.batch_isend_irecv(tops)
 
         works = self._run("batch_p2p", g, [o.tensor for o in ops], launch, True, raw=True)
-        return [Handle(w, f"batch_p2p[{i}]", self._translate) for i, w in enumerate(works)]
+        account = self.comm_stats.counter("batch_p2p").add_seconds  # waits count as blocked time
+        return [Handle(w, f"batch_p2p[{i}]", self._translate, account=account) for i, w in enumerate(works)]
 
     def barrier(self, group: Group | None = None) -> None:
         """Block until every rank of ``group`` has reached the barrier."""
