@@ -227,6 +227,24 @@ def _dropped_on_first_batch(b, overrides: dict) -> list[int]:
     return [int(x) for x in dropped]
 
 
+def _expert_inf_run(b, zero: int) -> list[int]:
+    """Only the last rank's expert gradient overflows at step 1: every rank must skip that step."""
+    from chipset.engine import build
+
+    engine, data, _ = build(_cfg(b, {"parallel": {"ep": 2, "zero": zero}}), b)
+    rank, last = b.collective.rank(), b.collective.world_size() - 1
+    skipped = []
+    for step in range(3):
+        tokens, targets = data.batch(step, engine.dp_rank, engine.dp, device=engine.device)
+        engine.forward_backward(tokens, targets)
+        if step == 1 and rank == last:
+            engine.model.layers[0].mlp.experts.gate_proj.grad.view(-1)[0] = math.inf
+        skipped.append(float(engine.step(1e-2)["skipped"]))
+    flags = torch.tensor(skipped)
+    b.collective.all_reduce(flags, "sum")
+    return [int(x) for x in flags]
+
+
 def _job(mode: str, out_path: str) -> None:
     from chipset.engine import train
     from chipset.loader import backend
@@ -241,6 +259,8 @@ def _job(mode: str, out_path: str) -> None:
                          "params": res.params}
     first = next(iter(JOBS[mode]))
     results["dropped"] = _dropped_on_first_batch(b, JOBS[mode][first])
+    if mode == "w2":  # expert weights and their gradients live on one rank only (edp = 1)
+        results["expert_inf"] = {z: _expert_inf_run(b, z) for z in (0, 1)}
     if b.collective.rank() == 0:
         torch.save(results, out_path)
     b.collective.destroy()
@@ -286,6 +306,7 @@ def runs(tmp_path_factory):
         res = torch.load(outs[m], weights_only=False)
         merged[f"{m}_world_size"] = res.pop("world_size")
         merged[f"{m}_dropped"] = res.pop("dropped")
+        merged[f"{m}_expert_inf"] = res.pop("expert_inf", None)
         merged.update(res)
     return merged
 
@@ -310,6 +331,11 @@ def test_ep_losses_norms_and_params_equal_single_process(runs, variant):
 def test_capacity_dropping_is_active_and_identical_across_layouts(runs):
     assert runs["ref_dropped"] == runs["w2_dropped"] == runs["w4_dropped"]
     assert all(n > 0 for n in runs["ref_dropped"]), runs["ref_dropped"]
+
+
+def test_an_overflow_in_one_ranks_experts_skips_the_step_on_every_rank(runs):
+    # Summed over the 2 ranks: nobody skips steps 0 and 2, everybody skips step 1.
+    assert runs["w2_expert_inf"] == {0: [0, 2, 0], 1: [0, 2, 0]}
 
 
 def test_expert_weights_have_their_single_process_shapes(runs):
