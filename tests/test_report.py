@@ -184,3 +184,16 @@ def test_report_loads_in_a_real_headless_browser_with_every_plot_rendered_and_no
         assert f'id="{pid}"' in r.stdout
     console = [ln for ln in r.stderr.splitlines() if "CONSOLE" in ln]
     assert not console, console
+
+
+def test_report_of_a_run_from_before_the_metrics_fields_still_has_every_plot(tmp_path):
+    run = tmp_path / "old"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 4.0, "grad_norm": 1.0, "lr": 0.01,
+                                                   "tokens_per_s": 100.0, "step_time_s": 0.1,
+                                                   "peak_memory_bytes": 1000}) + "\n")
+    out = tmp_path / "r.html"
+    assert main(["report", str(run), "--out", str(out), "--no-png"]) == 0
+    text = out.read_text()
+    _check_html(text)
+    assert "config.toml not found" in text and "(no data)" in text
