@@ -134,3 +134,10 @@ def test_tensorboard_event_files_when_installed_else_a_note(tmp_path):
         pytest.skip("tensorboard is not installed: checked the note instead of the event files")
     events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_profile_steps_beyond_the_run_say_so_instead_of_writing_nothing_silently(tmp_path):
+    r = _train(tmp_path / "run", "--set", "train.steps=1", "--profile-steps", "5:6")
+    assert r.returncode == 0, r.stderr
+    assert "no profiler trace: profile_steps 5:6 starts after the run's last step (1)" in r.stdout
+    assert not (tmp_path / "run" / "traces").exists()

@@ -70,6 +70,9 @@ class StepMetrics:
         self._profile = parse_profile_steps(cfg.train.profile_steps)
         self._profiler = None
         self._last_step = cfg.train.steps
+        if self._profile is not None and self._profile[0] > self._last_step and rank == 0:
+            print(f"chipset train: no profiler trace: profile_steps {cfg.train.profile_steps} starts after the "
+                  f"run's last step ({self._last_step}); choose steps within 1:{self._last_step}", file=out, flush=True)
 
     # --- the step ----------------------------------------------------------------
     def begin_step(self, step: int) -> None:
