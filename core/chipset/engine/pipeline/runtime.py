@@ -96,6 +96,31 @@ class PipelineEngine:
     def launch_log(self):
         return self.engine.launch_log
 
+    @property
+    def buckets(self):
+        """This rank's gradient/optimizer buckets; their parameter names are single-process names."""
+        return self.engine.buckets
+
+    @property
+    def zero(self) -> int:
+        return self.engine.zero
+
+    def state_dict(self) -> dict:
+        """This rank's training state (``DataParallel.state_dict``) plus which stages it holds."""
+        return {**self.engine.state_dict(), "pp": self.schedule.stages, "pp_rank": self.pp_rank,
+                "virtual_stages": [s.virtual_stage for s in self.my_specs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output written under the same layout and split."""
+        from chipset.errors import UsageError
+
+        mine = (self.schedule.stages, self.pp_rank, [s.virtual_stage for s in self.my_specs])
+        theirs = (state.get("pp"), state.get("pp_rank"), state.get("virtual_stages"))
+        if mine != theirs:
+            raise UsageError(f"pipeline state was written for (pp, pp_rank, virtual stages) {theirs}, this rank "
+                             f"is {mine}; load it through a resharding checkpoint instead")
+        self.engine.load_state_dict(state)
+
     # --- one step --------------------------------------------------------------------------
     def _vs(self, chunk: int) -> int:
         return self.schedule.virtual_stage(self.pp_rank, chunk)
@@ -211,6 +236,12 @@ class PipelineEngine:
             return mine
         out = {}
         for r, owned in enumerate(self._owners):
+            # Logical shapes come from the owner: tensor parallelism shards what this rank saw.
+            dims = torch.tensor([d for n, _ in owned for d in (mine[n].shape if r == self.pp_rank else ())]
+                                or [0] * sum(len(shape) for _, shape in owned), dtype=torch.int64, device=self.device)
+            self.collective.broadcast(dims, self.pp_group.ranks[r], group=self.pp_group)
+            it = iter(dims.tolist())
+            owned = [(n, torch.Size([next(it) for _ in shape])) for n, shape in owned]
             numels = [shape.numel() for _, shape in owned]
             if r == self.pp_rank:
                 flat = torch.cat([mine[n].reshape(-1) for n, _ in owned]).to(self.device)
