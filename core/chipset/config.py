@@ -153,6 +153,12 @@ class TrainConfig:
     """Activation recompute: none, selective (attention core) or full (whole blocks)."""
     log_every: int = 1
     """Print a progress line every N steps on rank 0."""
+    checkpoint_every: int = 0
+    """Write a checkpoint to RUN_DIR/checkpoints every N steps (0 = never); see docs/fault-tolerance.md."""
+    keep_checkpoints: int = 3
+    """Keep only the newest N complete checkpoints (0 = keep all)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in a background thread so training continues (the state is copied to host first)."""
     profile_steps: str = ""
     """Steps FIRST:LAST (1-based, inclusive) to record a torch.profiler Chrome trace per rank into RUN_DIR/traces; empty = off."""
 
@@ -369,6 +375,14 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
              "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "init_std")
     positive("parallel", par, "tp", "pp", "ep", "cp", "micro_batches", "bucket_mb")
     positive("train", tr, "steps", "global_batch", "seq_len", "lr", "eps", "log_every")
+    for name in ("checkpoint_every", "keep_checkpoints"):
+        if getattr(tr, name) < 0:
+            problems.append(f"train.{name} = {getattr(tr, name)!r}: expected an integer >= 0 (0 = {'never' if name == 'checkpoint_every' else 'keep all'})")
+    if tr.checkpoint_every and any(getattr(par, n) > 1 for n in ("tp", "pp", "ep")):
+        problems.append(
+            "train.checkpoint_every: checkpoints of tp/pp/ep > 1 layouts are not supported yet "
+            f"(tp={par.tp}, pp={par.pp}, ep={par.ep}); use dp/ZeRO only or set train.checkpoint_every=0"
+        )
     try:
         parse_profile_steps(tr.profile_steps)
     except ValueError as exc:

@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key, e.g. --set train.steps=20 --set parallel.zero=3")
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this node (default 1)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (passed to torchrun)")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="nodes in the job, or an elastic range MIN:MAX (passed to torchrun)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (passed to torchrun)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="rendezvous endpoint for multi-node jobs (passed to torchrun)")
@@ -27,6 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--profile-steps", default=None, metavar="FIRST:LAST",
                    help="record a torch.profiler Chrome trace of steps FIRST..LAST (1-based) per rank into "
                    "RUN_DIR/traces (same as --set train.profile_steps=FIRST:LAST)")
+    p.add_argument("--resume", default="auto", metavar="auto|none|PATH",
+                   help="auto (default): continue from the run directory's newest complete checkpoint, if any; "
+                   "none: start fresh; PATH: a checkpoint folder or another run directory (docs/fault-tolerance.md)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart the whole job up to N times when a rank dies (torch's elastic agent); "
+                   "it resumes from the last checkpoint")
     p.add_argument("--print-schedule", action="store_true",
                    help="with parallel.pp > 1: print the stage split and the checked pipeline schedule (per-rank "
                    "timeline and instructions), then exit without training")
@@ -35,12 +42,19 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from chipset.config import parse_overrides, resolve_config, to_toml
+    from chipset.engine.checkpoint.launcher import (
+        check_resume,
+        clear_hang_logs,
+        parse_nnodes,
+        report_failure,
+    )
     from chipset.engine.launch import default_run_dir, launch, torchrun_command
     from chipset.loader import backend
 
-    if args.nproc < 1 or args.nnodes < 1:
-        raise UsageError(f"--nproc ({args.nproc}) and --nnodes ({args.nnodes}) must be >= 1")
-    world = args.nproc * args.nnodes
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    if args.nproc < 1 or args.max_restarts < 0:
+        raise UsageError(f"--nproc ({args.nproc}) must be >= 1 and --max-restarts ({args.max_restarts}) >= 0")
+    world = args.nproc * max_nodes
     if args.profile_steps is not None:
         args.overrides = [*args.overrides, f'train.profile_steps="{args.profile_steps}"']
     parse_overrides(args.overrides)  # malformed --set items fail before the backend is loaded
@@ -60,19 +74,23 @@ def run(args) -> int:
             f"sees on this node; lower --nproc or make more devices visible ({b.device.visible_devices_env})"
         )
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    check_resume(run_dir, args.resume, cfg, b)  # a bad --resume or a different model: exit 2, nothing written
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
     config_path.write_text(to_toml(cfg))
     print(f"chipset train: run directory {run_dir}")
-    if world == 1:
+    if world == 1 and args.max_restarts == 0:
         from chipset.engine.worker import run_rank
 
-        return run_rank(str(config_path), str(run_dir))
-    cmd = torchrun_command(config_path, run_dir, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                           rdzv_endpoint=args.rdzv_endpoint)
+        return run_rank(str(config_path), str(run_dir), resume=args.resume)
+    nnodes = str(min_nodes) if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
+    cmd = torchrun_command(config_path, run_dir, nproc=args.nproc, nnodes=nnodes, node_rank=args.node_rank,
+                           rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts, resume=args.resume)
+    clear_hang_logs(run_dir)
     rc = launch(cmd, b.name)
     if rc != 0:
         print(f"chipset train: torchrun exited with status {rc}; see the rank output above", flush=True)
+        report_failure(run_dir)
     return rc
 
 

@@ -26,6 +26,7 @@ GROUPS: tuple[str, ...] = (
     "collectives",
     "kernels",
     "amp",
+    "checkpoint",
 )
 """Groups in report order. A test's group is the name of its module without ``test_``."""
 

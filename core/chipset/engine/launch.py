@@ -22,17 +22,22 @@ def default_run_dir(root: str | Path = "runs") -> Path:
     return path
 
 
-def torchrun_command(config_path: Path, run_dir: Path, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                     rdzv_endpoint: str | None = None, max_restarts: int = 0) -> list[str]:
-    """The ``python -m torch.distributed.run ...`` command line that starts the ranks."""
+def torchrun_command(config_path: Path, run_dir: Path, *, nproc: int, nnodes: int | str = 1, node_rank: int = 0,
+                     rdzv_endpoint: str | None = None, max_restarts: int = 0, resume: str = "none") -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command line that starts the ranks.
+
+    ``nnodes`` may be an elastic range ``"MIN:MAX"``; ``max_restarts`` is torch's elastic
+    agent's restart budget; ``resume`` is handed to every rank (``--resume``).
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}"]
-    if nnodes == 1 and rdzv_endpoint is None:
+    if str(nnodes) == "1" and rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={rdzv_endpoint or 'localhost:29500'}"]
-    cmd += ["-m", "chipset.engine.worker", "--config", str(config_path), "--run-dir", str(run_dir)]
+    cmd += ["-m", "chipset.engine.worker", "--config", str(config_path), "--run-dir", str(run_dir),
+            "--resume", resume]
     return cmd
 
 

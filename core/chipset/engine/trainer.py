@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -104,8 +105,13 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=None, keep_params: bool = False) -> TrainResult:
-    """Run ``cfg`` on this rank. The process group must be initialised and the device set."""
+def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=None, keep_params: bool = False,
+          resume: str = "none") -> TrainResult:
+    """Run ``cfg`` on this rank. The process group must be initialised and the device set.
+
+    ``resume``: ``auto`` (newest complete checkpoint of ``run_dir``), ``none`` or a checkpoint
+    path (docs/fault-tolerance.md); checkpoints are written every ``train.checkpoint_every`` steps.
+    """
     out = out or sys.stdout
     col = backend.collective
     rank = col.rank()
@@ -116,9 +122,16 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     device = engine.device
     run_dir = Path(run_dir) if run_dir is not None else None
     metrics_file = None
+    ckpt = None
+    if run_dir is not None and (tr.checkpoint_every or resume != "none"
+                                or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")):
+        from chipset.engine.checkpoint import Checkpointer
+
+        ckpt = Checkpointer(cfg, backend, engine, run_dir, out=out)
+    start = ckpt.resume(resume) if ckpt is not None else 0
     if run_dir is not None and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        metrics_file = open(run_dir / "metrics.jsonl", "w")
+        metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")
     tokens_per_step = tr.global_batch * tr.seq_len
     res = TrainResult()
     if rank == 0:
@@ -130,7 +143,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     times = []
     obs = StepMetrics(cfg, backend, dims, device=device, run_dir=run_dir, rank=rank, out=out)
     try:
-        for step in range(tr.steps):
+        for step in range(start, tr.steps):
             col.notify_step(step)
             backend.memory.reset_peak_stats()
             obs.begin_step(step)
@@ -166,11 +179,15 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             if metrics_file is not None:
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
+            if ckpt is not None and ckpt.due(step + 1):
+                ckpt.save(step + 1)
             if rank == 0 and ((step + 1) % tr.log_every == 0 or step + 1 == tr.steps):
                 skipped = " (skipped: overflow)" if stats["skipped"] else ""
                 print(f"step {step + 1:>4}/{tr.steps}  loss {loss:8.4f}  grad_norm {stats['grad_norm']:8.4f}  "
                       f"lr {lr:.2e}  {rec['tokens_per_s']:9.0f} tok/s  mem {_fmt_bytes(peak)}{skipped}",
                       file=out, flush=True)
+        if ckpt is not None:
+            ckpt.finish()  # an asynchronous save completes (or raises) before the summary
     finally:
         obs.close()
         if metrics_file is not None:
@@ -197,6 +214,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         "loss_scale": engine.scaler.state_dict(),
         "params_digest": params_digest(params),
         **obs.summary(),
+        **(ckpt.summary() if ckpt is not None else {}),
     }
     res.summary = summary
     if keep_params:

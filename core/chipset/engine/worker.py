@@ -11,12 +11,12 @@ import os
 import sys
 import traceback
 
-from chipset.errors import ChipsetError
+from chipset.errors import ChipsetError, CollectiveError
 
 __all__ = ["run_rank", "main"]
 
 
-def run_rank(config_path: str, run_dir: str | None) -> int:
+def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int:
     from chipset.config import load_config
     from chipset.engine.trainer import train
     from chipset.loader import backend
@@ -28,7 +28,14 @@ def run_rank(config_path: str, run_dir: str | None) -> int:
     b.collective.init_process_group()
     try:
         cfg.validate(world_size=b.collective.world_size(), dtypes=b.capabilities.dtypes)
-        train(cfg, b, run_dir)
+        try:
+            train(cfg, b, run_dir, resume=resume)
+        except CollectiveError as exc:
+            if run_dir is not None:  # what this rank last did, for the launcher's hang report
+                from chipset.engine.checkpoint.hangs import write_rank_log
+
+                write_rank_log(run_dir, b.collective, exc)
+            raise
     finally:
         b.collective.destroy()
     return 0
@@ -38,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m chipset.engine.worker")
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--resume", default="none", help="auto, none or a checkpoint path (docs/fault-tolerance.md)")
     args = p.parse_args(argv)
     rank = os.environ.get("RANK", "0")
     try:
-        return run_rank(args.config, args.run_dir)
+        return run_rank(args.config, args.run_dir, args.resume)
     except ChipsetError as exc:
         print(f"chipset: error (rank {rank}): {exc}", file=sys.stderr)
         return exc.exit_code

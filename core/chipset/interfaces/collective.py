@@ -7,6 +7,7 @@ adds accounting, fault injection or error translation. Timeouts become
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import os
 import time
@@ -35,6 +36,8 @@ _TIMEOUT_MARKERS = ("timed out", "timeout", "deadline")
 # torch 2.13 renamed the single-tensor collectives (the old names warn); older releases lack the new ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+RECENT_OPS = 64
+"""How many recent collectives :attr:`Collective.recent_ops` keeps per rank."""
 
 
 def collective_timeout() -> _dt.timedelta:
@@ -169,7 +172,11 @@ class Collective:
         rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         if "MASTER_ADDR" in os.environ or world_size > 1:
-            dist.init_process_group(self.c10d_backend, rank=rank, world_size=world_size, timeout=timeout)
+            store = _restart_store(world_size, timeout)
+            if store is not None:
+                dist.init_process_group(self.c10d_backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            else:
+                dist.init_process_group(self.c10d_backend, rank=rank, world_size=world_size, timeout=timeout)
         else:
             store = dist.HashStore()
             dist.init_process_group(self.c10d_backend, store=store, rank=0, world_size=1, timeout=timeout)
@@ -307,7 +314,9 @@ class Collective:
         describe = f"{op} on {group.name} ({group.size} ranks)"
         counter = self.comm_stats.counter(op)
         counter.calls += 1
-        counter.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        counter.bytes += nbytes
+        entry = self._log_op(op, group, nbytes)
         t0 = time.perf_counter()
         try:
             if torch.autograd.profiler._is_profiler_enabled:
@@ -319,11 +328,37 @@ class Collective:
             raise self._translate(exc, describe) from exc
         finally:
             counter.seconds += time.perf_counter() - t0
+        entry["state"] = "launched" if async_op or raw else "done"
         if raw:
             return work
         if async_op:
             return Handle(work, describe, self._translate, account=counter.add_seconds)
         return None
+
+    @property
+    def recent_ops(self) -> collections.deque:
+        """The last :data:`RECENT_OPS` collectives this rank entered, oldest first (for hang reports).
+
+        Each is a dict: ``op``, ``group`` (name), ``ranks``, ``seq`` (this rank's sequence number
+        of ops on that group, from 0), ``bytes``, ``time`` (Unix seconds) and ``state``:
+        ``entered`` (still inside, or failed), ``done`` (a blocking op returned) or ``launched``
+        (an async op was started).
+        """
+        log = self.__dict__.get("_recent_ops")
+        if log is None:  # created lazily, like comm_stats
+            log = self.__dict__["_recent_ops"] = collections.deque(maxlen=RECENT_OPS)
+            self.__dict__["_group_seq"] = {}
+        return log
+
+    def _log_op(self, op: str, group: Group, nbytes: int) -> dict:
+        log = self.recent_ops
+        seqs = self.__dict__["_group_seq"]
+        seq = seqs.get(group.name, 0)
+        seqs[group.name] = seq + 1
+        entry = {"op": op, "group": group.name, "ranks": group.ranks, "seq": seq, "bytes": nbytes,
+                 "time": time.time(), "state": "entered"}
+        log.append(entry)
+        return entry
 
     def _translate(self, exc: BaseException, describe: str) -> BaseException:
         if isinstance(exc, CollectiveError):
@@ -338,6 +373,23 @@ class Collective:
         if isinstance(exc, (RuntimeError, dist.DistError)):
             return CollectiveError(f"{describe} failed: {text.strip().splitlines()[0] if text.strip() else type(exc).__name__}")
         return exc
+
+
+def _restart_store(world_size: int, timeout: _dt.timedelta):
+    """A fresh key space for a job torchrun's elastic agent restarted, or None.
+
+    After a restart (torch 2.13) the workers get the same agent store as the failed
+    attempt, which still holds that attempt's rendezvous keys: a rank could read a dead
+    peer's address and fail to connect. A prefix per attempt keeps attempts apart.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"chipset/attempt_{restart}", store)
 
 
 def _reduce_op(op: str):

@@ -1,0 +1,99 @@
+"""Hang diagnosis: each rank's recent collectives on a failure, and who never arrived.
+
+When a collective fails (a timeout, or a peer that vanished), the worker writes
+``RUN_DIR/hangs/rank<r>.json``: the error and the rank's last collectives from
+:attr:`chipset.interfaces.Collective.recent_ops` (op, group, per-group sequence number,
+bytes, time, state). After the job ends non-zero the launcher calls :func:`diagnose`:
+for every collective some rank timed out in, it lists the ranks of that group whose log
+never reached that sequence number, or who wrote no log at all (killed, or still stuck).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from chipset.errors import CollectiveTimeoutError
+
+__all__ = ["HANGS", "write_rank_log", "diagnose"]
+
+HANGS = "hangs"
+
+
+def write_rank_log(run_dir: str | Path, collective, exc: BaseException) -> Path | None:
+    """Write this rank's recent collectives and ``exc`` to ``RUN_DIR/hangs/rank<r>.json`` (never raises)."""
+    try:
+        rank = int(os.environ.get("RANK", "0") or 0)
+        d = Path(run_dir) / HANGS
+        d.mkdir(parents=True, exist_ok=True)
+        ops = [dict(e, ranks=list(e["ranks"])) for e in list(collective.recent_ops)]
+        body = {"rank": rank, "pid": os.getpid(), "time": time.time(), "timeout": isinstance(exc, CollectiveTimeoutError),
+                "error": str(exc), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                "recent_ops": ops}
+        path = d / f"rank{rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+    except Exception:  # diagnosis must never mask the original error
+        return None
+
+
+def _stuck_op(log: dict) -> dict | None:
+    ops = log.get("recent_ops") or []
+    for e in reversed(ops):
+        if e.get("state") != "done":
+            return e
+    return ops[-1] if ops else None
+
+
+def diagnose(run_dir: str | Path) -> dict | None:
+    """``{"collectives": [...], "lines": [...]}`` from the rank logs of ``run_dir``, or None if there are none."""
+    d = Path(run_dir) / HANGS
+    logs = {}
+    for f in sorted(d.glob("rank*.json")) if d.is_dir() else []:
+        try:
+            body = json.loads(f.read_text())
+            logs[int(body["rank"])] = body
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if not logs:
+        return None
+    stuck: dict[tuple[str, int, str], dict] = {}
+    for rank, log in sorted(logs.items()):
+        if not log.get("timeout"):
+            continue
+        e = _stuck_op(log)
+        if e is None:
+            continue
+        key = (e["group"], int(e["seq"]), e["op"])
+        item = stuck.setdefault(key, {"op": e["op"], "group": e["group"], "seq": int(e["seq"]),
+                                      "ranks": list(e["ranks"]), "waiting": [], "missing": []})
+        item["waiting"].append(rank)
+    lines = []
+    for item in stuck.values():
+        for r in item["ranks"]:
+            if r in item["waiting"]:
+                continue
+            log = logs.get(r)
+            seen = [e for e in (log or {}).get("recent_ops", []) if e["group"] == item["group"]]
+            last = max(seen, key=lambda e: e["seq"]) if seen else None
+            if log is None:
+                item["missing"].append({"rank": r, "why": "wrote no log (killed, or still stuck outside a collective)"})
+            elif last is None or last["seq"] < item["seq"]:
+                where = f"its last op on {item['group']} was {last['op']} #{last['seq']}" if last else \
+                    f"no op on {item['group']} in its recent log"
+                item["missing"].append({"rank": r, "why": f"never entered it; {where}; its error: "
+                                        + log.get("error", "").splitlines()[0][:200]})
+        missing = ", ".join(str(m["rank"]) for m in item["missing"]) or "none (every rank entered it)"
+        lines.append(f"collective {item['op']} #{item['seq']} on group {item['group']} (ranks {item['ranks']}): "
+                     f"rank(s) {item['waiting']} timed out waiting; rank(s) that did not arrive: {missing}")
+        lines += [f"  rank {m['rank']}: {m['why']}" for m in item["missing"]]
+    if not stuck:
+        lines.append("no rank reported a collective timeout; failing ranks: "
+                     + ", ".join(f"{r} ({logs[r].get('error', '').splitlines()[0][:160]})" for r in sorted(logs)))
+    report = {"collectives": list(stuck.values()), "lines": lines}
+    (d / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report

@@ -1,0 +1,314 @@
+"""Saving and resuming one training run: :class:`Checkpointer`.
+
+Used by :func:`chipset.engine.trainer.train`: ``start = ckpt.resume(mode)`` before the
+first step, ``ckpt.save(step)`` every ``train.checkpoint_every`` steps, ``ckpt.finish()``
+at the end (waits for an asynchronous save). Every rank calls every method (they are
+collective).
+
+Contents of a checkpoint: every parameter and the optimizer state (fp32 masters, Adam
+moments) under logical full-tensor names (:mod:`.layout`), every rank's device and
+host RNG state (``rng.device.rank<r>``, ``rng.host.rank<r>``), and ``state.json``:
+optimizer step count, loss-scaler state, data position, the resolved config and the
+parameters' shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from chipset.engine.checkpoint import store
+from chipset.engine.checkpoint.layout import KINDS, engine_pieces, logical_shapes, sharded
+from chipset.errors import ChipsetError, ConfigError
+
+__all__ = ["Checkpointer", "shape_mismatches", "resolve_resume"]
+
+_PATH_BYTES = 4096
+
+
+def shape_mismatches(saved: dict[str, tuple[int, ...]], mine: dict[str, tuple[int, ...]]) -> list[str]:
+    """Human-readable differences between a checkpoint's parameter shapes and this model's."""
+    out = []
+    for n in sorted(set(saved) | set(mine)):
+        if n not in saved:
+            out.append(f"{n}: missing from the checkpoint (this model has {tuple(mine[n])})")
+        elif n not in mine:
+            out.append(f"{n}: in the checkpoint {tuple(saved[n])}, not in this model")
+        elif tuple(saved[n]) != tuple(mine[n]):
+            out.append(f"{n}: checkpoint {tuple(saved[n])}, this model {tuple(mine[n])}")
+    return out
+
+
+def refuse_shapes(path: Path, problems: list[str]) -> ConfigError:
+    shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+    return ConfigError(
+        f"checkpoint {path} was written for a different model shape; {len(problems)} parameter(s) differ:\n"
+        + "\n".join(f"  - {p}" for p in shown)
+        + "\nUse the [model] config it was trained with (its state.json holds it), or --resume none to start fresh."
+    )
+
+
+def resolve_resume(run_dir: Path, mode: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """Which checkpoint ``mode`` (``auto``, ``none`` or a path) selects; and newer ones skipped.
+
+    A path may name a checkpoint folder or a run directory (its newest complete one).
+    An explicit path that is incomplete or corrupt is a ConfigError, not a silent skip.
+    """
+    if mode == "none":
+        return None, []
+    if mode == "auto":
+        chosen, skipped = store.select(run_dir)
+        return (chosen.path if chosen else None), skipped
+    p = Path(mode)
+    if (p / store.MANIFEST).exists() or store._STEP_RE.match(p.name):
+        why = store.verify(p)
+        if why is not None:
+            raise ConfigError(f"--resume {mode}: not a usable checkpoint: {why}. Pick another (ls {p.parent}) "
+                              "or use --resume auto")
+        return p, []
+    if (p / store.CHECKPOINTS).is_dir():
+        chosen, skipped = store.select(p)
+        if chosen is None:
+            raise ConfigError(f"--resume {mode}: the run directory has no complete checkpoint "
+                              f"({'; '.join(f'{s.name}: {w}' for s, w in skipped) or 'none written'})")
+        return chosen.path, skipped
+    raise ConfigError(f"--resume {mode}: no checkpoint there (expected a checkpoints/step-N folder with "
+                      f"{store.MANIFEST}, or a run directory holding checkpoints/); or use auto / none")
+
+
+class Checkpointer:
+    """Checkpoints of one run directory for one engine; collective: every rank calls each method."""
+
+    def __init__(self, cfg, backend, engine, run_dir: str | Path, *, out=None):
+        self.cfg = cfg
+        self.backend = backend
+        self.engine = engine
+        self.col = backend.collective
+        self.rank = self.col.rank()
+        self.world = self.col.world_size()
+        self.run_dir = Path(run_dir)
+        self.out = out or sys.stdout
+        tr = cfg.train
+        self.every = tr.checkpoint_every
+        self.keep = tr.keep_checkpoints
+        self.async_save = tr.async_checkpoint
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.saved: list[int] = []
+        self.save_seconds: list[float] = []
+        """Seconds each save blocked training (staging only when asynchronous)."""
+        self.info: dict = {"restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                           "resumed_from": None, "resumed_step": 0, "skipped_checkpoints": []}
+        # Asynchronous saves talk over their own group so they never interleave with training's.
+        self._group = None
+        if self.async_save and self.world > 1:
+            self._group = self.col.new_group(range(self.world), name="checkpoint")
+
+    # --- resume -------------------------------------------------------------------------
+    def resume(self, mode: str = "auto") -> int:
+        """Load the checkpoint ``mode`` selects (see :func:`resolve_resume`); returns the step to start at."""
+        if self.info["restarts"] > 0 and mode == "none":
+            mode = "auto"  # a restarted job continues from its own checkpoints
+        path = None
+        if self.rank == 0:
+            store.remove_partials(self.run_dir)
+            try:
+                path, skipped = resolve_resume(self.run_dir, mode)
+                if path is None and self.info["restarts"] > 0 and mode not in ("auto", "none"):
+                    path, skipped = resolve_resume(Path(mode), mode)
+            except ConfigError as exc:
+                path, skipped = None, []
+                self._share_path(f"!{exc}")
+                raise
+            for p, why in skipped:
+                print(f"chipset checkpoint: skipping {p}: {why}; using an older checkpoint", file=self.out, flush=True)
+            self.info["skipped_checkpoints"] = [{"path": str(p), "reason": why} for p, why in skipped]
+            self._share_path(str(path) if path else "")
+        else:
+            got = self._share_path(None)
+            if got.startswith("!"):
+                raise ConfigError(got[1:])
+            path = Path(got) if got else None
+        if path is None:
+            return 0
+        step = self.load(Path(path))
+        self.info["resumed_from"] = str(path)
+        self.info["resumed_step"] = step
+        if self.rank == 0:
+            self._trim_metrics(step)
+            print(f"chipset checkpoint: resumed from {path} (step {step})"
+                  + (f" after restart {self.info['restarts']}" if self.info["restarts"] else ""), file=self.out, flush=True)
+        return step
+
+    def _share_path(self, text: str | None) -> str:
+        """Rank 0's choice to every rank (a fixed-size byte tensor broadcast)."""
+        if self.world == 1:
+            return text or ""
+        buf = torch.zeros(_PATH_BYTES, dtype=torch.uint8, device=self.engine.device)
+        if text is not None:
+            raw = text.encode()[:_PATH_BYTES]
+            buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        self.col.broadcast(buf, 0)
+        return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
+
+    def _trim_metrics(self, step: int) -> None:
+        f = self.run_dir / "metrics.jsonl"
+        if not f.exists():
+            return
+        keep = [ln for ln in f.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        f.write_text("".join(ln + "\n" for ln in keep))
+
+    def load(self, path: Path) -> int:
+        """Load ``path`` into the engine under its current layout (reshards); returns the saved step."""
+        import torch.distributed.checkpoint as dcp
+
+        e = self.engine
+        state = json.loads((path / store.STATE).read_text())
+        reader = store.safe_reader(path)
+        md = reader.read_metadata()
+        saved = {k.removeprefix("model."): tuple(v.size) for k, v in md.state_dict_metadata.items()
+                 if k.startswith("model.")}
+        problems = shape_mismatches(saved, logical_shapes(e))
+        if problems:
+            raise refuse_shapes(path, problems)
+        alias = all(b.master_aliases_params for b in e.buckets)
+        sd, copies = {}, []
+        for kind in KINDS:
+            if kind == "model" and alias:
+                continue  # the parameters are their own fp32 masters: load optim.master into them
+            for name, pieces, whole in engine_pieces(e, kind, for_load=True):
+                mine = [p for p in pieces if p.tensor is not None]
+                if not mine:
+                    continue
+                dtype = mine[0].tensor.dtype
+                if whole:
+                    host = torch.empty(mine[0].shape, dtype=dtype)
+                    sd[f"{kind}.{name}"] = host
+                    copies.append((mine[0], host))
+                else:
+                    st, hosts = sharded(pieces, dtype)
+                    sd[f"{kind}.{name}"] = st
+                    copies += hosts
+        rng_keys = {}
+        for what in ("device", "host"):
+            key = f"rng.{what}.rank{self.rank}"
+            if key in md.state_dict_metadata:
+                sd[key] = torch.empty(tuple(md.state_dict_metadata[key].size), dtype=torch.uint8)
+                rng_keys[what] = key
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(sd, storage_reader=reader)
+        with torch.no_grad():
+            for piece, host in copies:
+                piece.tensor.copy_(host.reshape(-1))
+        e.step_count = int(state["engine_step"])
+        e.scaler.load_state_dict(state["scaler"])
+        if "device" in rng_keys:
+            self.backend.device.set_rng_state(sd[rng_keys["device"]])
+        if "host" in rng_keys:
+            torch.set_rng_state(sd[rng_keys["host"]])
+        if state.get("world_size") != self.world or state.get("layout") != e.dims.layout():
+            self.info["resharded"] = {"from": {"world_size": state.get("world_size"), "layout": state.get("layout")},
+                                      "to": {"world_size": self.world, "layout": e.dims.layout()}}
+        return int(state["step"])
+
+    # --- save ---------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is due after ``step`` completed steps."""
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, step: int) -> None:
+        """Checkpoint the state after ``step`` completed steps (returns early when asynchronous)."""
+        self.finish()
+        t0 = time.perf_counter()
+        e = self.engine
+        sd = {}
+        with torch.no_grad():
+            for kind in KINDS:
+                for name, pieces, _ in engine_pieces(e, kind, for_load=False):
+                    dtype = e.dtype if kind == "model" else torch.float32
+                    st, hosts = sharded(pieces, dtype)
+                    for piece, host in hosts:
+                        host.copy_(piece.tensor.reshape(-1))
+                    sd[f"{kind}.{name}"] = st
+        sd[f"rng.device.rank{self.rank}"] = self.backend.device.get_rng_state().cpu().clone()
+        sd[f"rng.host.rank{self.rank}"] = torch.get_rng_state().clone()
+        tr = self.cfg.train
+        state = {
+            "step": step, "engine_step": e.step_count, "scaler": e.scaler.state_dict(),
+            "data": {"next_step": step, "next_sequence": step * tr.global_batch, "global_batch": tr.global_batch,
+                     "seq_len": tr.seq_len, "source": self.cfg.data.source, "seed": self.cfg.data.seed},
+            "config": self.cfg.to_dict(), "world_size": self.world, "layout": e.dims.layout(),
+            "shapes": {n: list(s) for n, s in logical_shapes(e).items()}, "backend": self.backend.name,
+            "dtype": str(e.dtype).removeprefix("torch."),
+        }
+        tmp = self.run_dir / store.CHECKPOINTS / f".tmp-step-{step:08d}"
+        final = store.checkpoint_dir(self.run_dir, step)
+        if self.async_save:
+            self._thread = threading.Thread(target=self._write_guarded, args=(sd, state, tmp, final, step),
+                                            name=f"chipset-checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(sd, state, tmp, final, step)
+        self.save_seconds.append(time.perf_counter() - t0)
+
+    def _write_guarded(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as exc:  # re-raised on the training thread by finish()
+            self._error = exc
+
+    def _write(self, sd: dict, state: dict, tmp: Path, final: Path, step: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        tmp.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            (tmp / store.STATE).write_text(json.dumps(state, indent=1) + "\n")
+        pg = self._group.pg if self._group is not None else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=pg)
+        # Each rank checksums its own files; rank 0 adds the shared ones and commits.
+        mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*"))
+        if self.rank == 0:
+            mine += [".metadata", store.STATE]
+        (tmp / f".sums-{self.rank}.json").write_text(json.dumps(store.hash_files(tmp, mine)))
+        if self.world > 1:
+            self.col.barrier(self._group)
+        if self.rank != 0:
+            return
+        sums = {}
+        for r in range(self.world):
+            f = tmp / f".sums-{r}.json"
+            sums.update(json.loads(f.read_text()))
+            f.unlink()
+        store.commit(tmp, final, step, sums, {"world_size": self.world, "layout": state["layout"]})
+        self.saved.append(step)
+        for p in store.prune(self.run_dir, self.keep):
+            print(f"chipset checkpoint: removed {p} (train.keep_checkpoints = {self.keep})", file=self.out, flush=True)
+        print(f"chipset checkpoint: saved {final}", file=self.out, flush=True)
+
+    def finish(self) -> None:
+        """Wait for an asynchronous save; re-raise its error here, on the training thread."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, ChipsetError):
+                raise err
+            raise ChipsetError(f"asynchronous checkpoint save failed: {type(err).__name__}: {err}") from err
+
+    def summary(self) -> dict:
+        """What ``summary.json`` records about checkpoints, resumes and restarts."""
+        out = dict(self.info)
+        out["checkpoints_saved"] = list(self.saved) if self.rank == 0 else None
+        out["checkpoint_blocking_s"] = [round(s, 4) for s in self.save_seconds]
+        return out

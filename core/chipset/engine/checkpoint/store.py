@@ -1,0 +1,215 @@
+"""Checkpoint directories on disk: atomic commit, manifest, verification, selection, pruning.
+
+Layout of a run directory::
+
+    checkpoints/step-00000008/         a complete checkpoint (visible only once committed)
+        .metadata  __0_0.distcp ...    torch.distributed.checkpoint files (one set per rank)
+        state.json                     step, loss scaler, data position, config, shapes
+        manifest.json                  written last: every file's size and SHA-256
+    checkpoints/.tmp-step-00000012-*/  a save in progress (or one a crash interrupted)
+
+A save writes everything under ``.tmp-...``, rank 0 writes ``manifest.json`` last and
+renames the folder to ``step-N``; until that rename nothing is visible, so a crash
+mid-save leaves the previous checkpoint as the newest. Reading never unpickles
+arbitrary objects: DCP's ``.metadata`` is read with an allow-list unpickler and tensors
+with ``torch.load(weights_only=True)`` (DCP's own reader).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CHECKPOINTS", "MANIFEST", "STATE", "Candidate", "checkpoint_dir", "list_checkpoints", "verify",
+    "select", "commit", "prune", "remove_partials", "safe_reader", "file_sha256",
+]
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+STATE = "state.json"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+FORMAT = "chipset-checkpoint/1"
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:08d}"
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(tmp: Path, final: Path, step: int, sums: dict[str, dict], extra: dict) -> None:
+    """Write the manifest last, then make ``tmp`` visible as ``final`` in one rename."""
+    manifest = {"format": FORMAT, "step": step, "created_unix": time.time(), "files": sums, **extra}
+    _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():  # re-saving a step (a run restarted with --resume none): swap, then drop
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def hash_files(folder: Path, names: list[str]) -> dict[str, dict]:
+    return {n: {"bytes": (folder / n).stat().st_size, "sha256": file_sha256(folder / n)} for n in names}
+
+
+@dataclass
+class Candidate:
+    path: Path
+    step: int
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Candidate]:
+    """Committed checkpoint folders of a run, newest first (not yet verified)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append(Candidate(p, int(m.group(1))))
+    return sorted(out, key=lambda c: c.step, reverse=True)
+
+
+def verify(path: Path) -> str | None:
+    """None if ``path`` is a complete checkpoint whose files match the manifest, else why not."""
+    mf = path / MANIFEST
+    if not mf.is_file():
+        return f"no {MANIFEST} (the save did not finish)"
+    try:
+        manifest = json.loads(mf.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST} is unreadable ({exc})"
+    if manifest.get("format") != FORMAT:
+        return f"unknown format {manifest.get('format')!r} (expected {FORMAT!r})"
+    for name, want in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
+        if file_sha256(f) != want["sha256"]:
+            return f"{name} fails its SHA-256 checksum"
+    return None
+
+
+def select(run_dir: str | Path) -> tuple[Candidate | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of ``run_dir`` and the newer ones skipped, with reasons."""
+    skipped = []
+    for c in list_checkpoints(run_dir):
+        why = verify(c.path)
+        if why is None:
+            return c, skipped
+        skipped.append((c.path, why))
+    return None, skipped
+
+
+def prune(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints (0 keeps all); returns what was removed."""
+    if keep <= 0:
+        return []
+    complete = [c for c in list_checkpoints(run_dir) if (c.path / MANIFEST).is_file()]
+    removed = []
+    for c in complete[keep:]:
+        shutil.rmtree(c.path, ignore_errors=True)
+        removed.append(c.path)
+    return removed
+
+
+def remove_partials(run_dir: str | Path) -> list[Path]:
+    """Delete ``.tmp-*`` folders left by interrupted saves (call only when no save is running)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    gone = []
+    for p in root.iterdir():
+        if p.name.startswith((".tmp-", ".old-")):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
+# --- reading DCP metadata without executing pickled code ----------------------------------
+
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": None,  # any name: plain dataclasses and enums
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        import torch
+
+        allowed = _ALLOWED.get(module, set())
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if allowed is None or name in allowed:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which is not on chipset's allow-list; "
+            "refusing to execute it (the file is not a chipset/DCP checkpoint or was tampered with)"
+        )
+
+
+def safe_reader(path: Path):
+    """A DCP FileSystemReader whose ``.metadata`` is read with an allow-list unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            with open(self._get_metadata_path(rank), "rb") as f:
+                metadata = _SafeUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _Reader(str(path))

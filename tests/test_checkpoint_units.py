@@ -1,0 +1,135 @@
+"""Checkpoint building blocks without processes: boxes, commit, verification, selection,
+the allow-list unpickler, shape refusal, node ranges, hang diagnosis, config keys."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+
+import pytest
+import torch
+
+from chipset.config import RunConfig
+from chipset.engine.checkpoint import store
+from chipset.engine.checkpoint.hangs import diagnose
+from chipset.engine.checkpoint.launcher import parse_nnodes
+from chipset.engine.checkpoint.layout import flat_range_boxes
+from chipset.engine.checkpoint.manager import refuse_shapes, shape_mismatches
+from chipset.errors import ConfigError, UsageError
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3)])
+def test_flat_range_boxes_cover_exactly_the_range(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    rng = random.Random(0)
+    for _ in range(60):
+        a = rng.randrange(0, n)
+        b = rng.randrange(a, n + 1)
+        mark = torch.zeros(shape, dtype=torch.int32)
+        for offs, sizes in flat_range_boxes(shape, a, b):
+            idx = tuple(slice(o, o + s) for o, s in zip(offs, sizes, strict=True))
+            mark[idx] += 1
+        want = torch.zeros(n, dtype=torch.int32)
+        want[a:b] = 1
+        assert torch.equal(mark.reshape(-1), want), (shape, a, b)
+        assert len(flat_range_boxes(shape, a, b)) <= 2 * len(shape) - 1
+
+
+def _fake_checkpoint(run, step: int, payload: bytes = b"x" * 100) -> None:
+    tmp = run / "checkpoints" / f".tmp-step-{step:08d}"
+    tmp.mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(payload)
+    (tmp / "state.json").write_text("{}")
+    store.commit(tmp, store.checkpoint_dir(run, step), step, store.hash_files(tmp, ["__0_0.distcp", "state.json"]), {})
+
+
+def test_commit_makes_a_checkpoint_visible_only_when_complete(tmp_path):
+    _fake_checkpoint(tmp_path, 4)
+    # A save interrupted before the rename: a temp folder with data but no manifest.
+    partial = tmp_path / "checkpoints" / ".tmp-step-00000008"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    # A folder named like a checkpoint but without a manifest (e.g. copied half-way).
+    (tmp_path / "checkpoints" / "step-00000012").mkdir()
+    chosen, skipped = store.select(tmp_path)
+    assert chosen.step == 4
+    assert skipped == [(tmp_path / "checkpoints" / "step-00000012", "no manifest.json (the save did not finish)")]
+    assert store.remove_partials(tmp_path) == [partial] and not partial.exists()
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda f: f.write_bytes(f.read_bytes()[:50]), "has 50 bytes, the manifest says 100"),
+    (lambda f: f.write_bytes(b"y" * 100), "fails its SHA-256 checksum"),
+    (lambda f: f.unlink(), "is missing"),
+])
+def test_damaged_newest_checkpoint_is_skipped_with_the_reason(tmp_path, damage, reason):
+    _fake_checkpoint(tmp_path, 2)
+    _fake_checkpoint(tmp_path, 4)
+    damage(store.checkpoint_dir(tmp_path, 4) / "__0_0.distcp")
+    chosen, skipped = store.select(tmp_path)
+    assert chosen.step == 2
+    assert reason in skipped[0][1] and "__0_0.distcp" in skipped[0][1]
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for s in (1, 2, 3, 4):
+        _fake_checkpoint(tmp_path, s)
+    store.prune(tmp_path, 2)
+    assert [c.step for c in store.list_checkpoints(tmp_path)] == [4, 3]
+
+
+def test_metadata_reader_refuses_pickled_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="builtins.print.*allow-list"):
+        store.safe_reader(tmp_path).read_metadata()
+
+
+def test_shape_mismatch_names_the_parameters(tmp_path):
+    probs = shape_mismatches({"a.weight": (4, 2), "b": (3,), "gone": (1,)}, {"a.weight": (8, 2), "b": (3,), "new": (2,)})
+    assert probs == ["a.weight: checkpoint (4, 2), this model (8, 2)", "gone: in the checkpoint (1,), not in this model",
+                     "new: missing from the checkpoint (this model has (2,))"]
+    err = refuse_shapes(tmp_path, probs)
+    assert isinstance(err, ConfigError) and "3 parameter(s) differ" in str(err) and "--resume none" in str(err)
+
+
+def test_node_ranges():
+    assert parse_nnodes("2") == (2, 2) and parse_nnodes("1:2") == (1, 2)
+    for bad in ("0", "2:1", "x", "1:y"):
+        with pytest.raises(UsageError):
+            parse_nnodes(bad)
+
+
+def _log(rank, ops, timeout=True):
+    return {"rank": rank, "timeout": timeout, "error": "boom", "recent_ops": [
+        {"op": op, "group": "world", "ranks": [0, 1, 2], "seq": seq, "bytes": 4, "time": 0.0, "state": st}
+        for op, seq, st in ops]}
+
+
+def test_diagnosis_names_ranks_that_never_arrived(tmp_path):
+    d = tmp_path / "hangs"
+    d.mkdir()
+    (d / "rank0.json").write_text(json.dumps(_log(0, [("all_reduce", 6, "done"), ("all_reduce", 7, "entered")])))
+    (d / "rank1.json").write_text(json.dumps(_log(1, [("all_reduce", 6, "done")], timeout=False)))
+    # rank 2 wrote nothing (killed)
+    rep = diagnose(tmp_path)
+    item = rep["collectives"][0]
+    assert (item["op"], item["seq"], item["waiting"]) == ("all_reduce", 7, [0])
+    assert [m["rank"] for m in item["missing"]] == [1, 2]
+    assert "its last op on world was all_reduce #6" in item["missing"][0]["why"]
+    assert "wrote no log" in item["missing"][1]["why"]
+    assert (d / "report.json").exists()
+
+
+def test_checkpoint_config_keys_are_validated():
+    cfg = RunConfig.from_dict({"train": {"checkpoint_every": -1, "keep_checkpoints": -2}})
+    with pytest.raises(ConfigError) as exc:
+        cfg.validate(world_size=1)
+    assert "train.checkpoint_every = -1" in str(exc.value) and "train.keep_checkpoints = -2" in str(exc.value)
+    assert RunConfig.from_dict({"train": {"async_checkpoint": True}}).train.async_checkpoint is True
