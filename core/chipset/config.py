@@ -520,8 +520,6 @@ def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
             problems.append(
                 f"parallel.ep ({par.ep}) must divide parallel.dp ({par.dp}): expert-parallel groups are carved out of dp"
             )
-        if par.zero == 3:
-            problems.append("parallel.ep > 1 with parallel.zero = 3 is not supported yet; use parallel.zero <= 2")
     if moe:
         for name in ("tp", "pp", "cp"):
             if getattr(par, name) > 1:

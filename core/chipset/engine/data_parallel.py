@@ -262,6 +262,12 @@ class Bucket:
             self._inflight = send
 
 
+def _each(buckets: list[Bucket], fn) -> None:
+    """Module hooks must return None (a value would replace the module's input or output)."""
+    for b in buckets:
+        fn(b)
+
+
 def _notify(ref: weakref.ref) -> None:
     bucket = ref()
     if bucket is not None:  # None once the engine is gone and the model trains without it
@@ -321,9 +327,11 @@ class DataParallel:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(lambda _p, ref=ref: _notify(ref))
         if self.zero == 3:
-            for unit, b in zip(model.units(), self.buckets, strict=True):
-                unit.register_forward_pre_hook(lambda _m, _a, b=b: b.gather())
-                unit.register_forward_hook(lambda _m, _a, _o, b=b: b.release())
+            for i, unit in enumerate(model.units()):
+                # One bucket per unit; two when ep splits a MoE block into dense and expert weights.
+                bs = [b for b, u in zip(self.buckets, self._bucket_units, strict=True) if u == i]
+                unit.register_forward_pre_hook(lambda _m, _a, bs=bs: _each(bs, Bucket.gather))
+                unit.register_forward_hook(lambda _m, _a, _o, bs=bs: _each(bs, Bucket.release))
 
     def host_scope(self):
         """Offload: allocations inside are host memory (``Memory.host_allocations``)."""
@@ -334,8 +342,6 @@ class DataParallel:
 
     def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
         if self.zero == 3:
-            if self.ep_group is not None:
-                raise UsageError("ZeRO stage 3 with expert parallelism (ep > 1) is not supported yet; use zero <= 2")
             if not callable(getattr(self.model, "units", None)):
                 raise UsageError(
                     f"ZeRO stage 3 needs the model to list its gather units (model.units()); "
@@ -346,6 +352,13 @@ class DataParallel:
             covered = sum(len(g) for g in groups)
             if covered != len(named):
                 raise UsageError(f"model.units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all of them")
+            experts = self._expert_names()
+            if experts:  # ep: a unit's expert weights are sharded over edp, the rest over dp
+                split = [[[x for x in g if (x[0] in experts) == e] for e in (False, True)] for g in groups]
+                self._bucket_units = [u for u, parts in enumerate(split) for part in parts if part]
+                return [Bucket(i, part, self, self.edp_group if part[0][0] in experts else None)
+                        for i, part in enumerate(part for parts in split for part in parts if part)]
+            self._bucket_units = list(range(len(groups)))
         else:
             limit = max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=self.dtype).element_size()))
             groups, cur, size = [], [], 0
