@@ -133,3 +133,9 @@ def test_checkpoint_config_keys_are_validated():
         cfg.validate(world_size=1)
     assert "train.checkpoint_every = -1" in str(exc.value) and "train.keep_checkpoints = -2" in str(exc.value)
     assert RunConfig.from_dict({"train": {"async_checkpoint": True}}).train.async_checkpoint is True
+
+
+def test_checkpoints_of_tp_layouts_are_refused_before_launch():
+    cfg = RunConfig.from_dict({"train": {"checkpoint_every": 2}, "parallel": {"tp": 2}})
+    with pytest.raises(ConfigError, match=r"checkpoints of tp/pp/ep/cp > 1 layouts are not supported yet \(tp=2"):
+        cfg.validate(world_size=2)
