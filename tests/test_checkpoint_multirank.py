@@ -4,7 +4,8 @@ One uninterrupted dp2 (ZeRO 0) run of 12 steps checkpointing every 4 steps is th
 reference. From its step-4 checkpoint, dp1, dp4 and dp2 x ZeRO-3 continue with the same
 losses (rtol 1e-5); a dp2 run whose rank 1 is killed at step 7 restarts through torch's
 elastic agent, resumes by itself and ends with the reference's params_digest bit for
-bit; a never-arriving collective ends the job non-zero within timeout + 30 s naming the
+bit, also when rank 1 is killed in the middle of an asynchronous save (that partial
+checkpoint is never used); a never-arriving collective ends the job non-zero within timeout + 30 s naming the
 missing rank.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+HERE = Path(__file__).resolve()
 STEPS = 12
 MODEL = ["--set", "model.num_key_value_heads=2", "--set", "train.global_batch=8", "--set", "train.seed=7",
          "--set", "parallel.bucket_mb=0.02", "--set", "train.grad_clip=0.5"]
@@ -97,3 +99,57 @@ def test_a_collective_that_never_arrives_ends_the_job_and_names_the_missing_rank
     report = json.loads((run / "hangs" / "report.json").read_text())
     assert [m["rank"] for m in report["collectives"][0]["missing"]] == [1]
     assert report["collectives"][0]["waiting"] == [0]
+
+
+def test_a_rank_killed_during_an_asynchronous_save_leaves_no_usable_partial(reference, tmp_path):
+    run = tmp_path / "async-kill"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        "--max-restarts=1", str(HERE), str(run)], capture_output=True, text=True, env=env, timeout=420)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "rank 1 killed inside the asynchronous save of step 8" in r.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["restarts"] == 1
+    assert summary["resumed_step"] == 4  # not the interrupted step-8 save
+    assert summary["params_digest"] == json.loads((reference / "summary.json").read_text())["params_digest"]
+    left = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert left == ["step-00000004", "step-00000008", "step-00000012"]  # step 8 rewritten after the restart
+
+
+def _async_kill_job(run_dir: str) -> None:
+    """torchrun script: like the elastic test, but rank 1 dies inside its first step-8 save."""
+    import signal
+
+    from chipset.config import load_config
+    from chipset.engine import train
+    from chipset.engine.checkpoint import manager
+    from chipset.loader import backend
+
+    overrides = [MODEL[i + 1] for i in range(0, len(MODEL), 2)]
+    overrides += [f"train.steps={STEPS}", "train.checkpoint_every=4", "train.async_checkpoint=true",
+                  "train.keep_checkpoints=0"]
+    cfg = load_config(None, overrides)
+    b = backend()
+    b.device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    b.collective.init_process_group()
+    cfg.validate(world_size=b.collective.world_size())
+    write = manager.Checkpointer._write
+
+    def dying_write(self, sd, state, tmp, final, step):
+        if step == 8 and self.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / "__1_0.distcp").write_bytes(b"partial")
+            print("rank 1 killed inside the asynchronous save of step 8", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(self, sd, state, tmp, final, step)
+
+    manager.Checkpointer._write = dying_write
+    try:
+        train(cfg, b, run_dir, resume="auto")
+    finally:
+        b.collective.destroy()
+
+
+if __name__ == "__main__":
+    _async_kill_job(sys.argv[1])
