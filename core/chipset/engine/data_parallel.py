@@ -26,6 +26,9 @@ How it works (one mechanism for every stage):
 * Global-norm clipping: each rank sums squares over the gradient it owns (stage 0: the
   whole, already-reduced gradient; stage >= 1: its slice, then an all-reduce over dp), so
   the norm equals the unsharded norm under every stage.
+* MoE with ep > 1 (``engine/expert_parallel.py``): expert weights get buckets of their own,
+  sharded and reduced over the expert-data-parallel group (``Bucket.group``) instead of dp,
+  still divided by the whole dp degree; their squared norm is summed over the ep group.
 """
 
 from __future__ import annotations
