@@ -279,6 +279,31 @@ def _pipeline_step_probe(b, schedule: str, m: int, delay: tuple[float, float] | 
     return out
 
 
+def _resumed_run(b) -> dict:
+    """pp2 1F1B: 2 steps, state_dict, a fresh engine loads it and runs steps 2..4."""
+    from chipset.config import RunConfig
+    from chipset.engine import build
+
+    cfg = RunConfig.from_dict(_merge(BASE, VARIANTS[2]["pp2_1f1b"])).validate(world_size=b.collective.world_size())
+    losses = []
+
+    def run(engine, data, steps):
+        for step in steps:
+            batches = [data.batch(step, 0, 1, i, M, device=engine.device) for i in range(M)]
+            mb_losses = engine.forward_backward_step(batches)
+            losses.append(float(torch.tensor([sum(mb_losses) / M], dtype=torch.float32)))  # as train() does
+            engine.step(cfg.train.lr)
+
+    first, data, _ = build(cfg, b)
+    run(first, data, range(2))
+    state = first.state_dict()
+    del first
+    second, data, _ = build(cfg, b)
+    second.load_state_dict(state)
+    run(second, data, range(2, STEPS))
+    return {"losses": losses, "params": second.full_parameters()}
+
+
 def _job(mode: str, out_path: str) -> None:
     from chipset.loader import backend
 
@@ -293,6 +318,7 @@ def _job(mode: str, out_path: str) -> None:
         for name, over in VARIANTS[world].items():
             results[name] = _run_variant(b, over)
         if world == 2:
+            results["resumed"] = _resumed_run(b)
             results["memory"] = {s: _pipeline_step_probe(b, s, 8, None)["activation_peak"] for s in ("gpipe", "1f1b")}
             # A sleep per forward/backward (backward = 2 x forward) makes the step schedule-bound:
             # the model's own compute (one 16-token sequence per micro-batch) is ~1% of it, so
@@ -364,6 +390,13 @@ def test_pipeline_losses_and_params_equal_single_process(runs, variant):
     _assert_params_close(runs[variant]["params"], ref["params"], tp="tp" in variant)
     assert ref["losses"][-1] < ref["losses"][0] - 0.05  # training moved: equality is not vacuous
     assert all(n > BASE["train"]["grad_clip"] for n in ref["grad_norms"])  # clipping active: global norm matters
+
+
+def test_pipeline_engine_state_round_trip_resumes_exactly(runs):
+    got, want = runs["resumed"], runs["pp2_1f1b"]
+    assert got["losses"] == want["losses"]
+    for k, v in want["params"].items():
+        assert torch.equal(got["params"][k], v), k
 
 
 def test_1f1b_peak_activation_memory_is_below_gpipe(runs):
