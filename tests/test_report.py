@@ -91,8 +91,10 @@ def _write_run(d: Path, *, resume: bool = False) -> Path:
                "devices": {"name": "sim-generic", "count_per_node": 8, "total_memory_bytes": 2**34,
                            "peak_flops": {"float32": 2e13}},
                "comm_totals": {"reduce_scatter": {"calls": 8, "bytes": 32768, "seconds": 0.16}}}
+    # the checkpointer's keys: zero/empty when nothing happened
+    summary.update(restarts=0, resumed_from=None, resumed_step=0, skipped_checkpoints=[], checkpoints_saved=[2, 4])
     if resume:
-        summary["resumed_from_step"] = 3
+        summary.update(restarts=1, resumed_from="run/checkpoints/step-3", resumed_step=3)
     (d / "summary.json").write_text(json.dumps(summary))
     (d / "config.toml").write_text("[train]\nsteps = 4\n")
     return d
@@ -124,14 +126,15 @@ def test_report_is_well_formed_offline_and_has_every_plot(tmp_path, capsys):
     c = _check_html(text)
     assert c.tags.get("polyline", 0) >= 8  # every plot has at least one line of data
     for fact in ("cpu_sim", "dp=2 tp=1 pp=1 ep=1 cp=1 zero=2", "sim-generic", "20 TFLOP/s", "reduce_scatter",
-                 "rank 1", "slowest in 4 of 4 steps", "none recorded"):
+                 "rank 1", "slowest in 4 of 4 steps", "none recorded", "2, 4"):
         assert fact in text, fact
 
 
 def test_report_lists_restarts_and_resumes(tmp_path):
     run = load_run(_write_run(tmp_path / "run", resume=True))
     assert any("resumed at step 2 after step 3" in r for r in run.restarts)
-    assert any(r.startswith("resumed_from_step: 3") for r in run.restarts)
+    assert "restarts: 1" in run.restarts and "resumed_step: 3" in run.restarts
+    assert 'resumed_from: "run/checkpoints/step-3"' in run.restarts
     out = tmp_path / "r.html"
     assert main(["report", str(run.path), "--out", str(out), "--no-png"]) == 0
     assert "resumed at step 2 after step 3" in out.read_text()
@@ -143,16 +146,20 @@ def test_report_of_a_folder_that_is_not_a_run_exits_2(tmp_path, capsys):
     assert "is not a run directory" in err and "metrics.jsonl" in err
 
 
-def test_report_of_a_real_run_with_pngs_when_matplotlib_is_installed(tmp_path):
+def test_report_of_a_real_resumed_run_with_pngs_when_matplotlib_is_installed(tmp_path):
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
     env["OMP_NUM_THREADS"] = "1"
-    for cmd in (["train", "--run-dir", str(run_dir), "--set", "train.steps=3", "--set", "train.global_batch=2"],
-                ["report", str(run_dir)]):
+    train = ["train", "--run-dir", str(run_dir), "--set", "train.global_batch=2", "--set", "train.checkpoint_every=1"]
+    # 2 steps with a checkpoint per step, then the same run directory to 3 steps: resumes at step 2
+    for cmd in ([*train, "--set", "train.steps=2"], [*train, "--set", "train.steps=3"], ["report", str(run_dir)]):
         r = subprocess.run([sys.executable, "-m", "chipset.cli.main", *cmd], capture_output=True, text=True,
                            env=env, timeout=180)
         assert r.returncode == 0, r.stdout + r.stderr
-    _check_html((run_dir / "report.html").read_text())
+    text = (run_dir / "report.html").read_text()
+    _check_html(text)
+    assert "resumed_step: 2" in text and "resumed_from:" in text
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     try:
         import matplotlib  # noqa: F401
     except ImportError:

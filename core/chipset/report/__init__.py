@@ -75,8 +75,11 @@ def load_run(run_dir: str | Path) -> Run:
         if isinstance(step, int) and prev is not None and step <= prev:
             run.restarts.append(f"resumed at step {step} after step {prev} (steps went back in metrics.jsonl)")
         prev = step if isinstance(step, int) else prev
+    # What the checkpointer records (restarts, resumed_from, resumed_step, resharded,
+    # skipped_checkpoints); zero/empty values mean it did not happen.
     for key, value in run.summary.items():
-        if "restart" in key or "resum" in key:
+        if any(w in key for w in ("restart", "resum", "reshard", "skipped_checkpoint")) and value not in (
+                None, 0, "", [], {}):
             run.restarts.append(f"{key}: {json.dumps(value)}")
     return run
 
@@ -177,6 +180,7 @@ def render_html(run: Run) -> str:
         ("MFU (mean)", f"{100 * mfu:.3g} %" if isinstance(mfu, (int, float)) else "n/a (no declared peak)"),
         ("peak memory per rank", ", ".join(_bytes(x) for x in s.get("peak_memory_bytes", [])) or "?"),
         ("skipped steps", s.get("skipped_steps", "?")),
+        ("checkpoints saved at steps", ", ".join(str(x) for x in s.get("checkpoints_saved") or []) or "none"),
         ("params digest", s.get("params_digest", "?")),
     ]
     dev = s.get("devices") or {}
