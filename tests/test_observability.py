@@ -121,6 +121,8 @@ def test_profile_steps_write_a_chrome_trace_per_rank_with_chipset_ranges(two_ran
         names = {e.get("name") for e in trace["traceEvents"]}
         assert {"chipset::forward", "chipset::backward", "chipset::optimizer", "chipset::reduce_scatter",
                 "chipset::all_gather", "chipset::all_reduce"} <= names
+        # one all_gather per step from ZeRO-2's parameter update; the metrics gather is outside the trace
+        assert sum(e.get("name") == "chipset::all_gather" and e.get("ph") == "X" for e in trace["traceEvents"]) == 1
 
 
 def test_tensorboard_event_files_when_installed_else_a_note(tmp_path):

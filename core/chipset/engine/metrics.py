@@ -98,6 +98,7 @@ class StepMetrics:
         local = [rec["step_time_s"], blocked, float(mem.allocated), float(mem.peak_allocated)]
         for op in OPS:
             local += delta[op]
+        self._finish_profile_step(int(rec["step"]))  # before the gather below, which is not the step's
         vec = torch.tensor(local, dtype=torch.float64, device=self.device)
         if self.world > 1:
             allv = torch.empty(self.world * vec.numel(), dtype=torch.float64, device=self.device)
@@ -105,7 +106,6 @@ class StepMetrics:
             rows = allv.view(self.world, -1).tolist()
         else:
             rows = [vec.tolist()]
-        self._finish_profile_step(int(rec["step"]))
         step_t = [r[0] for r in rows]
         blocked_t = [min(r[1], r[0]) for r in rows]
         compute = [s - b for s, b in zip(step_t, blocked_t, strict=True)]

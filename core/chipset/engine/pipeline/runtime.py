@@ -24,6 +24,7 @@ import time
 import torch
 
 from chipset.engine.data_parallel import DataParallel
+from chipset.engine.metrics import trace_range
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.pipeline.check import check_schedule
 from chipset.engine.pipeline.schedules import Instruction, Op, PipelineSchedule
@@ -182,6 +183,9 @@ class PipelineEngine:
             flush()
             t0 = time.perf_counter()
             vs = self._vs(ins.chunk)
+            # A profiler range per stage op (closed after the timing below; no-op unless profiling).
+            stage_range = trace_range(f"chipset::stage{vs}.{'forward' if ins.op is Op.FORWARD else 'backward'}")
+            stage_range.__enter__()
             if ins.op is Op.FORWARD:
                 tokens, targets = batches[ins.mb]
                 x = tokens if vs == 0 else inputs[key]
@@ -209,6 +213,7 @@ class PipelineEngine:
             if delay:
                 time.sleep(delay)
             self.timings.append((ins, t0, time.perf_counter()))
+            stage_range.__exit__(None, None, None)
         flush()
         if not overlap:
             e.launch_log = []
