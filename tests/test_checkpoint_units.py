@@ -14,7 +14,7 @@ from chipset.config import RunConfig
 from chipset.engine.checkpoint import store
 from chipset.engine.checkpoint.hangs import diagnose
 from chipset.engine.checkpoint.launcher import parse_nnodes
-from chipset.engine.checkpoint.layout import flat_range_boxes
+from chipset.engine.checkpoint.layout import _boxes, flat_range_boxes
 from chipset.engine.checkpoint.manager import refuse_shapes, shape_mismatches
 from chipset.errors import ConfigError, UsageError
 
@@ -135,7 +135,19 @@ def test_checkpoint_config_keys_are_validated():
     assert RunConfig.from_dict({"train": {"async_checkpoint": True}}).train.async_checkpoint is True
 
 
-def test_checkpoints_of_tp_layouts_are_refused_before_launch():
-    cfg = RunConfig.from_dict({"train": {"checkpoint_every": 2}, "parallel": {"tp": 2}})
-    with pytest.raises(ConfigError, match=r"checkpoints of tp/pp/ep/cp > 1 layouts are not supported yet \(tp=2"):
+def test_checkpoints_of_cp_layouts_are_refused_before_launch():
+    cfg = RunConfig.from_dict({"train": {"checkpoint_every": 2}, "parallel": {"cp": 2}})
+    with pytest.raises(ConfigError, match=r"checkpoints of pp/ep/cp > 1 layouts are not supported yet \(pp=1, ep=1, cp=2"):
         cfg.validate(world_size=2)
+
+
+def test_tp_boxes_are_placed_at_the_slice_offset_and_drop_vocabulary_padding():
+    # Logical (5, 4) split over tp=2 along dim 0 with padding to 6 rows: rank 1 holds rows 3, 4 and a pad row.
+    boxes = _boxes((3, 4), 0, 12, (0, 5), 1, rank=1)
+    assert [(b.offsets, b.sizes, b.clip) for b in boxes] == [([3, 0], [2, 4], (0, 2))]
+    flat = torch.arange(12.0)
+    assert torch.equal(boxes[0].view(flat), flat[:8].view(2, 4))
+    # Part of the pad row only: nothing to store.
+    assert _boxes((3, 4), 9, 12, (0, 5), 1, rank=1) == []
+    # Rank 0's slice starts at logical row 0; a flat range inside row 1 is one box at row 1.
+    assert [(b.offsets, b.sizes) for b in _boxes((3, 4), 5, 7, (0, 5), 0, rank=0)] == [([1, 1], [1, 2])]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KINDS", "flat_range_boxes", "Piece", "engine_pieces", "sharded", "logical_shapes"]
+__all__ = ["KINDS", "Box", "Piece", "engine_pieces", "flat_range_boxes", "logical_shapes", "read_planner", "sharded"]
 
 KINDS = ("model", "optim.master", "optim.exp_avg", "optim.exp_avg_sq")
 """Logical tensor families; the key of a tensor is ``f"{kind}.{parameter fqn}"``."""
@@ -49,16 +49,37 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple
 
 
 @dataclass
+class Box:
+    """One box of a logical tensor held by global rank ``rank`` (a DCP chunk)."""
+
+    offsets: list[int]
+    sizes: list[int]
+    rank: int
+    local_first: int = 0
+    """Flat index, within the rank's piece, of the box's first element."""
+    local_sizes: list[int] | None = None
+    clip: tuple[int, int] | None = None
+    """(dim, length): the local box is longer along dim (tp vocabulary padding, never stored)."""
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This box inside ``flat`` (the rank's piece, flat)."""
+        t = flat[self.local_first:self.local_first + math.prod(self.local_sizes)].view(self.local_sizes)
+        return t.narrow(self.clip[0], 0, self.clip[1]) if self.clip else t
+
+
+@dataclass
 class Piece:
-    """The elements ``[start, end)`` of parameter ``name`` (flat, row-major) held by global rank ``rank``."""
+    """The elements ``[start, end)`` of parameter ``name`` (flat, row-major, local shape) on global rank ``rank``."""
 
     name: str
     shape: tuple[int, ...]
+    """Logical (unsharded) shape."""
     rank: int
     start: int
     end: int
+    boxes: list[Box]
     tensor: torch.Tensor | None = None
-    """This rank's flat view of the piece (None for other ranks' pieces)."""
+    """This rank's flat view of the piece in the engine's buffer (None for other ranks' pieces)."""
 
 
 def _intersect(lo: int, hi: int, off: int, n: int) -> tuple[int, int] | None:
@@ -66,43 +87,84 @@ def _intersect(lo: int, hi: int, off: int, n: int) -> tuple[int, int] | None:
     return (a - off, b - off) if b > a else None
 
 
+def _tp(p) -> tuple[int, int] | None:
+    """(dim, logical size along dim) of a tensor-parallel parameter, None when replicated."""
+    dim = getattr(p, "tp_dim", None)
+    return None if dim is None else (int(dim), int(p.tp_size))
+
+
+def _logical_shape(shape, tp) -> tuple[int, ...]:
+    shape = list(shape)
+    if tp is not None:
+        shape[tp[0]] = tp[1]
+    return tuple(shape)
+
+
 def logical_shapes(engine) -> dict[str, tuple[int, ...]]:
     """Every parameter's fully-qualified name and logical (unsharded) shape."""
-    return {n: tuple(s) for b in engine.buckets for n, s in zip(b.names, b.shapes, strict=True)}
+    return {n: _logical_shape(s, _tp(p)) for b in engine.buckets
+            for n, s, p in zip(b.names, b.shapes, b.params, strict=True)}
 
 
-def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, list[Piece], bool]]:
-    """For each parameter: ``(name, pieces of every rank, whole)``.
+def _boxes(local_shape: tuple[int, ...], a: int, b: int, tp, tp_index: int, rank: int) -> list[Box]:
+    """Logical boxes of local flat elements ``[a, b)`` of the tp slice ``tp_index``."""
+    out = []
+    strides = _strides(local_shape)
+    for lo_off, lo_sz in flat_range_boxes(local_shape, a, b):
+        off, sz, clip = list(lo_off), list(lo_sz), None
+        if tp is not None:
+            dim, size = tp
+            per = local_shape[dim]
+            o0 = lo_off[dim] + tp_index * per
+            o1 = min(o0 + lo_sz[dim], size)
+            if o1 <= o0:
+                continue  # entirely vocabulary padding
+            off[dim], sz[dim] = o0, o1 - o0
+            clip = (dim, o1 - o0) if o1 - o0 != lo_sz[dim] else None
+        first = sum(o * st for o, st in zip(lo_off, strides, strict=True)) - a
+        out.append(Box(off, sz, rank, first, list(lo_sz), clip))
+    return out
 
-    Saving (``for_load=False``): every layout contributes rank ``i``'s owned slice
-    ``[i*S, (i+1)*S)`` of each bucket, so each element is written once.
-    Loading: the range this rank actually holds: the whole bucket for parameters at
-    ZeRO < 3 and for optimizer state at ZeRO 0, else the owned slice. ``whole`` is True
-    when this rank holds the whole parameter (a plain tensor target suffices).
+
+def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, tuple[int, ...], list[Piece]]]:
+    """For each parameter: ``(name, logical shape, pieces)``.
+
+    Saving (``for_load=False``): the pieces of every rank of the job. Rank ``(dp i, tp j)``
+    contributes its owned slice ``[i*S, (i+1)*S)`` of each bucket, cut at parameter
+    boundaries and placed at its tp offset; parameters replicated over tp are written by
+    tp index 0 only, so every logical element is written exactly once.
+    Loading: only this rank's pieces, for what it actually holds: the whole bucket for
+    parameters at ZeRO < 3 and for optimizer state at ZeRO 0, else the owned slice.
     """
     e = engine
-    ranks = e.group.ranks
-    me = e.collective.rank()
-    for b in e.buckets:
+    col = e.collective
+    me = col.rank()
+    dims = e.dims
+    if for_load:
+        who = [(me, e.dp_rank, dims.coords(me).get("tp", 0))]
+    else:
+        who = [(r, dims.coords(r)["dp"], dims.coords(r).get("tp", 0)) for r in range(col.world_size())]
+    for bkt in e.buckets:
         held_whole = for_load and ((kind == "model" and e.zero < 3) or (kind != "model" and e.zero == 0))
-        buf, buf_lo = _source(b, kind)
-        for name, off, n, shape in zip(b.names, b.offsets, b.numels, b.shapes, strict=True):
-            shape = tuple(shape)
-            if held_whole:
-                view = buf[off - buf_lo:off - buf_lo + n]
-                yield name, [Piece(name, shape, me, 0, n, view)], True
-                continue
+        buf, buf_lo = _source(bkt, kind)
+        for name, off, n, shape, p in zip(bkt.names, bkt.offsets, bkt.numels, bkt.shapes, bkt.params, strict=True):
+            shape, tp = tuple(shape), _tp(p)
             pieces = []
-            for i, rank in enumerate(ranks):
-                hit = _intersect(i * b.shard, (i + 1) * b.shard, off, n)
+            for rank, dp_i, tp_j in who:
+                if not for_load and tp is None and tp_j != 0:
+                    continue
+                hit = (0, n) if held_whole else _intersect(dp_i * bkt.shard, (dp_i + 1) * bkt.shard, off, n)
                 if hit is None:
                     continue
-                p = Piece(name, shape, rank, hit[0], hit[1])
+                boxes = _boxes(shape, hit[0], hit[1], tp, tp_j, rank)
+                if not boxes:
+                    continue
+                piece = Piece(name, _logical_shape(shape, tp), rank, hit[0], hit[1], boxes)
                 if rank == me:
                     a = off + hit[0] - buf_lo
-                    p.tensor = buf[a:a + hit[1] - hit[0]]
-                pieces.append(p)
-            yield name, pieces, False
+                    piece.tensor = buf[a:a + hit[1] - hit[0]]
+                pieces.append(piece)
+            yield name, _logical_shape(shape, tp), pieces
 
 
 def _source(b, kind: str) -> tuple[torch.Tensor, int]:
@@ -116,10 +178,9 @@ def _source(b, kind: str) -> tuple[torch.Tensor, int]:
     return t, 0 if e.zero == 0 else b.lo
 
 
-def sharded(pieces: list[Piece], dtype: torch.dtype):
-    """``(ShardedTensor, [(piece, host flat)])``: the logical full tensor whose local shards are
-    this rank's pieces, held in fresh host (CPU) tensors, so what is written and read is
-    device-neutral. Saving copies the pieces in first; loading copies them out after."""
+def sharded(shape: tuple[int, ...], pieces: list[Piece], dtype: torch.dtype):
+    """The logical full tensor as a ShardedTensor whose local shards are this rank's boxes,
+    copied to fresh host (CPU) tensors, so what is written is device-neutral."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import (
@@ -127,24 +188,54 @@ def sharded(pieces: list[Piece], dtype: torch.dtype):
         TensorProperties,
     )
 
-    shape = pieces[0].shape
-    mds, local, hosts = [], [], []
+    mds, local = [], []
     for p in pieces:
         flat = None
         if p.tensor is not None:
-            flat = torch.empty(p.end - p.start, dtype=dtype, device="cpu")
-            hosts.append((p, flat))
-        for offsets, sizes in flat_range_boxes(shape, p.start, p.end):
-            md = ShardMetadata(offsets, sizes, f"rank:{p.rank}/cpu")
+            flat = p.tensor.detach().reshape(-1).to("cpu", dtype, copy=True)
+        for box in p.boxes:
+            md = ShardMetadata(list(box.offsets), list(box.sizes), f"rank:{p.rank}/cpu")
             mds.append(md)
             if flat is not None:
-                first = sum(o * s for o, s in zip(offsets, _strides(shape), strict=True)) - p.start
-                local.append(Shard(flat[first:first + math.prod(sizes)].view(sizes), md))
+                local.append(Shard(box.view(flat).contiguous(), md))
     meta = ShardedTensorMetadata(mds, torch.Size(shape), TensorProperties(dtype=dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        st = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
-    return st, hosts
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+
+
+def read_planner(chunks: dict[str, list[tuple[list[int], list[int], torch.Tensor]]]):
+    """A DCP load planner that reads the given boxes of logical tensors into the given tensors.
+
+    Unlike a ShardedTensor target, boxes may overlap across ranks (replicas each read what
+    they hold), and nothing is ever unpickled: byte items are refused.
+    """
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class _Planner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            items, self._targets = [], {}
+            for fqn, boxes in chunks.items():
+                md = self.metadata.state_dict_metadata[fqn]
+                local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in boxes]
+                items += create_read_items_for_chunk_list(fqn, md, local)
+                for o, _, t in boxes:
+                    self._targets[(fqn, tuple(o))] = t
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item):
+            t = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+            return narrow_tensor_by_index(t, read_item.dest_offsets, read_item.lengths)
+
+        def load_bytes(self, read_item, value) -> None:
+            raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; chipset never "
+                             "unpickles checkpoint data")
+
+    return _Planner(flatten_state_dict=False, allow_partial_load=True)
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:

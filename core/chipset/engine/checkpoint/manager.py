@@ -25,7 +25,13 @@ from pathlib import Path
 import torch
 
 from chipset.engine.checkpoint import store
-from chipset.engine.checkpoint.layout import KINDS, engine_pieces, logical_shapes, sharded
+from chipset.engine.checkpoint.layout import (
+    KINDS,
+    engine_pieces,
+    logical_shapes,
+    read_planner,
+    sharded,
+)
 from chipset.errors import ChipsetError, ConfigError
 
 __all__ = ["Checkpointer", "shape_mismatches", "resolve_resume"]
@@ -112,12 +118,12 @@ class Checkpointer:
             self._group = self.col.new_group(range(self.world), name="checkpoint")
 
     def _check_layout(self) -> None:
-        other = {n: getattr(self.engine.dims, n) for n in ("tp", "pp", "ep", "cp") if getattr(self.engine.dims, n, 1) > 1}
+        other = {n: getattr(self.engine.dims, n) for n in ("pp", "ep", "cp") if getattr(self.engine.dims, n, 1) > 1}
         if other:
             # Ranks outside the dp group would write the same logical names (see layout.py).
             raise ConfigError(
-                f"checkpoints support dp/ZeRO layouts only so far; this run has {other}. "
-                "Set train.checkpoint_every=0 and --resume none, or train with dp/ZeRO only"
+                f"checkpoints support dp/ZeRO/tp layouts only so far; this run has {other}. "
+                "Set train.checkpoint_every=0 and --resume none, or train with dp/ZeRO/tp only"
             )
 
     # --- resume -------------------------------------------------------------------------
@@ -189,41 +195,36 @@ class Checkpointer:
         if problems:
             raise refuse_shapes(path, problems)
         alias = all(b.master_aliases_params for b in e.buckets)
-        sd, copies = {}, []
+        chunks, copies = {}, []
         for kind in KINDS:
             if kind == "model" and alias:
                 continue  # the parameters are their own fp32 masters: load optim.master into them
-            for name, pieces, whole in engine_pieces(e, kind, for_load=True):
-                mine = [p for p in pieces if p.tensor is not None]
-                if not mine:
-                    continue
-                dtype = mine[0].tensor.dtype
-                if whole:
-                    host = torch.empty(mine[0].shape, dtype=dtype)
-                    sd[f"{kind}.{name}"] = host
-                    copies.append((mine[0], host))
-                else:
-                    st, hosts = sharded(pieces, dtype)
-                    sd[f"{kind}.{name}"] = st
-                    copies += hosts
-        rng_keys = {}
+            for name, _, pieces in engine_pieces(e, kind, for_load=True):
+                for piece in pieces:
+                    # Host staging initialised from the device: tp padding keeps its (zero) value.
+                    host = piece.tensor.detach().to("cpu", copy=True)
+                    chunks.setdefault(f"{kind}.{name}", []).extend(
+                        (b.offsets, b.sizes, b.view(host)) for b in piece.boxes)
+                    copies.append((piece, host))
+        rng = {}
         for what in ("device", "host"):
             key = f"rng.{what}.rank{self.rank}"
             if key in md.state_dict_metadata:
-                sd[key] = torch.empty(tuple(md.state_dict_metadata[key].size), dtype=torch.uint8)
-                rng_keys[what] = key
+                size = list(md.state_dict_metadata[key].size)
+                rng[what] = torch.empty(size, dtype=torch.uint8)
+                chunks[key] = [([0] * len(size), size, rng[what])]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(sd, storage_reader=reader)
+            dcp.load({}, storage_reader=reader, planner=read_planner(chunks))
         with torch.no_grad():
             for piece, host in copies:
                 piece.tensor.copy_(host.reshape(-1))
         e.step_count = int(state["engine_step"])
         e.scaler.load_state_dict(state["scaler"])
-        if "device" in rng_keys:
-            self.backend.device.set_rng_state(sd[rng_keys["device"]])
-        if "host" in rng_keys:
-            torch.set_rng_state(sd[rng_keys["host"]])
+        if "device" in rng:
+            self.backend.device.set_rng_state(rng["device"])
+        if "host" in rng:
+            torch.set_rng_state(rng["host"])
         if state.get("world_size") != self.world or state.get("layout") != e.dims.layout():
             self.info["resharded"] = {"from": {"world_size": state.get("world_size"), "layout": state.get("layout")},
                                       "to": {"world_size": self.world, "layout": e.dims.layout()}}
@@ -243,12 +244,9 @@ class Checkpointer:
         sd = {}
         with torch.no_grad():
             for kind in KINDS:
-                for name, pieces, _ in engine_pieces(e, kind, for_load=False):
+                for name, shape, pieces in engine_pieces(e, kind, for_load=False):
                     dtype = e.dtype if kind == "model" else torch.float32
-                    st, hosts = sharded(pieces, dtype)
-                    for piece, host in hosts:
-                        host.copy_(piece.tensor.reshape(-1))
-                    sd[f"{kind}.{name}"] = st
+                    sd[f"{kind}.{name}"] = sharded(shape, pieces, dtype)
         sd[f"rng.device.rank{self.rank}"] = self.backend.device.get_rng_state().cpu().clone()
         sd[f"rng.host.rank{self.rank}"] = torch.get_rng_state().clone()
         tr = self.cfg.train
