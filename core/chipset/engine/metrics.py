@@ -19,7 +19,8 @@ which adds them to the step's ``metrics.jsonl`` record (see docs/observability.m
 Optional outputs: TensorBoard event files under ``RUN_DIR/tensorboard`` when
 ``torch.utils.tensorboard`` can be imported, and with ``train.profile_steps = "a:b"`` a
 torch.profiler Chrome trace per rank, ``RUN_DIR/traces/rank<r>.json``, holding chipset's
-own ranges (``chipset::forward``, ``chipset::backward``, ``chipset::optimizer``, one
+own ranges (``chipset::forward``, ``chipset::backward``, ``chipset::optimizer``,
+``chipset::stage<N>.forward``/``.backward`` under pipeline parallelism, one
 ``chipset::<op>`` per collective).
 """
 
