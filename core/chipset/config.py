@@ -488,6 +488,7 @@ def _tp_cp_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig) -> lis
         )
     return problems
 
+
 def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
     """Mixture-of-experts keys and their combination with the parallel layout."""
     problems = []
