@@ -137,4 +137,6 @@ def _worker(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1]))
+    from chipset._process import exit_rank
+
+    exit_rank(_worker(sys.argv[1]))

@@ -270,4 +270,6 @@ def test_losses_equal_one_device(request, caps, run):
 
 
 if __name__ == "__main__":
-    sys.exit(_process(sys.argv[1], sys.argv[2]))
+    from chipset._process import exit_rank
+
+    exit_rank(_process(sys.argv[1], sys.argv[2]))
