@@ -35,6 +35,10 @@ FUSED_HALF_TOLERANCES = {
     for kernel in ("rms_norm", "swiglu")
     for dtype, tol in (("float16", (1e-3, 1e-3)), ("bfloat16", (1.6e-2, 8e-3)))
 }
+# rms_norm's weight gradient is a sum over every row: the fused op accumulates it in fp32
+# and rounds once, autograd through the half-precision reference rounds each partial term,
+# so single elements differ by a few half-precision steps at the sum's magnitude.
+FUSED_HALF_TOLERANCES.update({"rms_norm/float16": (1e-3, 4e-3), "rms_norm/bfloat16": (1.6e-2, 1.6e-2)})
 
 
 def hf32_allowed() -> bool:
