@@ -19,7 +19,8 @@ What is sent, per device and step (b micro-batch, s/cp local sequence, m micro-b
 - tp (Shoeybi et al. 2019; Korthikanti et al. 2022): per block and micro-batch 2 all-reduces
   forward and 2 backward of b·s·h activations (with sequence parallelism each becomes a
   reduce-scatter plus an all-gather, the same bytes), 2 more when a full recompute reruns
-  the forward; 1 more per micro-batch for the embedding and output layer.
+  the forward; per micro-batch 1 more for the embedding (forward) and 1 for the output
+  layer's input gradient (backward): both without pipelining, one on a first or last stage.
 - ep: per MoE block and micro-batch 4 all-to-alls (dispatch and combine, forward and
   backward; 6 with full recompute) of the top_k copies of the local tokens.
 - cp (ring attention, Liu et al. 2023): per block and micro-batch K and V go round the
@@ -98,6 +99,8 @@ class CommItem:
     phase: str = ""
     """When it runs, for overlap: "grad" (end of backward), "param" (before forward),
     "micro" (every micro-batch, inside the pipeline), "step" (once, exposed)."""
+    buffer: float = 0.0
+    """Bytes of one call's whole buffer (S in the ring formulas; for an all-gather, the output)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,7 +117,7 @@ def _item(cl: Cluster, lay: Layout, dim: str, op: str, what: str, n: int, size: 
     vol = ring_bytes(op, size, n) * calls
     t = calls * latency_steps(op, n) * lat + (vol / bw if bw > 0 else 0.0)
     return CommItem(dim=dim, op=op, what=what, group_size=n, calls=calls, bytes=vol, intra_node=intra,
-                    time_s=t, phase=phase)
+                    time_s=t, phase=phase, buffer=float(size))
 
 
 def data_parallel_items(lay: Layout, train: TrainSpec, cl: Cluster, dense: float, expert: float,
@@ -139,20 +142,24 @@ def data_parallel_items(lay: Layout, train: TrainSpec, cl: Cluster, dense: float
 
 
 def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
-                  seq_len: int | None = None) -> list[CommItem]:
-    """Every collective one device on the busiest stage runs in one step."""
+                  seq_len: int | None = None, stage: str | None = None) -> list[CommItem]:
+    """Every collective one device runs in one step: on the busiest stage, or with ``stage``
+    ("only" without pipelining, "first" or "last" as in ``params_per_device``) on that one."""
     s = (seq_len or m.seq_len) / lay.cp
     b, h, t, P, G = lay.micro_batch, m.hidden, lay.tp, train.param_bytes, train.grad_bytes
     mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
     blocks = stage_layers(m, lay)
     stages, expert = params_per_device(m, lay)
-    dense = max(stages.values())
+    if stage is not None and stage not in stages:
+        raise ValueError(f"stage {stage!r}: expected one of {', '.join(stages)} for pp={lay.pp}")
+    dense = max(stages.values()) if stage is None else stages[stage]
     out: list[CommItem | None] = list(data_parallel_items(lay, train, cl, dense, expert, mb))
 
     # --- tensor parallel ----------------------------------------------------------------
     act = P * b * s * h
     per_block = 6 if lay.recompute == "full" else 4
-    calls = (blocks * per_block + 1) * mb
+    edges = 2 if lay.pp == 1 else 1  # embedding forward, output layer backward: one per edge stage
+    calls = (blocks * per_block + edges) * mb
     if lay.sp:
         out.append(_item(cl, lay, "tp", "all_gather", "activations", t, act, calls, "micro"))
         out.append(_item(cl, lay, "tp", "reduce_scatter", "activations", t, act, calls, "micro"))
@@ -173,7 +180,10 @@ def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
 
     # --- pipeline -----------------------------------------------------------------------
     if lay.pp > 1:
-        out.append(_item(cl, lay, "pp", "send", "activations", lay.pp, act / t, 2 * mb * lay.v, "micro"))
+        # A middle stage sends every chunk's activation on and its gradient back; the first
+        # stage's first chunk sends no gradient, the last stage's last chunk no activation.
+        sends = 2 * mb * lay.v - (0 if stage is None else mb)
+        out.append(_item(cl, lay, "pp", "send", "activations", lay.pp, act / t, sends, "micro"))
         if m.tied_embeddings:
             emb = G * m.vocab * h / t
             out.append(_item(cl, lay, "pp", "all_reduce", "tied embedding gradients", 2, emb, 1, "step"))
