@@ -105,3 +105,6 @@ class TrainSpec:
     """Bytes per gradient element as communicated and stored (bf16 grads: 2)."""
     optimizer_bytes: int = 12
     """Optimizer bytes per parameter: fp32 master copy + Adam m and v = 12 (ZeRO's K)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB (ZeRO 0-2): reduce-scatters and optimizer temporaries work one
+    bucket at a time (used by the reference-kernel memory model)."""

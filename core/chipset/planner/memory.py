@@ -18,6 +18,15 @@ In flight at the first pipeline stage (Korthikanti et al. Sec. 4.2.3): GPipe all
 micro-batches, 1F1B min(p, m), interleaved 1F1B the warm-up of Megatron's schedule
 2(p-1) + (v-1)p + 1 model chunks (capped at m*v) of l/(pv) blocks each, i.e. about
 l(1 + (p-1)/(pv)) blocks' worth.
+
+With ``ModelSpec.kernels == "reference"`` the activations are those chipset's engine saves
+with its pure-torch reference kernels (what cpu_sim runs), counted from the code and checked
+tensor by tensor (docs/planner.md, "Validation: peak memory"), and the peak is the largest of
+four moments of a step rather than a sum: the loss's backward (every in-flight activation
+plus the cross-entropy's float32 work buffers), a block's backward on a stage that does not
+compute the loss, the end of backward under ZeRO-2/3 (unsharded gradients waiting for their
+reduce-scatter) and the optimizer step (float32 temporaries of one bucket, ZeRO-1/2 send
+buffers).
 """
 
 from __future__ import annotations
@@ -27,11 +36,12 @@ import functools
 import math
 from dataclasses import dataclass
 
+from chipset.planner import memory_reference as ref
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 
-__all__ = ["MemoryBreakdown", "memory_per_device", "zero_model_state_bytes", "block_activation_bytes",
-           "stage_layers", "in_flight_chunks", "params_per_device"]
+__all__ = ["MemoryBreakdown", "memory_per_device", "memory_per_stage", "zero_model_state_bytes",
+           "block_activation_bytes", "stage_layers", "in_flight_chunks", "params_per_device"]
 
 
 @dataclass(frozen=True)
@@ -48,10 +58,16 @@ class MemoryBreakdown:
     """Gathered full parameters of the blocks in use (ZeRO-3 only)."""
     activations: float
     """Saved activations of every in-flight micro-batch, plus logits on the last stage."""
+    workspace: float = 0.0
+    """Short-lived buffers alive at the peak (reference kernels): the cross-entropy's backward, a
+    block's backward, unsharded gradients before their reduce-scatter, optimizer temporaries."""
+    phase: str = ""
+    """The moment of the step the peak falls in (reference kernels): "loss backward",
+    "block backward", "gradient reduce" or "optimizer step"; empty for fused kernels."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.zero3_buffer + self.activations
+        return self.params + self.grads + self.optimizer + self.zero3_buffer + self.activations + self.workspace
 
 
 def zero_model_state_bytes(psi: float, n: int, zero: int, train: TrainSpec | None = None) -> tuple[float, float, float]:
@@ -110,6 +126,8 @@ def _params_per_device(m: ModelSpec, t: int, ep: int, pp: int, blocks: int) -> t
 def block_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec | None = None) -> float:
     """Saved activation bytes of one block for one micro-batch on one device."""
     train = train or TrainSpec()
+    if m.kernels == "reference":
+        return _reference_block_bytes(m, lay, seq_len, train)
     b, h, t, a = lay.micro_batch, m.hidden, lay.tp, m.heads
     s_full = seq_len
     s = seq_len / lay.cp
@@ -152,11 +170,19 @@ def _edge_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: Train
 
 def memory_per_device(m: ModelSpec, lay: Layout, train: TrainSpec, seq_len: int | None = None) -> MemoryBreakdown:
     """Peak bytes on the busiest device under ``lay`` for ``train``."""
+    return max(memory_per_stage(m, lay, train, seq_len).values(), key=lambda b: b.total)
+
+
+def memory_per_stage(m: ModelSpec, lay: Layout, train: TrainSpec,
+                     seq_len: int | None = None) -> dict[str, MemoryBreakdown]:
+    """Peak bytes per pipeline position: ``{"only": ...}`` without pipeline, else ``"first"`` and ``"last"``."""
     s = seq_len or m.seq_len
-    n_dense = lay.dp * lay.cp
-    n_expert = max(1, n_dense // lay.ep)
     micro_batches = max(1, train.global_batch // (lay.dp * lay.micro_batch))
     stages, expert = params_per_device(m, lay)
+    if m.kernels == "reference":
+        return {stage: _reference_stage(m, lay, train, s, stage, stages, expert, micro_batches) for stage in stages}
+    n_dense = lay.dp * lay.cp
+    n_expert = max(1, n_dense // lay.ep)
     blocks = stage_layers(m, lay)
     per_block = block_activation_bytes(m, lay, s, train)
     first_extra, last_extra = _edge_activation_bytes(m, lay, s, train)
@@ -166,7 +192,7 @@ def memory_per_device(m: ModelSpec, lay: Layout, train: TrainSpec, seq_len: int 
         full = dataclasses.replace(lay, recompute="none")
         working = block_activation_bytes(m, full, s, train) - per_block
     chunk_blocks = blocks / lay.v
-    best: MemoryBreakdown | None = None
+    out = {}
     for stage, psi in stages.items():
         p, g, o = zero_model_state_bytes(psi, n_dense, lay.zero, train)
         pe, ge, oe = zero_model_state_bytes(expert, n_expert, lay.zero, train)
@@ -182,8 +208,59 @@ def memory_per_device(m: ModelSpec, lay: Layout, train: TrainSpec, seq_len: int 
         if lay.zero == 3:
             block = (stages[stage] + expert) / max(1, blocks)
             buf = 2 * train.param_bytes * block
-        cand = MemoryBreakdown(params=p + pe, grads=g + ge, optimizer=o + oe, zero3_buffer=buf, activations=act)
-        if best is None or cand.total > best.total:
-            best = cand
-    assert best is not None
-    return best
+        out[stage] = MemoryBreakdown(params=p + pe, grads=g + ge, optimizer=o + oe, zero3_buffer=buf, activations=act)
+    return out
+
+
+# --- chipset's engine with its reference kernels (ModelSpec.kernels == "reference") ---------------
+
+
+def _reference_block_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec) -> float:
+    tokens = lay.micro_batch * seq_len / lay.cp
+    return tokens * ref.block_bytes_per_token(m, lay, seq_len, train) + ref.mask_bytes(m, lay, seq_len)
+
+
+def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage: str,
+                     stages: dict[str, float], expert: float, micro_batches: int) -> MemoryBreakdown:
+    """The largest of the step's four moments (module docstring) on one pipeline position."""
+    n_dense = lay.dp * lay.cp
+    n_expert = max(1, n_dense // lay.ep)
+    psi = stages[stage]
+    p, g, o = zero_model_state_bytes(psi, n_dense, lay.zero, train)
+    pe, ge, oe = zero_model_state_bytes(expert, n_expert, lay.zero, train)
+    states = MemoryBreakdown(params=p + pe, grads=g + ge, optimizer=o + oe, zero3_buffer=0.0, activations=0.0)
+    e, gb = train.param_bytes, train.grad_bytes
+    tokens = lay.micro_batch * s / lay.cp
+    blocks = stage_layers(m, lay)
+    block = block_activation_bytes(m, lay, s, train)
+    loss_stage = stage in ("only", "last")
+    embed = tokens * ref.embed_bytes_per_token(lay) if stage in ("only", "first") else 0.0
+    head = tokens * ref.head_bytes_per_token(m, lay, train) if loss_stage else 0.0
+    # Micro-batches whose activations are alive: the first stage's warm-up; the last stage runs each
+    # backward right after its forward except under GPipe.
+    if stage == "last":
+        chunks = micro_batches * lay.v if lay.schedule == "gpipe" else 1
+    else:
+        chunks = in_flight_chunks(lay, micro_batches)
+    mbs = max(1, chunks // lay.v) if lay.v > 1 else chunks
+    acts = block * blocks / lay.v * chunks + embed * mbs
+    local = psi + expert
+    # ZeRO-2/3 accumulate unsharded gradients locally until the last micro-batch.
+    accumulated = gb * local if lay.zero >= 2 and micro_batches > 1 else 0.0
+    moments = []
+    if loss_stage:
+        moments.append(("loss backward", acts + head * mbs, tokens * ref.loss_backward_bytes_per_token(m, lay)
+                        + accumulated, 0.0))
+    stage_out = 0.0 if loss_stage else e * tokens * m.hidden * mbs  # kept for the matching backward
+    z3 = e * local / max(1, blocks) if lay.zero == 3 else 0.0  # the block's gathered parameters
+    moments.append(("block backward", acts + stage_out + head * (mbs - 1),
+                    ref.block_backward_bytes(m, lay, tokens, train) + accumulated, z3))
+    bucket = train.bucket_mb * 2**20 / e if lay.zero < 3 else local / max(1, blocks)
+    bucket = min(local, bucket)
+    if lay.zero >= 2:  # every bucket's flattened gradient waits for its reduce-scatter until the step
+        moments.append(("gradient reduce", embed * mbs, gb * local + gb * bucket, 0.0))
+    shard = bucket if lay.zero == 0 else bucket / n_dense
+    send = e * local / n_dense if lay.zero in (1, 2) and n_dense > 1 else 0.0
+    moments.append(("optimizer step", 0.0, 3 * ref.F * shard + send, 0.0))
+    phase, act, work, buf = max(moments, key=lambda x: x[1] + x[2] + x[3])
+    return dataclasses.replace(states, activations=act, workspace=work, zero3_buffer=buf, phase=phase)

@@ -21,6 +21,7 @@ __all__ = ["ModelSpec", "PRESETS", "get_preset", "load_model_toml", "apply_model
 MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
 POSITION_KINDS = ("rope", "learned")
+KERNEL_KINDS = ("fused", "reference")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class ModelSpec:
     """Dropout is applied (adds the masks Korthikanti et al. count to activation memory)."""
     flash_attention: bool = True
     """Attention never materialises the s x s score matrix (no 5as^2b activation term)."""
+    kernels: str = "fused"
+    """"fused" (norms, attention and cross-entropy as fused kernels: Korthikanti et al.'s count) or
+    "reference": chipset's engine with its pure-torch reference kernels, as cpu_sim runs it
+    (norms and attention keep float32 copies, the score matrix is materialised; see memory.py)."""
 
     # --- derived -----------------------------------------------------------------
     @property
@@ -164,7 +169,8 @@ class ModelSpec:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 problems.append(f"model.{f} must be a non-negative integer (found {v!r})")
-        for f, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("position", POSITION_KINDS)):
+        for f, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("position", POSITION_KINDS),
+                         ("kernels", KERNEL_KINDS)):
             if getattr(self, f) not in kinds:
                 problems.append(f"model.{f} must be one of {', '.join(kinds)} (found {getattr(self, f)!r})")
         if not problems:

@@ -1,0 +1,86 @@
+"""Activation and work-buffer bytes of chipset's engine running its reference kernels.
+
+The reference kernels (``chipset.kernels.reference``, what cpu_sim runs) are plain torch
+code, so autograd saves what each op needs: RMSNorm keeps a float32 copy of its input, its
+reciprocal root and the normalised output; attention upcasts q, k and v to float32 (k and
+v repeated to every query head, and gathered over cp), materialises the scores and keeps
+both the softmax and its NaN-cleaned copy; SwiGLU keeps gate, up, sigmoid(gate), their
+product and the down projection's input; cross-entropy keeps float32 logits. Under
+sequence parallelism every column-parallel projection gathers (and saves) its own input.
+Each count below was checked tensor by tensor against ``torch.autograd.graph.saved_tensors_hooks``
+on the engine's model (docs/planner.md, "Validation: peak memory").
+
+All functions return bytes per local token of one micro-batch (``T = b*s/cp`` tokens) unless
+they say otherwise. ``E`` is the compute dtype's size, ``F = 4`` (float32).
+"""
+
+from __future__ import annotations
+
+from chipset.planner.layout import Layout, TrainSpec
+from chipset.planner.model import ModelSpec
+
+__all__ = ["block_bytes_per_token", "mask_bytes", "head_bytes_per_token", "embed_bytes_per_token",
+           "loss_backward_bytes_per_token", "block_backward_bytes", "F"]
+
+F = 4
+
+
+def _norm(m: ModelSpec, lay: Layout, e: int) -> float:
+    """One RMSNorm: float32 input copy and normalised output, their reciprocal root; sequence-split under sp."""
+    return ((F + e) * m.hidden + F) / (lay.tp if lay.sp else 1)
+
+
+def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec) -> float:
+    """Saved bytes of one block per local token (without the attention mask, see :func:`mask_bytes`)."""
+    e, h, t, a = train.param_bytes, m.hidden, lay.tp, m.heads
+    if lay.recompute == "full":  # the checkpoint keeps the block input only
+        return e * h / (t if lay.sp else 1)
+    attn_in = e * h * (3 if lay.sp else 1)  # q, k, v projections; each gathers its own input under sp
+    if lay.recompute == "selective":  # the checkpointed core keeps q, k, v as they came out of the projections
+        core = e * (h + 2 * m.kv_dim) / t
+    else:  # float32 q, k and v (k, v repeated to every head and gathered over cp), softmax and its clean copy
+        core = F * h / t * (1 + 2 * lay.cp) + 2 * F * (a / t) * seq_len
+    attn_out = e * h / t
+    dense_mlp = e * h * (2 if lay.sp else 1) + 5 * e * m.ffn / t
+    mlp = dense_mlp
+    if m.is_moe:
+        k = m.top_k
+        # router input, router softmax/top-k (float32), token and expert ids; per assignment the
+        # dispatched and returned token copies (4h) and the expert's SwiGLU (5f)
+        moe_mlp = e * h + F * (m.num_experts + 2 * k + 1) + 25 * k + k * (4 * e * h + 5 * e * m.ffn)
+        frac = m.moe_layers / m.layers
+        mlp = (1 - frac) * dense_mlp + frac * moe_mlp
+    return 2 * _norm(m, lay, e) + attn_in + core + attn_out + mlp
+
+
+def mask_bytes(m: ModelSpec, lay: Layout, seq_len: int) -> float:
+    """The boolean causal mask one block builds per micro-batch (local queries x all keys)."""
+    if lay.recompute != "none":
+        return 0.0
+    return seq_len / lay.cp * seq_len
+
+
+def embed_bytes_per_token(lay: Layout) -> float:
+    """Token ids the embedding keeps for its backward (int64), plus the vocabulary-shard mask under tp."""
+    return 8 + (1 if lay.tp > 1 else 0)
+
+
+def head_bytes_per_token(m: ModelSpec, lay: Layout, train: TrainSpec) -> float:
+    """Final norm, the logit projection's input (gathered under sp), float32 logits (under tp their
+    exponentials), the log-sum-exp, target ids and masks."""
+    e = train.param_bytes
+    return _norm(m, lay, e) + e * m.hidden + F * m.vocab / lay.tp + 2 * F + 10
+
+
+def loss_backward_bytes_per_token(m: ModelSpec, lay: Layout) -> float:
+    """Float32 vocabulary-sized buffers alive in the cross-entropy's backward on top of the saved logits:
+    four (softmax gradient, gather gradient, and the expression's temporaries), two vocabulary-parallel."""
+    return (4 if lay.tp == 1 else 2) * F * m.vocab / lay.tp
+
+
+def block_backward_bytes(m: ModelSpec, lay: Layout, tokens: float, train: TrainSpec) -> float:
+    """A block's backward in progress (total bytes): the incoming activation gradient, the gradient of the
+    MLP's intermediate and one weight gradient before it is accumulated."""
+    e, h, t = train.param_bytes, m.hidden, lay.tp
+    f = m.ffn * (m.top_k if m.is_moe else 1)
+    return e * tokens * (h + f / t) + e * h * m.ffn / t
