@@ -116,3 +116,26 @@ def test_stage_aware_pipeline_sends_and_tensor_parallel_edges():
     assert math.isclose(tp.buffer, 2 * m.seq_len * m.hidden)
     with pytest.raises(ValueError, match="stage"):
         communication(m, flat, train, cl, stage="first")
+
+
+def test_the_comparison_catches_a_single_byte_on_one_rank():
+    cfg = _cfg("ep2")
+    want = [predict(cfg, r) for r in range(2)]
+
+    def records(shift: dict[tuple[str, int], int]) -> list[dict]:
+        comm = {op: {"calls": [1, 1], "bytes": [int(w[op]) + shift.get((op, r), 0) for r, w in enumerate(want)]}
+                for op in ("all_reduce", "all_to_all")}
+        return [{"step": 1, "comm": comm}]
+
+    assert all(r["exact"] for r in cv.check("ep2", records({})))
+    off = {r["op"]: r["exact"] for r in cv.check("ep2", records({("all_reduce", 1): 1}))}
+    assert off == {"all_reduce": False, "all_to_all": True}
+    # all-to-all: routing may move tokens between ranks, never change the group's sum
+    moved = {r["op"]: r["exact"] for r in cv.check("ep2", records({("all_to_all", 0): 64, ("all_to_all", 1): -64}))}
+    assert moved["all_to_all"]
+    grown = {r["op"]: r["exact"] for r in cv.check("ep2", records({("all_to_all", 0): 64}))}
+    assert not grown["all_to_all"]
+    # an op the prediction does not expect at all is a mismatch too
+    extra = records({})
+    extra[0]["comm"]["broadcast"] = {"calls": [1, 1], "bytes": [8, 8]}
+    assert {r["op"]: r["exact"] for r in cv.check("ep2", extra)}["broadcast"] is False
