@@ -40,6 +40,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2": (2, ["parallel.tp=2"]),
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2-1f1b": (2, ["parallel.pp=2", "parallel.schedule=\"1f1b\"", "parallel.pipeline_split=\"1,1\""]),
+    "pp2-interleaved": (2, ["parallel.pp=2", "parallel.schedule=\"interleaved_1f1b\"", "parallel.virtual_stages=2",
+                            "model.num_hidden_layers=4", "parallel.pipeline_split=\"1,1,1,1\""]),
     "ep2": (2, ["parallel.ep=2", *MOE]),
     "cp2-allgather": (2, ["parallel.cp=2", "parallel.cp_attention=\"allgather\""]),
     "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_attention=\"ring\""]),
