@@ -3,8 +3,8 @@
     python benchmarks/comm_volume.py [--layouts dp2-z0,tp2,...] [--steps 2] [--cli] [--json out.json]
 
 Trains a tiny model (vocabulary 127, hidden 32, 2 blocks, 4 heads, 2 KV heads, MLP 64;
-4 experts top-2 for the MoE layout; 8 sequences of 16 tokens in 2 micro-batches per dp
-rank, fp32) for ``--steps`` steps under each layout on cpu_sim, reads every rank's
+4 experts top-2 for the MoE layout, 4 blocks for interleaved 1F1B; 8 sequences of 16
+tokens in 2 micro-batches per dp rank, fp32) for ``--steps`` steps under each layout on cpu_sim, reads every rank's
 per-step ``comm`` record from the run's metrics.jsonl (bytes handed to each collective,
 ``Collective.comm_stats``) and prints, per layout and op, the mean bytes per rank and
 step measured, the planner's formula in the same units, the engine's documented
