@@ -135,19 +135,20 @@ def test_checkpoint_config_keys_are_validated():
     assert RunConfig.from_dict({"train": {"async_checkpoint": True}}).train.async_checkpoint is True
 
 
-def test_checkpoints_of_cp_layouts_are_refused_before_launch():
-    cfg = RunConfig.from_dict({"train": {"checkpoint_every": 2}, "parallel": {"cp": 2}})
-    with pytest.raises(ConfigError, match=r"checkpoints of pp/ep/cp > 1 layouts are not supported yet \(pp=1, ep=1, cp=2"):
-        cfg.validate(world_size=2)
+@pytest.mark.parametrize("layout", [{"cp": 2}, {"pp": 2}, {"ep": 2, "dp": 2}], ids=["cp2", "pp2", "ep2"])
+def test_checkpoints_of_pp_ep_cp_layouts_are_accepted(layout):
+    model = {"num_experts": 4} if "ep" in layout else {}
+    cfg = RunConfig.from_dict({"train": {"checkpoint_every": 2}, "parallel": layout, "model": model})
+    cfg.validate(world_size=2)  # raises ConfigError if refused
 
 
 def test_tp_boxes_are_placed_at_the_slice_offset_and_drop_vocabulary_padding():
     # Logical (5, 4) split over tp=2 along dim 0 with padding to 6 rows: rank 1 holds rows 3, 4 and a pad row.
-    boxes = _boxes((3, 4), 0, 12, (0, 5), 1, rank=1)
+    boxes = _boxes((3, 4), 0, 12, [(0, 1, 5)], rank=1)
     assert [(b.offsets, b.sizes, b.clip) for b in boxes] == [([3, 0], [2, 4], (0, 2))]
     flat = torch.arange(12.0)
     assert torch.equal(boxes[0].view(flat), flat[:8].view(2, 4))
     # Part of the pad row only: nothing to store.
-    assert _boxes((3, 4), 9, 12, (0, 5), 1, rank=1) == []
+    assert _boxes((3, 4), 9, 12, [(0, 1, 5)], rank=1) == []
     # Rank 0's slice starts at logical row 0; a flat range inside row 1 is one box at row 1.
-    assert [(b.offsets, b.sizes) for b in _boxes((3, 4), 5, 7, (0, 5), 0, rank=0)] == [([1, 1], [1, 2])]
+    assert [(b.offsets, b.sizes) for b in _boxes((3, 4), 5, 7, [(0, 0, 5)], rank=0)] == [([1, 1], [1, 2])]

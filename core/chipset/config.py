@@ -378,11 +378,6 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
     for name in ("checkpoint_every", "keep_checkpoints"):
         if getattr(tr, name) < 0:
             problems.append(f"train.{name} = {getattr(tr, name)!r}: expected an integer >= 0 (0 = {'never' if name == 'checkpoint_every' else 'keep all'})")
-    if tr.checkpoint_every and any(getattr(par, n) > 1 for n in ("pp", "ep", "cp")):
-        problems.append(
-            "train.checkpoint_every: checkpoints of pp/ep/cp > 1 layouts are not supported yet "
-            f"(pp={par.pp}, ep={par.ep}, cp={par.cp}); use dp/ZeRO/tp only or set train.checkpoint_every=0"
-        )
     try:
         parse_profile_steps(tr.profile_steps)
     except ValueError as exc:

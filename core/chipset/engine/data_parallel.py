@@ -511,7 +511,7 @@ class DataParallel:
 
         Each bucket entry says which parameters (names, shapes, offsets) its flat buffer
         holds and which slice ``[lo, hi)`` this rank owns, so a checkpoint writer can map
-        shards to parameters (resharding across layouts is issue 6). Tensors are copies on
+        shards to parameters (checkpoint/layout.py reshards across layouts). Tensors are copies on
         the host. :meth:`load_state_dict` restores it under the same layout.
         """
         buckets = []
@@ -549,7 +549,8 @@ class DataParallel:
         ):
             raise UsageError(
                 f"training state was written under layout {theirs}, this engine is {mine} (or its buckets "
-                "hold different parameters); loading across layouts is not supported yet (issue 6)"
+                "hold different parameters); to continue under another layout, save and resume through a "
+                "checkpoint (chipset.engine.checkpoint.Checkpointer, `chipset train --resume`), which reshards"
             )
         for sb, b in zip(state["buckets"], self.buckets, strict=True):
             if self.zero == 0:

@@ -9,6 +9,15 @@ split back: a different dp degree or ZeRO stage only changes which pieces a rank
 for. A flat range of a row-major tensor is a union of at most ``2*ndim - 1`` boxes
 (:func:`flat_range_boxes`); every box is a contiguous run of the flat buffer, so shards
 are views, not copies.
+
+Where a piece sits in the logical tensor, per layout dimension:
+
+* dp / cp / ZeRO: the owned slice of the bucket (index in the bucket's sharding group:
+  dp, dp x cp, or for experts edp); cp ranks are replicas, so each piece is written once.
+* tp: shifted along ``tp_dim`` by the tp slice offset (vocabulary padding dropped);
+  tp-replicated parameters are written by tp index 0 only.
+* ep: expert tensors hold rows ``[ep_idx * E_local, ...)`` of the logical ``[E, ...]``.
+* pp: each stage writes the parameters it holds, under the single-process names.
 """
 
 from __future__ import annotations
@@ -87,84 +96,121 @@ def _intersect(lo: int, hi: int, off: int, n: int) -> tuple[int, int] | None:
     return (a - off, b - off) if b > a else None
 
 
-def _tp(p) -> tuple[int, int] | None:
-    """(dim, logical size along dim) of a tensor-parallel parameter, None when replicated."""
+def _splits(p, expert_ep: int = 1, ep_index: int = 0, tp_index: int = 0) -> list[tuple[int, int, int]]:
+    """How local tensor ``p`` is cut from its logical tensor: ``[(dim, index, logical size), ...]``.
+
+    Slice ``index`` along ``dim`` starts at ``index * local size``. tp-sharded parameters
+    carry ``tp_dim``/``tp_size`` (the logical size, vocabulary padding excluded); ep-sharded
+    experts (``expert_ep > 1``) are one block of rows of ``[E, ...]``.
+    """
+    out = []
     dim = getattr(p, "tp_dim", None)
-    return None if dim is None else (int(dim), int(p.tp_size))
+    if dim is not None:
+        out.append((int(dim), tp_index, int(p.tp_size)))
+    if expert_ep > 1:
+        out.append((0, ep_index, p.shape[0] * expert_ep))
+    return out
 
 
-def _logical_shape(shape, tp) -> tuple[int, ...]:
+def _logical_shape(shape, splits) -> tuple[int, ...]:
     shape = list(shape)
-    if tp is not None:
-        shape[tp[0]] = tp[1]
+    for dim, _, size in splits:
+        shape[dim] = size
     return tuple(shape)
 
 
+def _expert_ep(engine, bucket) -> int:
+    return engine.dims.ep if bucket.expert else 1
+
+
 def logical_shapes(engine) -> dict[str, tuple[int, ...]]:
-    """Every parameter's fully-qualified name and logical (unsharded) shape."""
-    return {n: _logical_shape(s, _tp(p)) for b in engine.buckets
+    """Every parameter's fully-qualified name and logical (single-process) shape.
+
+    A pipeline engine holds only its stages, so it reports the whole model's shapes
+    (``model_shapes``, recorded before the split): every stage checks the same set.
+    """
+    whole = getattr(engine, "model_shapes", None)
+    if whole is not None:
+        return {n: tuple(s) for n, s in whole.items()}
+    return {n: _logical_shape(s, _splits(p, _expert_ep(engine, b))) for b in engine.buckets
             for n, s, p in zip(b.names, b.shapes, b.params, strict=True)}
 
 
-def _boxes(local_shape: tuple[int, ...], a: int, b: int, tp, tp_index: int, rank: int) -> list[Box]:
-    """Logical boxes of local flat elements ``[a, b)`` of the tp slice ``tp_index``."""
+def _boxes(local_shape: tuple[int, ...], a: int, b: int, splits, rank: int) -> list[Box]:
+    """Logical boxes of local flat elements ``[a, b)`` (``splits``: see :func:`_splits`)."""
     out = []
     strides = _strides(local_shape)
     for lo_off, lo_sz in flat_range_boxes(local_shape, a, b):
         off, sz, clip = list(lo_off), list(lo_sz), None
-        if tp is not None:
-            dim, size = tp
-            per = local_shape[dim]
-            o0 = lo_off[dim] + tp_index * per
+        for dim, index, size in splits:
+            o0 = lo_off[dim] + index * local_shape[dim]
             o1 = min(o0 + lo_sz[dim], size)
             if o1 <= o0:
-                continue  # entirely vocabulary padding
+                break  # entirely vocabulary padding
             off[dim], sz[dim] = o0, o1 - o0
-            clip = (dim, o1 - o0) if o1 - o0 != lo_sz[dim] else None
-        first = sum(o * st for o, st in zip(lo_off, strides, strict=True)) - a
-        out.append(Box(off, sz, rank, first, list(lo_sz), clip))
+            if o1 - o0 != lo_sz[dim]:
+                clip = (dim, o1 - o0)
+        else:
+            first = sum(o * st for o, st in zip(lo_off, strides, strict=True)) - a
+            out.append(Box(off, sz, rank, first, list(lo_sz), clip))
     return out
 
 
-def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, tuple[int, ...], list[Piece]]]:
-    """For each parameter: ``(name, logical shape, pieces)``.
+def _index_in(dims, dim: str) -> dict[int, int]:
+    """Global rank -> its index within its group along ``dim`` (no communication)."""
+    return {r: i for ranks in dims.group_ranks(dim) for i, r in enumerate(ranks)}
 
-    Saving (``for_load=False``): the pieces of every rank of the job. Rank ``(dp i, tp j)``
-    contributes its owned slice ``[i*S, (i+1)*S)`` of each bucket, cut at parameter
-    boundaries and placed at its tp offset; parameters replicated over tp are written by
-    tp index 0 only, so every logical element is written exactly once.
+
+def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, tuple[int, ...], list[Piece]]]:
+    """For each parameter this rank holds: ``(name, logical shape, pieces)``.
+
+    Saving (``for_load=False``): the pieces of every rank of this rank's pipeline stage
+    (they hold the same buckets; other stages write their own parameters). Rank r
+    contributes its owned slice ``[i*S, (i+1)*S)`` of each bucket (i: its index in the
+    bucket's sharding group), cut at parameter boundaries and placed at its tp and ep
+    offsets; parameters replicated over tp are written by tp index 0 only, so every
+    logical element is written exactly once.
     Loading: only this rank's pieces, for what it actually holds: the whole bucket for
     parameters at ZeRO < 3 and for optimizer state at ZeRO 0, else the owned slice.
     """
     e = engine
-    col = e.collective
-    me = col.rank()
+    me = e.collective.rank()
     dims = e.dims
-    if for_load:
-        who = [(me, e.dp_rank, dims.coords(me).get("tp", 0))]
-    else:
-        who = [(r, dims.coords(r)["dp"], dims.coords(r).get("tp", 0)) for r in range(col.world_size())]
+    coords = [dims.coords(r) for r in range(dims.world_size)]
+    stage = [r for r in range(dims.world_size) if coords[r]["pp"] == coords[me]["pp"]]
+    who = [me] if for_load else stage
+    replica = _index_in(dims, "dp_cp" if dims.cp_enabled else "dp")
+    edp, ep = (_index_in(dims, "edp"), _index_in(dims, "ep")) if dims.ep_enabled else ({}, {})
     for bkt in e.buckets:
+        group_index = edp if bkt.expert else replica
+        if group_index[me] * bkt.shard != bkt.lo:  # the rank arithmetic must match the engine's groups
+            raise RuntimeError(f"checkpoint layout: rank {me} owns bucket {bkt.index} from {bkt.lo}, expected "
+                               f"{group_index[me] * bkt.shard}; the group order changed without layout.py")
         held_whole = for_load and ((kind == "model" and e.zero < 3) or (kind != "model" and e.zero == 0))
         buf, buf_lo = _source(bkt, kind)
+        expert_ep = _expert_ep(e, bkt)
         for name, off, n, shape, p in zip(bkt.names, bkt.offsets, bkt.numels, bkt.shapes, bkt.params, strict=True):
-            shape, tp = tuple(shape), _tp(p)
+            shape = tuple(shape)
+            logical = _logical_shape(shape, _splits(p, expert_ep))
             pieces = []
-            for rank, dp_i, tp_j in who:
-                if not for_load and tp is None and tp_j != 0:
+            for rank in who:
+                tp_j = coords[rank]["tp"]
+                if not for_load and not hasattr(p, "tp_dim") and tp_j != 0:
                     continue
-                hit = (0, n) if held_whole else _intersect(dp_i * bkt.shard, (dp_i + 1) * bkt.shard, off, n)
+                i = group_index[rank]
+                hit = (0, n) if held_whole else _intersect(i * bkt.shard, (i + 1) * bkt.shard, off, n)
                 if hit is None:
                     continue
-                boxes = _boxes(shape, hit[0], hit[1], tp, tp_j, rank)
+                splits = _splits(p, expert_ep, ep.get(rank, 0), tp_j)
+                boxes = _boxes(shape, hit[0], hit[1], splits, rank)
                 if not boxes:
                     continue
-                piece = Piece(name, _logical_shape(shape, tp), rank, hit[0], hit[1], boxes)
+                piece = Piece(name, logical, rank, hit[0], hit[1], boxes)
                 if rank == me:
                     a = off + hit[0] - buf_lo
                     piece.tensor = buf[a:a + hit[1] - hit[0]]
                 pieces.append(piece)
-            yield name, _logical_shape(shape, tp), pieces
+            yield name, logical, pieces
 
 
 def _source(b, kind: str) -> tuple[torch.Tensor, int]:

@@ -117,15 +117,6 @@ class Checkpointer:
         if self.async_save and self.world > 1:
             self._group = self.col.new_group(range(self.world), name="checkpoint")
 
-    def _check_layout(self) -> None:
-        other = {n: getattr(self.engine.dims, n) for n in ("pp", "ep", "cp") if getattr(self.engine.dims, n, 1) > 1}
-        if other:
-            # Ranks outside the dp group would write the same logical names (see layout.py).
-            raise ConfigError(
-                f"checkpoints support dp/ZeRO/tp layouts only so far; this run has {other}. "
-                "Set train.checkpoint_every=0 and --resume none, or train with dp/ZeRO/tp only"
-            )
-
     # --- resume -------------------------------------------------------------------------
     def resume(self, mode: str = "auto") -> int:
         """Load the checkpoint ``mode`` selects (see :func:`resolve_resume`); returns the step to start at."""
@@ -153,7 +144,6 @@ class Checkpointer:
             path = Path(got) if got else None
         if path is None:
             return 0
-        self._check_layout()
         step = self.load(Path(path))
         self.info["resumed_from"] = str(path)
         self.info["resumed_step"] = step
@@ -238,7 +228,6 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Checkpoint the state after ``step`` completed steps (returns early when asynchronous)."""
         self.finish()
-        self._check_layout()
         t0 = time.perf_counter()
         e = self.engine
         sd = {}

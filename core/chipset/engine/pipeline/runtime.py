@@ -29,6 +29,7 @@ from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.pipeline.check import check_schedule
 from chipset.engine.pipeline.schedules import Instruction, Op, PipelineSchedule
 from chipset.engine.pipeline.split import StageModel, StageSpec
+from chipset.engine.tensor_parallel import logical_slice
 from chipset.interfaces import P2POp
 
 __all__ = ["PipelineEngine"]
@@ -58,6 +59,10 @@ class PipelineEngine:
         self.specs = specs
         self.my_specs = [specs[schedule.virtual_stage(self.pp_rank, c)] for c in range(v)]
         self.hidden_size = model.cfg.hidden_size
+        # Logical (single-process) shape of every parameter of the whole model: a checkpoint
+        # written or read by one stage is checked against all of it (checkpoint/layout.py).
+        self.model_shapes = {n: tuple(s[3]) if (s := logical_slice(t)) else tuple(t.shape)
+                             for n, t in model.named_parameters()}
         # Every rank learns every parameter's name, shape and owning stage (for full_parameters).
         self._owners: list[list[tuple[str, torch.Size]]] = [[] for _ in range(p)]
         for r in range(p):
@@ -105,6 +110,19 @@ class PipelineEngine:
     @property
     def zero(self) -> int:
         return self.engine.zero
+
+    @property
+    def dtype(self):
+        return self.engine.dtype
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (a checkpoint restores it)."""
+        return self.engine.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.engine.step_count = value
 
     def state_dict(self) -> dict:
         """This rank's training state (``DataParallel.state_dict``) plus which stages it holds."""
