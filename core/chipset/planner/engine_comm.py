@@ -33,15 +33,14 @@ from chipset.planner.cluster import Cluster
 from chipset.planner.comm import CommItem, communication
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import params_per_device, stage_layers
-from chipset.planner.model import ModelSpec, from_engine_model_config
+from chipset.planner.model import ModelSpec
+from chipset.planner.run import from_run_config
 
 __all__ = ["Departure", "ENGINE_OPS", "planner_inputs", "stage_of", "planned_bytes", "departures", "predict"]
 
 ENGINE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "batch_p2p")
 """The engine's op names that carry training traffic (``metrics.OPS`` lists every one)."""
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved"}
 # Only group placement (intra/inter node) depends on the cluster; bytes do not.
 _CLUSTER_DEVICE = DeviceProperties(name="engine-comm", index=0, total_memory=1)
 
@@ -61,9 +60,9 @@ class Departure:
 def planner_inputs(cfg: Any) -> tuple[ModelSpec, Layout, TrainSpec]:
     """The planner's model, layout and training spec for an engine RunConfig (``validate()``d).
 
-    The vocabulary is padded to a multiple of tp, as the engine pads it; the micro-batch is
-    ``global_batch / (dp * micro_batches)`` sequences; parameters, gradients and activations
-    travel in the compute dtype (``train.dtype``).
+    :func:`~chipset.planner.run.from_run_config` (micro-batch ``global_batch / (dp *
+    micro_batches)`` sequences; parameters, gradients and activations in the compute dtype),
+    with the vocabulary padded to a multiple of tp as the engine pads it.
     """
     par, tr = cfg.parallel, cfg.train
     if tr.recompute != "none":
@@ -71,13 +70,8 @@ def planner_inputs(cfg: Any) -> tuple[ModelSpec, Layout, TrainSpec]:
                          "(recomputation reruns collectives the planner counts differently)")
     if par.dp < 1:
         raise ValueError("parallel.dp is 0: call cfg.validate(world_size=...) first so dp is filled in")
-    m = from_engine_model_config(cfg.model, tr.seq_len)
-    m = dataclasses.replace(m, vocab=math.ceil(m.vocab / par.tp) * par.tp)
-    e = _BYTES[tr.dtype]
-    lay = Layout(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, zero=par.zero,
-                 micro_batch=tr.global_batch // (par.dp * par.micro_batches), schedule=_SCHEDULE[par.schedule],
-                 virtual_stages=par.virtual_stages, sequence_parallel=par.sequence_parallel).check()
-    return m, lay, TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e)
+    m, lay, train = from_run_config(cfg)
+    return dataclasses.replace(m, vocab=math.ceil(m.vocab / par.tp) * par.tp), lay, train
 
 
 def stage_of(cfg: Any, rank: int) -> str:
