@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import datetime as _dt
+import ipaddress
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["default_run_dir", "torchrun_command", "launch"]
+__all__ = ["default_run_dir", "torchrun_command", "rendezvous_conf", "launch"]
 
 
 def default_run_dir(root: str | Path = "runs") -> Path:
@@ -23,11 +25,16 @@ def default_run_dir(root: str | Path = "runs") -> Path:
 
 
 def torchrun_command(config_path: Path, run_dir: Path, *, nproc: int, nnodes: int | str = 1, node_rank: int = 0,
-                     rdzv_endpoint: str | None = None, max_restarts: int = 0, resume: str = "none") -> list[str]:
+                     rdzv_endpoint: str | None = None, rdzv_id: str | None = None, rdzv_conf: str = "",
+                     local_addr: str | None = None,
+                     max_restarts: int = 0, resume: str = "none") -> list[str]:
     """The ``python -m torch.distributed.run ...`` command line that starts the ranks.
 
     ``nnodes`` may be an elastic range ``"MIN:MAX"``; ``max_restarts`` is torch's elastic
-    agent's restart budget; ``resume`` is handed to every rank (``--resume``).
+    agent's restart budget; ``resume`` is handed to every rank (``--resume``). Multi-node
+    jobs use the c10d rendezvous at ``rdzv_endpoint`` under the job id ``rdzv_id``, with
+    ``rdzv_conf`` (see :func:`rendezvous_conf`); ``local_addr`` is the address the other
+    nodes reach this one at.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}"]
@@ -36,9 +43,60 @@ def torchrun_command(config_path: Path, run_dir: Path, *, nproc: int, nnodes: in
     else:
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={rdzv_endpoint or 'localhost:29500'}"]
+        if rdzv_id:
+            cmd.append(f"--rdzv-id={rdzv_id}")
+        if rdzv_conf:
+            cmd.append(f"--rdzv-conf={rdzv_conf}")
+        if local_addr:
+            cmd.append(f"--local-addr={local_addr}")
     cmd += ["-m", "chipset.engine.worker", "--config", str(config_path), "--run-dir", str(run_dir),
             "--resume", resume]
     return cmd
+
+
+def rendezvous_conf(endpoint: str | None, conf: str = "") -> str:
+    """``--rdzv-conf`` for torchrun: the user's ``KEY=VALUE,...`` plus ``is_host`` where chipset knows it.
+
+    torch guesses whether this node hosts the c10d rendezvous store by comparing the
+    endpoint with the machine's hostname and its addresses. A node in its own network
+    namespace (or with several interfaces) guesses wrong: no node hosts the store and
+    every node waits. So for an endpoint that is not loopback, this node hosts exactly
+    when it can bind the endpoint's address and port. Loopback endpoints keep torch's
+    guess, which lets several agents on one host settle who hosts.
+    """
+    items = [c.strip() for c in conf.split(",") if c.strip()]
+    if endpoint is None or any(c.split("=", 1)[0].strip() == "is_host" for c in items):
+        return ",".join(items)
+    host, sep, port = endpoint.rpartition(":")
+    if not sep:
+        host, port = endpoint, "29400"  # torch's default c10d rendezvous port
+    host = host.strip("[]")
+    if not host or host == "localhost" or _is_loopback(host) or not port.isdigit():
+        return ",".join(items)
+    items.append(f"is_host={'true' if _can_bind(host, int(port)) else 'false'}")
+    return ",".join(items)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _can_bind(host: str, port: int) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind(addr)
+            except OSError:
+                continue
+            return True
+    return False
 
 
 def launch(cmd: list[str], backend_name: str) -> int:

@@ -106,15 +106,19 @@ def _fmt_bytes(n: float) -> str:
 
 
 def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=None, keep_params: bool = False,
-          resume: str = "none") -> TrainResult:
+          resume: str = "none", elastic=None) -> TrainResult:
     """Run ``cfg`` on this rank. The process group must be initialised and the device set.
 
     ``resume``: ``auto`` (newest complete checkpoint of ``run_dir``), ``none`` or a checkpoint
     path (docs/fault-tolerance.md); checkpoints are written every ``train.checkpoint_every`` steps.
+    ``elastic``: the :class:`chipset.engine.elastic.WorldChange` already applied to ``cfg``
+    when the job runs on fewer nodes than planned (logged and kept in the summary).
     """
     out = out or sys.stdout
     col = backend.collective
     rank = col.rank()
+    if elastic is not None and rank == 0:
+        print(elastic.line(), file=out, flush=True)
     engine, data, dims = build(cfg, backend)
     # Data is split over dp only: tp and cp ranks of one dp index see the same sequences.
     dp_rank, dp_size = dims.coords(rank)["dp"], dims.dp
@@ -215,6 +219,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         "params_digest": params_digest(params),
         **obs.summary(),
         **(ckpt.summary() if ckpt is not None else {}),
+        **({"elastic": elastic.to_dict()} if elastic is not None else {}),
     }
     res.summary = summary
     if keep_params:

@@ -18,6 +18,7 @@ __all__ = ["run_rank", "main"]
 
 def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int:
     from chipset.config import load_config
+    from chipset.engine.elastic import fit_world
     from chipset.engine.trainer import train
     from chipset.loader import backend
 
@@ -27,9 +28,11 @@ def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int
     b.device.set_device(local_rank)
     b.collective.init_process_group()
     try:
+        # An elastic job re-formed on fewer nodes: same global batch, more micro-batches.
+        change = fit_world(cfg, b.collective.world_size())
         cfg.validate(world_size=b.collective.world_size(), dtypes=b.capabilities.dtypes)
         try:
-            train(cfg, b, run_dir, resume=resume)
+            train(cfg, b, run_dir, resume=resume, elastic=change)
         except CollectiveError as exc:
             if run_dir is not None:  # what this rank last did, for the launcher's hang report
                 from chipset.engine.checkpoint.hangs import write_rank_log

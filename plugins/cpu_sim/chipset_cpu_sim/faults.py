@@ -4,6 +4,9 @@ Grammar: ``;``-separated entries ``kind:key=value,key=value``::
 
     kill:rank=1,step=7          rank 1 dies (SIGKILL) when the engine starts step 7 (0-based)
     kill:rank=1,collective=12   rank 1 dies instead of issuing its collective #12 (0-based)
+    kill_node:step=7            the node dies for good when its ranks start step 7: the torchrun
+                                agent of this process and all its ranks (SIGKILL). Give the
+                                variable to one node only, or add rank=R for the node of rank R
     delay:rank=0,ms=200         every collective of rank 0 starts 200 ms late
     hang:rank=2,collective=5    rank 2 never issues its collective #5: the other ranks get
                                 chipset.CollectiveTimeoutError after CHIPSET_COLLECTIVE_TIMEOUT
@@ -42,12 +45,14 @@ FAULT_DIR_ENV = "CHIPSET_SIM_FAULT_DIR"
 HANG_GRACE_S = 10.0
 
 # kind -> (required keys, alternative "when" keys (exactly one), optional keys)
-_SCHEMA: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "kill": (("rank",), ("step", "collective")),
-    "delay": (("rank", "ms"), ()),
-    "hang": (("rank",), ("collective",)),
+_SCHEMA: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "kill": (("rank",), ("step", "collective"), ()),
+    "kill_node": ((), ("step",), ("rank",)),
+    "delay": (("rank", "ms"), (), ()),
+    "hang": (("rank",), ("collective",), ()),
 }
 _EXAMPLE = "kill:rank=1,step=7;delay:rank=0,ms=200;hang:rank=2,collective=5"
+ANY_RANK = -1
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Fault:
 
     kind: str
     rank: int
+    """The rank it concerns; ANY_RANK (kill_node without rank=) for every rank that has the variable."""
     step: int | None = None
     collective: int | None = None
     ms: int = 0
@@ -64,14 +70,15 @@ class Fault:
     @property
     def marker_name(self) -> str:
         when = f"step{self.step}" if self.step is not None else f"collective{self.collective}"
-        return f"{self.kind}-rank{self.rank}-{when}.done"
+        who = "" if self.rank == ANY_RANK else f"-rank{self.rank}"
+        return f"{self.kind}{who}-{when}.done"
 
 
 def _bad(entry: str, why: str) -> ConfigError:
     return ConfigError(
         f"{FAULTS_ENV}: entry {entry!r} is invalid: {why}. Expected ';'-separated entries "
-        f"'kind:key=value,...' with kind kill (rank, step|collective), delay (rank, ms) or "
-        f"hang (rank, collective), e.g. {_EXAMPLE!r}."
+        f"'kind:key=value,...' with kind kill (rank, step|collective), kill_node (step, optional rank), "
+        f"delay (rank, ms) or hang (rank, collective), e.g. {_EXAMPLE!r}."
     )
 
 
@@ -88,7 +95,7 @@ def parse_faults(text: str | None) -> list[Fault]:
             raise _bad(entry, "missing ':' after the kind")
         if kind not in _SCHEMA:
             raise _bad(entry, f"unknown kind {kind!r}")
-        required, when = _SCHEMA[kind]
+        required, when, optional = _SCHEMA[kind]
         values: dict[str, int] = {}
         for item in rest.split(","):
             item = item.strip()
@@ -98,8 +105,8 @@ def parse_faults(text: str | None) -> list[Fault]:
             key = key.strip()
             if not eq:
                 raise _bad(entry, f"{item!r} is not key=value")
-            if key not in required + when:
-                raise _bad(entry, f"unknown key {key!r} for {kind} (allowed: {', '.join(required + when)})")
+            if key not in required + when + optional:
+                raise _bad(entry, f"unknown key {key!r} for {kind} (allowed: {', '.join(required + when + optional)})")
             if key in values:
                 raise _bad(entry, f"key {key!r} given twice")
             try:
@@ -115,7 +122,8 @@ def parse_faults(text: str | None) -> list[Fault]:
         chosen = [k for k in when if k in values]
         if when and len(chosen) != 1:
             raise _bad(entry, f"give exactly one of {' or '.join(when)}")
-        faults.append(Fault(kind, values["rank"], values.get("step"), values.get("collective"), values.get("ms", 0), entry))
+        faults.append(Fault(kind, values.get("rank", ANY_RANK), values.get("step"), values.get("collective"),
+                            values.get("ms", 0), entry))
     return faults
 
 
@@ -147,6 +155,8 @@ class FaultPlan:
         for f in self.faults:
             if f.kind == "kill" and f.rank == rank and f.step == step:
                 self._kill(f)
+            elif f.kind == "kill_node" and f.rank in (rank, ANY_RANK) and f.step == step:
+                self._kill(f, node=True)
 
     def before_collective(self, rank: int, index: int, describe: str, timeout_s: float) -> None:
         """Apply delay/kill/hang faults before this rank's collective number ``index``."""
@@ -164,7 +174,7 @@ class FaultPlan:
                     f"entry {f.spec!r}); its peers were left waiting and time out."
                 )
 
-    def _kill(self, f: Fault) -> None:
+    def _kill(self, f: Fault, node: bool = False) -> None:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
             return  # the job was already restarted: the kill happened once
         d = fault_dir()
@@ -174,5 +184,52 @@ class FaultPlan:
                 return
             d.mkdir(parents=True, exist_ok=True)
             marker.write_text(f"{f.spec} fired in pid {os.getpid()} at {time.time():.3f}\n")
-        print(f"chipset cpu_sim: fault injected ({f.spec}): rank {f.rank} dies now", file=sys.stderr, flush=True)
+        if node:
+            agent = _torchrun_agent()
+            print(f"chipset cpu_sim: fault injected ({f.spec}): this node dies now (torchrun agent pid {agent} "
+                  "and its ranks)", file=sys.stderr, flush=True)
+            # The agent first, so that it cannot restart anything; then its other ranks.
+            os.kill(agent, signal.SIGKILL)
+            for pid in _children(agent):
+                if pid != os.getpid():
+                    _kill_quietly(pid)
+        else:
+            print(f"chipset cpu_sim: fault injected ({f.spec}): rank {f.rank} dies now", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _torchrun_agent() -> int:
+    """The pid of the torchrun agent that started this rank; ConfigError when there is none."""
+    agent = os.getppid()
+    try:
+        cmdline = Path(f"/proc/{agent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        cmdline = ""
+    if "GROUP_RANK" not in os.environ or not ("torch.distributed.run" in cmdline or "torchrun" in cmdline):
+        raise ConfigError(
+            f"{FAULTS_ENV}: kill_node needs ranks started by torchrun (chipset train --nnodes, --max-restarts "
+            f"or --nproc > 1); this process's parent is pid {agent} ({cmdline.strip()[:80] or 'unknown'})"
+        )
+    return agent
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (read from /proc: Linux only, like the simulator's users)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        # Field 4 is the parent pid; the command name (field 2) may hold spaces, so split after ')'.
+        fields = text.rpartition(")")[2].split()
+        if len(fields) > 1 and fields[1] == str(pid):
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
