@@ -17,12 +17,23 @@ def add_parser(sub) -> None:
     p.add_argument("config", nargs="?", default=None, metavar="CONFIG.toml", help="TOML config file (optional)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config key, e.g. --set train.steps=20 --set parallel.zero=3")
-    p.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks on this node (default 1)")
+    p.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=1, metavar="N",
+                   help="ranks on this node (default 1)")
     p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
-                   help="nodes in the job, or an elastic range MIN:MAX (passed to torchrun)")
+                   help="nodes in the job, or an elastic range MIN:MAX: the job keeps running on as few as MIN "
+                   "nodes, with train.global_batch kept by more micro-batches (passed to torchrun)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's rank (passed to torchrun)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                   help="rendezvous endpoint for multi-node jobs (passed to torchrun)")
+                   help="c10d rendezvous endpoint for multi-node jobs, the same on every node; the node that "
+                   "owns HOST hosts it (passed to torchrun)")
+    p.add_argument("--rdzv-id", default=None, metavar="ID",
+                   help="job id, the same on every node of one job (passed to torchrun)")
+    p.add_argument("--local-addr", default=None, metavar="ADDR",
+                   help="this node's address as the other nodes reach it (default: what the hostname resolves "
+                   "to; set it where that is a loopback address) (passed to torchrun)")
+    p.add_argument("--rdzv-conf", default="", metavar="KEY=VALUE,...",
+                   help="torch rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2 "
+                   "(passed to torchrun)")
     p.add_argument("--run-dir", default=None, metavar="DIR", help="where to write config.toml, metrics.jsonl, "
                    "summary.json (default runs/<timestamp>)")
     p.add_argument("--profile-steps", default=None, metavar="FIRST:LAST",
@@ -34,10 +45,6 @@ def add_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the whole job up to N times when a rank dies (torch's elastic agent); "
                    "it resumes from the last checkpoint")
-    p.add_argument("--project", default=None, metavar="PROFILE",
-                   help="after the run, report the step time the same work would take on the named device profile "
-                   "(chipset plan --list-profiles), from the FLOPs and collective bytes of the run, through the "
-                   "planner's cost model; written to summary.json as 'projection' (docs/planner.md)")
     p.add_argument("--print-schedule", action="store_true",
                    help="with parallel.pp > 1: print the stage split and the checked pipeline schedule (per-rank "
                    "timeline and instructions), then exit without training")
@@ -52,7 +59,8 @@ def run(args) -> int:
         parse_nnodes,
         report_failure,
     )
-    from chipset.engine.launch import default_run_dir, launch, torchrun_command
+    from chipset.engine.elastic import check_node_range
+    from chipset.engine.launch import default_run_dir, launch, rendezvous_conf, torchrun_command
     from chipset.loader import backend
 
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
@@ -65,12 +73,10 @@ def run(args) -> int:
     # Resolve the backend once, here; every rank gets its name.
     b = backend()
     cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes)
-    if args.project is not None:  # an unknown profile: exit 2 before anything is written
-        from chipset.planner.projection import resolve_profile
-
-        resolve_profile(args.project, cfg.train.dtype)
     if args.print_schedule:
         return _print_schedule(cfg, b)
+    if min_nodes < max_nodes:  # every smaller world must keep the global batch: refuse now, not mid-job
+        check_node_range(cfg, args.nproc, min_nodes, max_nodes, dtypes=b.capabilities.dtypes)
     if world > 1 and not b.capabilities.multi_process:
         raise UsageError(
             f"backend {b.name!r} does not declare multi_process, so it cannot run {world} ranks; "
@@ -90,36 +96,18 @@ def run(args) -> int:
     if world == 1 and args.max_restarts == 0:
         from chipset.engine.worker import run_rank
 
-        rc = run_rank(str(config_path), str(run_dir), resume=args.resume)
-        return _project(args.project, cfg, world, run_dir) if rc == 0 and args.project else rc
+        return run_rank(str(config_path), str(run_dir), resume=args.resume)
     nnodes = str(min_nodes) if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
     cmd = torchrun_command(config_path, run_dir, nproc=args.nproc, nnodes=nnodes, node_rank=args.node_rank,
-                           rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts, resume=args.resume)
+                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, local_addr=args.local_addr,
+                           rdzv_conf=rendezvous_conf(args.rdzv_endpoint, args.rdzv_conf),
+                           max_restarts=args.max_restarts, resume=args.resume)
     clear_hang_logs(run_dir)
     rc = launch(cmd, b.name)
     if rc != 0:
         print(f"chipset train: torchrun exited with status {rc}; see the rank output above", flush=True)
         report_failure(run_dir)
-    elif args.project:
-        return _project(args.project, cfg, world, run_dir)
     return rc
-
-
-def _project(profile: str, cfg, world: int, run_dir: Path) -> int:
-    """Add the projection onto ``profile`` to summary.json and print it (the run's last step's counts)."""
-    import json
-
-    from chipset.planner.projection import format_projection, project
-
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    last = json.loads(lines[-1])
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text())
-    proj = project(cfg, world, last.get("comm", {}), profile)
-    summary["projection"] = proj
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    print(format_projection(proj, last.get("step_time_s"), summary.get("tokens_per_s")), flush=True)
-    return 0
 
 
 def _print_schedule(cfg, b) -> int:

@@ -71,9 +71,9 @@ def fit_world(cfg, world_size: int, *, local_world_size: int | None = None) -> W
     if size < 1 or tr.global_batch % (dp * size):
         raise ConfigError(
             f"train.global_batch ({tr.global_batch}) cannot be kept on a world of {world_size} rank(s): "
-            f"dp {dp} x micro-batches of {size} sequence(s) (the planned dp {par.dp} x micro_batches "
-            f"{par.micro_batches}) does not divide it. Choose train.global_batch divisible by {dp * size}, "
-            "or a node range without that node count"
+            f"dp {dp} x micro-batches of {size} sequence(s) (the size planned for dp {par.dp} x micro_batches "
+            f"{par.micro_batches}) is {dp * size}, which does not divide {tr.global_batch}. Choose "
+            f"train.global_batch divisible by {dp * size}, or a node range without that node count"
         )
     local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size
     change = WorldChange(
