@@ -45,6 +45,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the whole job up to N times when a rank dies (torch's elastic agent); "
                    "it resumes from the last checkpoint")
+    p.add_argument("--project", default=None, metavar="PROFILE",
+                   help="after the run, report the step time the same work would take on the named device profile "
+                   "(chipset plan --list-profiles), from the FLOPs and collective bytes of the run, through the "
+                   "planner's cost model; written to summary.json as 'projection' (docs/planner.md)")
     p.add_argument("--print-schedule", action="store_true",
                    help="with parallel.pp > 1: print the stage split and the checked pipeline schedule (per-rank "
                    "timeline and instructions), then exit without training")
@@ -73,6 +77,10 @@ def run(args) -> int:
     # Resolve the backend once, here; every rank gets its name.
     b = backend()
     cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes)
+    if args.project is not None:  # an unknown profile: exit 2 before anything is written
+        from chipset.planner.projection import resolve_profile
+
+        resolve_profile(args.project, cfg.train.dtype)
     if args.print_schedule:
         return _print_schedule(cfg, b)
     if min_nodes < max_nodes:  # every smaller world must keep the global batch: refuse now, not mid-job
@@ -96,7 +104,8 @@ def run(args) -> int:
     if world == 1 and args.max_restarts == 0:
         from chipset.engine.worker import run_rank
 
-        return run_rank(str(config_path), str(run_dir), resume=args.resume)
+        rc = run_rank(str(config_path), str(run_dir), resume=args.resume)
+        return _project(args.project, cfg, world, run_dir) if rc == 0 and args.project else rc
     nnodes = str(min_nodes) if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
     cmd = torchrun_command(config_path, run_dir, nproc=args.nproc, nnodes=nnodes, node_rank=args.node_rank,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, local_addr=args.local_addr,
@@ -107,7 +116,26 @@ def run(args) -> int:
     if rc != 0:
         print(f"chipset train: torchrun exited with status {rc}; see the rank output above", flush=True)
         report_failure(run_dir)
+    elif args.project:
+        return _project(args.project, cfg, world, run_dir)
     return rc
+
+
+def _project(profile: str, cfg, world: int, run_dir: Path) -> int:
+    """Add the projection onto ``profile`` to summary.json and print it (the run's last step's counts)."""
+    import json
+
+    from chipset.planner.projection import format_projection, project
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    proj = project(cfg, world, last.get("comm", {}), profile)
+    summary["projection"] = proj
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_projection(proj, last.get("step_time_s"), summary.get("tokens_per_s")), flush=True)
+    return 0
 
 
 def _print_schedule(cfg, b) -> int:
