@@ -103,6 +103,19 @@ def _node(ns: dict, n: str, run_dir: Path, log: Path, **env) -> subprocess.Popen
                             env=_env(GLOO_SOCKET_IFNAME=ns[f"veth_{n}"], **env), start_new_session=True)
 
 
+def _wait_for_agent(ns: str, launcher: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until a torchrun agent runs in namespace ``ns`` (or its launcher has exited)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and launcher.poll() is None:
+        for pid in _ip("netns", "pids", ns).stdout.split():
+            try:
+                if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return
+            except OSError:
+                continue
+        time.sleep(0.2)
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r["step"] for r in rows]
@@ -113,10 +126,11 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def test_losing_a_node_for_good_continues_on_the_survivor_with_the_same_losses(namespaces, tmp_path):
     run = tmp_path / "elastic"
     logs = {n: tmp_path / f"node-{n}.log" for n in "ab"}
-    # B first: its agent waits for A's rendezvous store, so both join the same first round.
+    # B's agent first: it waits for A's rendezvous store, so both join the same first round
+    # (a node arriving after the first round completed would make torch re-form the job).
     nodes = {"b": _node(namespaces, "b", run, logs["b"], CHIPSET_SIM_FAULTS="kill_node:step=7",
                         CHIPSET_SIM_FAULT_DIR=tmp_path / "faults")}
-    time.sleep(1)
+    _wait_for_agent(namespaces["b"], nodes["b"])
     nodes["a"] = _node(namespaces, "a", run, logs["a"])
     # The reference: one process, the same global batch as dp 1 x 2 micro-batches, never interrupted.
     ref = tmp_path / "reference"
