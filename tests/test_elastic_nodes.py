@@ -1,9 +1,10 @@
 """Losing a node for good: two nodes of one job, each a torchrun agent in its own network namespace.
 
-The nodes reach each other only over a veth pair (10.213.7.1 and .2), rendezvous over
-c10d at node A's address, and run with ``--nnodes 1:2`` -- the path users take across
-real machines. Node B dies for good when it starts step 7 (``kill_node``: its agent and
-its rank, SIGKILL). Node A's rank fails its collective, its agent re-rendezvouses alone,
+The nodes reach each other only over a veth pair (A 10.213.7.2, B 10.213.7.1), rendezvous
+over c10d at node A's address, and run with ``--nnodes 1:2`` -- the path users take across
+real machines. torch numbers the nodes of a round by address, so B holds global rank 0
+(it writes the metrics and hosts the ranks' store). B dies for good when it starts step 7
+(``kill_node``: its agent and its rank, SIGKILL). Node A's rank fails its collective, its agent re-rendezvouses alone,
 and the job continues on one node: dp 2 -> 1 with micro_batches 1 -> 2, resumed from the
 step-4 checkpoint. Its per-step losses equal one uninterrupted process running the same
 global batch as dp 1 x 2 micro-batches (rtol 1e-5).
@@ -27,7 +28,7 @@ import pytest
 
 STEPS = 12
 MODEL = ["--set", "train.global_batch=8", "--set", "train.seed=3", "--set", f"train.steps={STEPS}"]
-ADDR = {"a": "10.213.7.1", "b": "10.213.7.2"}
+ADDR = {"a": "10.213.7.2", "b": "10.213.7.1"}  # A hosts the rendezvous and survives; B is rank 0
 PORT = 29400
 # Short rendezvous timings keep the test brief: a dead node's heartbeat expires after 1 s x 3,
 # and a rendezvous with fewer than 2 nodes completes 5 s after the first one joined.
@@ -148,6 +149,7 @@ def test_losing_a_node_for_good_continues_on_the_survivor_with_the_same_losses(n
     out = {n: logs[n].read_text() for n in "ab"}
     assert rc["a"] == 0, f"node A exited {rc['a']}:\n{out['a'][-4000:]}\n--- node B:\n{out['b'][-3000:]}"
     assert rc["b"] != 0 and "fault injected (kill_node:step=7): this node dies now" in out["b"], out["b"][-3000:]
+    assert "step    7/12" in out["b"], "node B was meant to hold rank 0 (it prints the progress) until it died"
 
     assert ("chipset elastic: running on 1 of 2 planned node(s): world 2 -> 1, dp 2 -> 1, "
             "micro_batches 1 -> 2 (train.global_batch 8 kept, 4 sequences per micro-batch)") in out["a"]
