@@ -106,6 +106,20 @@ def test_rendezvous_conf_says_who_hosts_the_store():
     assert rendezvous_conf(None, "x=1, ,y=2") == "x=1,y=2"
 
 
+def test_hosting_is_decided_by_binding_the_endpoint():
+    import socket
+
+    from chipset.engine.launch import _bind_result
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert _bind_result("127.0.0.1", port) is None  # local, but another process hosts: torch decides
+    assert _bind_result("127.0.0.1", 0) is True
+    assert _bind_result("192.0.2.7", 29400) is False
+
+
 def test_kill_node_parses_with_or_without_a_rank():
     assert parse_faults("kill_node:step=7") == [Fault("kill_node", ANY_RANK, step=7, spec="kill_node:step=7")]
     assert parse_faults("kill_node:rank=1,step=3")[0].rank == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import ipaddress
 import os
 import socket
@@ -61,8 +62,9 @@ def rendezvous_conf(endpoint: str | None, conf: str = "") -> str:
     endpoint with the machine's hostname and its addresses. A node in its own network
     namespace (or with several interfaces) guesses wrong: no node hosts the store and
     every node waits. So for an endpoint that is not loopback, this node hosts exactly
-    when it can bind the endpoint's address and port. Loopback endpoints keep torch's
-    guess, which lets several agents on one host settle who hosts.
+    when it can bind the endpoint's address and port. Loopback endpoints, and a local
+    address whose port is taken already, keep torch's guess, which lets several agents on
+    one host settle who hosts.
     """
     items = [c.strip() for c in conf.split(",") if c.strip()]
     if endpoint is None or any(c.split("=", 1)[0].strip() == "is_host" for c in items):
@@ -73,7 +75,9 @@ def rendezvous_conf(endpoint: str | None, conf: str = "") -> str:
     host = host.strip("[]")
     if not host or host == "localhost" or _is_loopback(host) or not port.isdigit():
         return ",".join(items)
-    items.append(f"is_host={'true' if _can_bind(host, int(port)) else 'false'}")
+    local = _bind_result(host, int(port))
+    if local is not None:
+        items.append(f"is_host={'true' if local else 'false'}")
     return ",".join(items)
 
 
@@ -84,19 +88,23 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _can_bind(host: str, port: int) -> bool:
+def _bind_result(host: str, port: int) -> bool | None:
+    """True: this machine can listen at ``host:port``; False: ``host`` is not one of its
+    addresses; None: it is, but the port is taken (perhaps by another agent that hosts)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return False
+    busy = False
     for family, kind, proto, _, addr in infos:
         with socket.socket(family, kind, proto) as s:
             try:
                 s.bind(addr)
-            except OSError:
+            except OSError as exc:
+                busy = busy or exc.errno == errno.EADDRINUSE
                 continue
             return True
-    return False
+    return None if busy else False
 
 
 def launch(cmd: list[str], backend_name: str) -> int:
