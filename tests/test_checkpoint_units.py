@@ -152,3 +152,13 @@ def test_tp_boxes_are_placed_at_the_slice_offset_and_drop_vocabulary_padding():
     assert _boxes((3, 4), 9, 12, [(0, 1, 5)], rank=1) == []
     # Rank 0's slice starts at logical row 0; a flat range inside row 1 is one box at row 1.
     assert [(b.offsets, b.sizes) for b in _boxes((3, 4), 5, 7, [(0, 0, 5)], rank=0)] == [([1, 1], [1, 2])]
+
+
+def test_expert_boxes_sit_at_the_ep_row_offset_and_compose_with_tp():
+    # ep rank 1 of 2 holds experts 2-3 of a logical (4, 3) tensor: its rows land at rows 2-3.
+    boxes = _boxes((2, 3), 0, 6, [(0, 1, 4)], rank=1)
+    assert [(b.offsets, b.sizes, b.clip) for b in boxes] == [([2, 0], [2, 3], None)]
+    # An owned flat slice starting mid-row: its boxes keep the same row offset.
+    assert [(b.offsets, b.sizes) for b in _boxes((2, 3), 2, 5, [(0, 1, 4)], rank=1)] == [([2, 2], [1, 1]), ([3, 0], [1, 2])]
+    # ep along dim 0 and tp along dim 1 at once: both offsets apply.
+    assert [(b.offsets, b.sizes) for b in _boxes((2, 3), 0, 6, [(1, 1, 6), (0, 1, 4)], rank=3)] == [([2, 3], [2, 3])]
