@@ -51,15 +51,13 @@ JOBS = {
         "pp2 gpipe": {"parallel": {"pp": 2, "schedule": "gpipe", "micro_batches": 4}},
         "ep2 (4 experts, top-2)": {"model": MOE, "parallel": {"ep": 2}},
         "cp2": {"parallel": {"cp": 2}},
+        "cp2, ring attention": {"parallel": {"cp": 2, "cp_attention": "ring"}},
+        "pp2 interleaved 1f1b (v=2)": {"parallel": {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
+                                                    "micro_batches": 4}},
+        "tp2 + sp, full recompute": {"parallel": {"tp": 2, "sequence_parallel": True}, "train": {"recompute": "full"}},
     },
 }
 TOLERANCE = 0.10
-# Layouts the model does not cover yet: measured by the docs table (--table), not asserted.
-NOT_COVERED = {
-    "cp2, ring attention": {"parallel": {"cp": 2, "cp_attention": "ring"}},
-    "pp2 interleaved 1f1b (v=2)": {"parallel": {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
-                                                "micro_batches": 4}},
-}
 
 
 def config(over: dict) -> dict:
@@ -74,7 +72,7 @@ def config(over: dict) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def _job(out_dir: str, extra: bool = False) -> None:
+def _job(out_dir: str) -> None:
     from chipset.config import RunConfig
     from chipset.engine import train
     from chipset.loader import backend
@@ -84,7 +82,7 @@ def _job(out_dir: str, extra: bool = False) -> None:
     b.collective.init_process_group()
     world, rank = b.collective.world_size(), b.collective.rank()
     results = {}
-    for name, over in {**JOBS[world], **(NOT_COVERED if extra and world == 2 else {})}.items():
+    for name, over in JOBS[world].items():
         cfg = RunConfig.from_dict(config(over)).validate(world_size=world)
         gc.collect()
         base = b.memory.stats().allocated  # what earlier variants left (nothing, checked below)
@@ -107,14 +105,13 @@ def _env() -> dict:
     return env
 
 
-def measure(tmp: Path, extra: bool = False) -> dict[str, list[dict]]:
-    """Run both jobs; ``{variant: [rank 0 result, rank 1 result, ...]}`` (``extra``: NOT_COVERED too)."""
+def measure(tmp: Path) -> dict[str, list[dict]]:
+    """Run both jobs; ``{variant: [rank 0 result, rank 1 result, ...]}``."""
     one, two = tmp / "one", tmp / "two"
     one.mkdir()
     two.mkdir()
     job2 = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE), str(two),
-         *(["--extra"] if extra else [])],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE), str(two)],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     job1 = subprocess.run([sys.executable, str(HERE), str(one)], env=_env(), capture_output=True, text=True,
                           timeout=600)
@@ -184,18 +181,20 @@ def table() -> str:
     """The docs table: ``python tests/test_planner_validation_memory.py --table``."""
     import tempfile
 
-    rows = ["| layout | rank | measured (MiB) | predicted (MiB) | error | peak moment |", "|---|---|---|---|---|---|"]
+    rows = ["| layout | rank | measured (MiB) | predicted (MiB) | error | peak moment | fused-kernel count |",
+            "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as d:
-        got = measure(Path(d), extra=True)
+        got = measure(Path(d))
     from chipset.config import RunConfig
     from chipset.planner.run import peak_memory_per_rank
 
-    for name, world in [*VARIANTS, *((n, 2) for n in NOT_COVERED)]:
-        cfg = RunConfig.from_dict(config({**JOBS[1], **JOBS[2], **NOT_COVERED}[name])).validate(world_size=world)
+    for name, world in VARIANTS:
+        cfg = RunConfig.from_dict(config({**JOBS[1], **JOBS[2]}[name])).validate(world_size=world)
+        fused = peak_memory_per_rank(cfg, world, kernels="fused")
         for rank, (r, p) in enumerate(zip(got[name], peak_memory_per_rank(cfg, world), strict=True)):
             m = r["peak"] - r["base"]
-            label = f"{name} (not covered)" if name in NOT_COVERED else name
-            rows.append(f"| {label} | {rank} | {m / 2**20:.2f} | {p.total / 2**20:.2f} | {p.total / m - 1:+.1%} | {p.phase} |")
+            rows.append(f"| {name} | {rank} | {m / 2**20:.2f} | {p.total / 2**20:.2f} | {p.total / m - 1:+.1%} "
+                        f"| {p.phase} | {fused[rank].total / m - 1:+.0%} |")
     return "\n".join(rows)
 
 
@@ -203,4 +202,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--table":
         print(table())
     else:
-        _job(sys.argv[1], extra="--extra" in sys.argv[2:])
+        _job(sys.argv[1])

@@ -21,6 +21,7 @@ __all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+CP_ATTENTION = ("ring", "allgather")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class Layout:
     """Activation recomputation: "none", "selective" (attention core) or "full" (whole block)."""
     sequence_parallel: bool = True
     """With tp > 1, norms and dropout run sequence-parallel (Korthikanti et al. 2022)."""
+    cp_attention: str = "ring"
+    """With cp > 1: "ring" (K/V blocks passed round the ring, Liu et al. 2023: what the communication
+    model counts) or "allgather" (K/V gathered whole: chipset's engine's default)."""
 
     @property
     def world_size(self) -> int:
@@ -79,6 +83,8 @@ class Layout:
             problems.append(f"parallel.zero must be 0, 1, 2 or 3 (found {self.zero!r})")
         if self.schedule not in SCHEDULES:
             problems.append(f"parallel.schedule must be one of {', '.join(SCHEDULES)} (found {self.schedule!r})")
+        if self.cp_attention not in CP_ATTENTION:
+            problems.append(f"parallel.cp_attention must be one of {', '.join(CP_ATTENTION)} (found {self.cp_attention!r})")
         if self.recompute not in RECOMPUTE:
             problems.append(f"parallel.recompute must be one of {', '.join(RECOMPUTE)} (found {self.recompute!r})")
         if not problems and (self.dp * self.cp) % self.ep:

@@ -23,8 +23,8 @@ With ``ModelSpec.kernels == "reference"`` the activations are those chipset's en
 with its pure-torch reference kernels (what cpu_sim runs), counted from the code and checked
 tensor by tensor (docs/planner.md, "Validation: peak memory"), and the peak is the largest of
 four moments of a step rather than a sum: the loss's backward (every in-flight activation
-plus the cross-entropy's float32 work buffers), a block's backward on a stage that does not
-compute the loss, the end of backward under ZeRO-2/3 (unsharded gradients waiting for their
+plus the cross-entropy's float32 work buffers), a block's backward (with what a recomputed
+block holds meanwhile), the end of backward under ZeRO-2/3 (unsharded gradients waiting for their
 reduce-scatter) and the optimizer step (float32 temporaries of one bucket, ZeRO-1/2 send
 buffers).
 """
@@ -238,7 +238,9 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     head = tokens * ref.head_bytes_per_token(m, lay, train) if loss_stage else 0.0
     # Micro-batches whose activations are alive: the first stage's warm-up; the last stage runs each
     # backward right after its forward except under GPipe.
-    if stage == "last":
+    if stage == "last" and lay.schedule == "interleaved":  # its other chunks warm up like the first rank's
+        chunks = min(micro_batches * lay.v, (lay.v - 1) * lay.pp + 1)
+    elif stage == "last":
         chunks = micro_batches * lay.v if lay.schedule == "gpipe" else 1
     else:
         chunks = in_flight_chunks(lay, micro_batches)
@@ -247,13 +249,17 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     local = psi + expert
     # ZeRO-2/3 accumulate unsharded gradients locally until the last micro-batch.
     accumulated = gb * local if lay.zero >= 2 and micro_batches > 1 else 0.0
+    # Chunk outputs kept for their backward; a loss chunk's output is the loss (interleaved: one in flight).
+    kept = chunks - 1 if loss_stage and lay.v > 1 else 0 if loss_stage else chunks
+    stage_out = e * tokens * m.hidden * kept
     moments = []
     if loss_stage:
-        moments.append(("loss backward", acts + head * mbs, tokens * ref.loss_backward_bytes_per_token(m, lay)
+        moments.append(("loss backward", acts + stage_out + head * mbs, tokens * ref.loss_backward_bytes_per_token(m, lay)
                         + accumulated, 0.0))
-    stage_out = 0.0 if loss_stage else e * tokens * m.hidden * mbs  # kept for the matching backward
     z3 = e * local / max(1, blocks) if lay.zero == 3 else 0.0  # the block's gathered parameters
-    moments.append(("block backward", acts + stage_out + head * (mbs - 1),
+    # A recomputed block holds what it recomputed (full: everything; selective: the attention core) meanwhile.
+    redo = block_activation_bytes(m, dataclasses.replace(lay, recompute="none"), s, train) - block
+    moments.append(("block backward", acts + stage_out + head * (mbs - 1) + redo,
                     ref.block_backward_bytes(m, lay, tokens, train) + accumulated, z3))
     bucket = train.bucket_mb * 2**20 / e if lay.zero < 3 else local / max(1, blocks)
     bucket = min(local, bucket)

@@ -6,7 +6,9 @@ reciprocal root and the normalised output; attention upcasts q, k and v to float
 v repeated to every query head, and gathered over cp), materialises the scores and keeps
 both the softmax and its NaN-cleaned copy; SwiGLU keeps gate, up, sigmoid(gate), their
 product and the down projection's input; cross-entropy keeps float32 logits. Under
-sequence parallelism every column-parallel projection gathers (and saves) its own input.
+sequence parallelism the projections reading one norm (q, k, v; gate, up) share one
+contiguous copy of the gathered sequence;
+ring attention (cp) keeps only its inputs, its float32 output and the log-sum-exp.
 Each count below was checked tensor by tensor against ``torch.autograd.graph.saved_tensors_hooks``
 on the engine's model (docs/planner.md, "Validation: peak memory").
 
@@ -35,13 +37,17 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
     e, h, t, a = train.param_bytes, m.hidden, lay.tp, m.heads
     if lay.recompute == "full":  # the checkpoint keeps the block input only
         return e * h / (t if lay.sp else 1)
-    attn_in = e * h * (3 if lay.sp else 1)  # q, k, v projections; each gathers its own input under sp
+    # The norm's output, saved by q, k and v; under sp gathered once into one contiguous tensor
+    # they share (engine/tensor_parallel.py, enter_region).
+    attn_in = e * h
     if lay.recompute == "selective":  # the checkpointed core keeps q, k, v as they came out of the projections
         core = e * (h + 2 * m.kv_dim) / t
+    elif lay.cp > 1 and lay.cp_attention == "ring":  # q, the local k, v, the float32 output and log-sum-exp
+        core = (e * (h + 2 * m.kv_dim) + F * (h + a)) / t
     else:  # float32 q, k and v (k, v repeated to every head and gathered over cp), softmax and its clean copy
         core = F * h / t * (1 + 2 * lay.cp) + 2 * F * (a / t) * seq_len
     attn_out = e * h / t
-    dense_mlp = e * h * (2 if lay.sp else 1) + 5 * e * m.ffn / t
+    dense_mlp = e * h + 5 * e * m.ffn / t
     mlp = dense_mlp
     if m.is_moe:
         k = m.top_k
@@ -55,7 +61,7 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
 
 def mask_bytes(m: ModelSpec, lay: Layout, seq_len: int) -> float:
     """The boolean causal mask one block builds per micro-batch (local queries x all keys)."""
-    if lay.recompute != "none":
+    if lay.recompute != "none" or (lay.cp > 1 and lay.cp_attention == "ring"):
         return 0.0
     return seq_len / lay.cp * seq_len
 

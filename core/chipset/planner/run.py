@@ -39,7 +39,8 @@ def from_run_config(cfg: Any, world_size: int | None = None,
     lay = Layout(dp=dp, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, zero=par.zero,
                  micro_batch=tr.global_batch // (dp * par.micro_batches),
                  schedule=_SCHEDULES.get(par.schedule, par.schedule), virtual_stages=par.virtual_stages,
-                 recompute=tr.recompute, sequence_parallel=par.sequence_parallel)
+                 recompute=tr.recompute, sequence_parallel=par.sequence_parallel,
+                 cp_attention=getattr(par, "cp_attention", "allgather"))
     train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e,
                       optimizer_bytes=8 if masters_are_params else 12, bucket_mb=par.bucket_mb)
     return m, lay.check(), train
