@@ -127,10 +127,15 @@ def _project(profile: str, cfg, world: int, run_dir: Path) -> int:
 
     from chipset.planner.projection import format_projection, project
 
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    last = json.loads(lines[-1])
-    summary_path = run_dir / "summary.json"
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    if not (summary_path.exists() and metrics_path.exists()):  # written by the node that runs rank 0
+        print(f"chipset train: no projection on this node: {run_dir} has no summary.json (rank 0's node reports it)")
+        return 0
+    last = json.loads(metrics_path.read_text().splitlines()[-1])
     summary = json.loads(summary_path.read_text())
+    # The world that really ran (an elastic job may have run on fewer nodes than planned).
+    world = int(summary.get("world_size", world))
+    cfg.parallel.dp = int(summary.get("layout", {}).get("dp", cfg.parallel.dp))
     proj = project(cfg, world, last.get("comm", {}), profile)
     summary["projection"] = proj
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
