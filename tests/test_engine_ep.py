@@ -3,7 +3,7 @@
 Unit tests check top-k, gate normalisation, capacity dropping order and the
 load-balancing loss against hand computations, and the layer against a per-token loop.
 The parity tests run two torchrun jobs (ep2 on 2 ranks; ep2 x edp2 and ep4 on 4 ranks)
-and one single-process job with the same seed and global batch; fp32 per-step losses,
+and one single-process job with the same seed and global batch (tests/multirank.py); fp32 per-step losses,
 clipped gradient norms and final parameters (logical full tensors by their
 single-process names) must match within rtol 1e-5 (parameters: atol 1e-5, DESIGN.md's fp32
 value, and at least 99.9% of elements within atol 1e-6: Adam's normalised step turns
@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import multirank
+from multirank import merge as _merge
 
 HERE = Path(__file__).resolve()
 STEPS = 10
@@ -52,13 +54,6 @@ JOBS = {
 }
 REF_OF = {"ep2_zero0": "ref", "ep2_zero1_accum": "ref", "ep2_edp2_zero0": "ref", "ep2_edp2_zero2_full": "ref", "ep2_edp2_zero3_accum": "ref",
           "ep2_sigmoid_zero2": "ref_sigmoid", "ep4_sigmoid_zero1": "ref_sigmoid"}
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = {k: dict(v) for k, v in base.items()}
-    for k, v in over.items():
-        out.setdefault(k, {}).update(v)
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -247,11 +242,8 @@ def _expert_inf_run(b, zero: int) -> list[int]:
 
 def _job(mode: str, out_path: str) -> None:
     from chipset.engine import train
-    from chipset.loader import backend
 
-    b = backend()
-    b.device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    b.collective.init_process_group()
+    b = multirank.start()
     results: dict = {"world_size": b.collective.world_size()}
     for name, over in JOBS[mode].items():
         res = train(_cfg(b, over), b, None, out=io.StringIO(), keep_params=True)
@@ -261,9 +253,7 @@ def _job(mode: str, out_path: str) -> None:
     results["dropped"] = _dropped_on_first_batch(b, JOBS[mode][first])
     if mode == "w2":  # expert weights and their gradients live on one rank only (edp = 1)
         results["expert_inf"] = {z: _expert_inf_run(b, z) for z in (0, 1)}
-    if b.collective.rank() == 0:
-        torch.save(results, out_path)
-    b.collective.destroy()
+    multirank.finish(b, results, out_path)
 
 
 # --------------------------------------------------------------------------------------
@@ -271,39 +261,12 @@ def _job(mode: str, out_path: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import chipset
-
-    b = chipset.backend()
-    if not b.capabilities.multi_process:
-        pytest.skip("backend does not declare multi_process")
-    if b.device.device_count() < 4:
-        pytest.skip("needs 4 devices")
-    d = tmp_path_factory.mktemp("ep")
-    outs = {m: d / f"{m}.pt" for m in JOBS}
-    procs = {}
-    for mode, n in (("w4", 4), ("w2", 2)):
-        procs[mode] = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(HERE),
-             mode, str(outs[mode])],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-    ref = subprocess.run([sys.executable, str(HERE), "ref", str(outs["ref"])], env=_env(), capture_output=True,
-                         text=True, timeout=300)
-    logs = {m: p.communicate(timeout=300)[0] for m, p in procs.items()}
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    for m, p in procs.items():
-        assert p.returncode == 0, logs[m]
+    multirank.require(4)
+    got = multirank.run_jobs(HERE, [{"w4": 4, "w2": 2, "ref": 1}], tmp_path_factory.mktemp("ep"), timeout=300)
     merged = {}
-    for m in JOBS:
-        res = torch.load(outs[m], weights_only=False)
+    for m, res in got.items():
         merged[f"{m}_world_size"] = res.pop("world_size")
         merged[f"{m}_dropped"] = res.pop("dropped")
         merged[f"{m}_expert_inf"] = res.pop("expert_inf", None)
@@ -356,7 +319,7 @@ def test_chipset_train_runs_moe_with_ep2_on_two_ranks(tmp_path):
     if not b.capabilities.multi_process or b.device.device_count() < 2:
         pytest.skip("needs multi_process and 2 devices")
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in _env().items() if not k.startswith("CHIPSET_")}
+    env = {k: v for k, v in multirank.env().items() if not k.startswith("CHIPSET_")}
     r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "model.num_experts=4",
                         "--set", "parallel.ep=2", "--nproc", "2", "--set", "train.steps=6",
                         "--run-dir", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)

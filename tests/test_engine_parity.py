@@ -14,13 +14,14 @@ from __future__ import annotations
 import gc
 import io
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import multirank
+from multirank import merge as _merge
 
 HERE = Path(__file__).resolve()
 STEPS = 6
@@ -51,13 +52,6 @@ REF_VARIANTS = {
     "ref_bf16": {"train": {"dtype": "bfloat16"}},
 }
 MEMORY_STAGES = (0, 1, 2, 3)
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = {k: dict(v) for k, v in base.items()}
-    for k, v in over.items():
-        out.setdefault(k, {}).update(v)
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -158,11 +152,7 @@ def _resumed_run(b, zero: int, dtype: str) -> dict:
 
 
 def _job(mode: str, out_path: str) -> None:
-    from chipset.loader import backend
-
-    b = backend()
-    b.device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    b.collective.init_process_group()
+    b = multirank.start()
     results: dict = {"world_size": b.collective.world_size()}
     # Memory first, in a fresh process, so nothing from earlier variants is in the counts.
     results["memory"] = {z: _static_memory(b, z) for z in MEMORY_STAGES}
@@ -185,9 +175,7 @@ def _job(mode: str, out_path: str) -> None:
         results["resumed"] = {z: _resumed_run(b, z, "float32") for z in (0, 2, 3)}
         results["resumed_bf16"] = _resumed_run(b, 1, "bfloat16")
     results["overflow"] = {z: _overflow_run(b, z, inject_step=1) for z in ((0, 3) if mode == "dp" else (0,))}
-    if b.collective.rank() == 0:
-        torch.save(results, out_path)
-    b.collective.destroy()
+    multirank.finish(b, results, out_path)
 
 
 # --------------------------------------------------------------------------------------
@@ -195,33 +183,11 @@ def _job(mode: str, out_path: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import chipset
-
-    b = chipset.backend()
-    if not b.capabilities.multi_process:
-        pytest.skip("backend does not declare multi_process")
-    if b.device.device_count() < 2:
-        pytest.skip("needs 2 devices")
-    d = tmp_path_factory.mktemp("parity")
-    dp_out, ref_out = d / "dp.pt", d / "ref.pt"
-    dp = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE), "dp", str(dp_out)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    ref = subprocess.run([sys.executable, str(HERE), "ref", str(ref_out)], env=_env(), capture_output=True,
-                         text=True, timeout=300)
-    dp_log, _ = dp.communicate(timeout=300)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
-    assert dp.returncode == 0, dp_log
-    return torch.load(dp_out, weights_only=False), torch.load(ref_out, weights_only=False)
+    multirank.require(2)
+    got = multirank.run_jobs(HERE, [{"dp": 2, "ref": 1}], tmp_path_factory.mktemp("parity"), timeout=300)
+    return got["dp"], got["ref"]
 
 
 def _assert_params_close(a: dict, b: dict) -> None:

@@ -3,7 +3,7 @@
 Unit tests cover the schedule generators and the checker (including broken schedules it
 must reject). The parity tests start two torchrun jobs (2 and 4 ranks, gloo on the
 default backend) that run every pipeline variant in turn, plus one single-process job for
-the reference; this file is also the jobs' script (``__main__`` below).
+the reference (tests/multirank.py); this file is also the jobs' script (``__main__`` below).
 
 Tolerance: fp32, rtol 1e-5 on per-step losses, gradient norms and parameters (issue 5);
 with tp, parameters as in tests/test_engine_tp.py (see ``_assert_params_close``).
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import gc
 import io
-import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import multirank
 from chipset.engine.pipeline import (
     Instruction,
     Op,
@@ -40,6 +39,7 @@ from chipset.engine.pipeline import (
     split_model,
 )
 from chipset.errors import ConfigError
+from multirank import merge as _merge
 
 HERE = Path(__file__).resolve()
 STEPS = 5
@@ -64,13 +64,6 @@ VARIANTS = {
         "tp2_pp2": {"parallel": {"pp": 2, "tp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
     },
 }
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = {k: dict(v) for k, v in base.items()}
-    for k, v in over.items():
-        out.setdefault(k, {}).update(v)
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -305,11 +298,7 @@ def _resumed_run(b) -> dict:
 
 
 def _job(mode: str, out_path: str) -> None:
-    from chipset.loader import backend
-
-    b = backend()
-    b.device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    b.collective.init_process_group()
+    b = multirank.start()
     world = b.collective.world_size()
     results: dict = {"world_size": world}
     if mode == "ref":
@@ -325,9 +314,7 @@ def _job(mode: str, out_path: str) -> None:
             # a loaded host shifts the measurement little (issue 5 asks for 10% of theory).
             results["bubble"] = {s: _pipeline_step_probe(b, s, 4, (0.25, 0.5), seqs=1, seq_len=16)
                                  for s in ("gpipe", "1f1b")}
-    if b.collective.rank() == 0:
-        torch.save(results, out_path)
-    b.collective.destroy()
+    multirank.finish(b, results, out_path)
 
 
 # --------------------------------------------------------------------------------------
@@ -335,40 +322,12 @@ def _job(mode: str, out_path: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import chipset
-
-    b = chipset.backend()
-    if not b.capabilities.multi_process:
-        pytest.skip("backend does not declare multi_process")
-    if b.device.device_count() < 4:
-        pytest.skip("needs 4 devices")
-    d = tmp_path_factory.mktemp("pp")
-    outs = {n: d / f"{n}.pt" for n in ("w2", "w4", "ref")}
-
-    def torchrun(n: int, out: Path) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(HERE),
-             "pp", str(out)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
+    multirank.require(4)
     # The reference runs beside the 4-rank job; the 2-rank job (which times the bubble) runs alone.
-    ref = subprocess.Popen([sys.executable, str(HERE), "ref", str(outs["ref"])], env=_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for job in (torchrun(4, outs["w4"]), ref, None):
-        job = job or torchrun(2, outs["w2"])
-        log, _ = job.communicate(timeout=400)
-        assert job.returncode == 0, log
-    res = {}
-    for path in outs.values():
-        res.update({k: v for k, v in torch.load(path, weights_only=False).items() if k != "world_size"})
-    return res
+    got = multirank.run_jobs(HERE, [{"w4": 4, "ref": 1}, {"w2": 2}], tmp_path_factory.mktemp("pp"))
+    return {k: v for res in got.values() for k, v in res.items() if k != "world_size"}
 
 
 def _assert_params_close(a: dict, b: dict, *, tp: bool = False) -> None:

@@ -1,0 +1,100 @@
+"""Run a test file's jobs on real processes and collect what each job's rank 0 saved.
+
+A multi-rank test file (tests/test_engine_*.py) is also its jobs' script: ``python FILE
+MODE OUT`` is one process (the single-process reference), ``torchrun --nproc-per-node=N
+FILE MODE OUT`` is N ranks over gloo on the default backend. Inside a job, ``start()``
+binds the device and joins the process group; ``finish()`` saves rank 0's results to OUT
+and ends the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def merge(base: dict, over: dict) -> dict:
+    """A copy of ``base`` with each of ``over``'s sections updated into it (one level deep)."""
+    out = {k: dict(v) for k, v in base.items()}
+    for k, v in over.items():
+        out.setdefault(k, {}).update(v)
+    return out
+
+
+def env() -> dict:
+    """The environment for a job: the default backend (no selection variables), one thread per rank."""
+    e = {k: v for k, v in os.environ.items() if k not in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS")}
+    e["OMP_NUM_THREADS"] = "1"  # 2 cores shared by every rank: more threads only contend
+    return e
+
+
+def require(devices: int) -> None:
+    """Skip unless the default backend declares multi_process and has ``devices`` devices."""
+    import chipset
+
+    b = chipset.backend()
+    if not b.capabilities.multi_process:
+        pytest.skip("backend does not declare multi_process")
+    if b.device.device_count() < devices:
+        pytest.skip(f"needs {devices} devices, the backend has {b.device.device_count()}")
+
+
+def _launch(script: Path, mode: str, ranks: int, out: Path) -> subprocess.Popen:
+    head = [sys.executable]
+    if ranks > 1:
+        head += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return subprocess.Popen([*head, str(script), mode, str(out)], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def run_jobs(script: Path, waves: list[dict[str, int]], tmp: Path, *, timeout: float = 400) -> dict[str, dict]:
+    """Run ``script``'s jobs and return {mode: what its rank 0 saved}.
+
+    ``waves``: [{mode: ranks}, ...]; the jobs of a wave run side by side (one rank waiting
+    on a peer leaves the core to another job), the next wave starts when they all ended.
+    ``ranks`` 1 is a plain process. A job that fails fails the caller with its log's tail.
+    """
+    results = {}
+    for wave in waves:
+        procs = {mode: _launch(script, mode, ranks, tmp / f"{mode}.pt") for mode, ranks in wave.items()}
+        logs = {}
+        try:
+            for mode, p in procs.items():
+                logs[mode] = p.communicate(timeout=timeout)[0]
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+        for mode, p in procs.items():
+            assert p.returncode == 0, f"job {mode} ({wave[mode]} ranks) exited {p.returncode}:\n{logs[mode][-6000:]}"
+            results[mode] = torch.load(tmp / f"{mode}.pt", weights_only=False)
+    return results
+
+
+def start():
+    """In a job: the default backend with this rank's device bound and the process group joined."""
+    from chipset.loader import backend
+
+    b = backend()
+    b.device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    b.collective.init_process_group()
+    return b
+
+
+def finish(b, results: dict, out: str) -> None:
+    """In a job: rank 0 saves ``results`` to ``out``; every rank leaves the group and ends.
+
+    Ends through exit_rank (no interpreter teardown), where torch/gloo sometimes abort a
+    finished rank (chipset/_process.py says when).
+    """
+    from chipset._process import exit_rank
+
+    if b.collective.rank() == 0:
+        torch.save(results, out)
+    b.collective.destroy()
+    exit_rank(0)
