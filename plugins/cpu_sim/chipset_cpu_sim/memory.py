@@ -32,6 +32,7 @@ Overhead: one Python call per aten op (measured in docs/cpu_sim.md).
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -69,25 +70,47 @@ class _Tracker(TorchDispatchMode):
         super().__init__()
         self.memory = memory
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Otherwise torch wraps __torch_dispatch__ in torch._disable_dynamo, which imports
+        # torch._dynamo (and sympy) at the first op: ~1.5 s of CPU in every simulated
+        # process, most of a short run's, and a wrapper frame per op. Dynamo only runs once
+        # something compiles, which imports it first; __torch_dispatch__ guards itself then.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if "torch._dynamo" in sys.modules:
+            return _track_outside_dynamo(self, func, args, kwargs or {})
+        return self._track(func, args, kwargs or {})
+
+    def _track(self, func, args, kwargs):
         planned = _factory_bytes(func, args, kwargs)
         if planned:
             self.memory._check_capacity(planned)
         out = func(*args, **kwargs)
-        flat, _ = tree_flatten(out)
+        flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         for t in flat:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 self.memory._charge(t)
         return out
 
 
+# What torch would have wrapped __torch_dispatch__ in: dynamo never traces the accounting.
+_track_outside_dynamo = torch._disable_dynamo(_Tracker._track, recursive=True)
+
+
+_SIZE_ARG: dict = {}
+"""op -> position of its ``size`` argument, -1 for none (read from the schema once per op)."""
+
+
 def _factory_bytes(func, args, kwargs) -> int | None:
     """Bytes a factory op (size argument, no tensor input) will allocate; None otherwise."""
-    names = [a.name for a in func._schema.arguments]
-    if "size" not in names or any(isinstance(a, torch.Tensor) for a in args):
+    i = _SIZE_ARG.get(func)
+    if i is None:
+        names = [a.name for a in func._schema.arguments]
+        i = _SIZE_ARG[func] = names.index("size") if "size" in names else -1
+    if i < 0 or any(isinstance(a, torch.Tensor) for a in args):
         return None
-    i = names.index("size")
     size = args[i] if i < len(args) else kwargs.get("size")
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
     device = kwargs.get("device")
