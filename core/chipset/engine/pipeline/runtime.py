@@ -112,7 +112,8 @@ class PipelineEngine:
         return self.engine.zero
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of this rank's parameters."""
         return self.engine.dtype
 
     @property
