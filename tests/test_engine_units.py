@@ -169,6 +169,14 @@ def test_data_shards_cover_the_global_batch_for_any_split():
     assert not torch.equal(d.batch(0)[0], d.batch(1)[0])
 
 
+def test_the_synthetic_stream_keeps_its_tokens():
+    """Every documented loss and params digest depends on these (the stream as first written)."""
+    d = SyntheticTokens(vocab_size=128, seq_len=16, global_batch=8, seed=7)
+    assert d.sequence(0).tolist() == [98, 111, 61, 21, 34, 80, 44, 4, 88, 105, 47, 41, 40, 10, 2, 100, 58]
+    assert d.sequence(123).tolist() == [121, 48, 104, 74, 90, 45, 19, 101, 56, 93, 102, 103, 122, 42, 114, 18, 120]
+    assert d.sequence(0).dtype == torch.long
+
+
 # --- model and recompute ----------------------------------------------------------------------
 
 

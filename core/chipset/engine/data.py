@@ -36,20 +36,24 @@ class SyntheticTokens:
         self.jump = jump
         g = torch.Generator().manual_seed(seed * 7919 + 17)
         self.perm = torch.randperm(vocab_size, generator=g)
+        self._perm_list = self.perm.tolist()
 
     def sequence(self, index: int) -> torch.Tensor:
         """Sequence ``index`` of the stream: ``seq_len + 1`` token ids (int64)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         n = self.seq_len + 1
         start = torch.randint(self.vocab_size, (1,), generator=g)
-        jumps = torch.rand(n, generator=g) < self.jump
-        rand = torch.randint(self.vocab_size, (n,), generator=g)
-        out = torch.empty(n, dtype=torch.long)
+        jumps = (torch.rand(n, generator=g) < self.jump).tolist()
+        rand = torch.randint(self.vocab_size, (n,), generator=g).tolist()
+        # The walk in Python lists: indexing tensors element by element costs a few
+        # tensor ops per token, each one a traced op under the simulator's accounting.
+        perm = self._perm_list
         cur = int(start)
+        out = []
         for i in range(n):
-            cur = int(rand[i]) if jumps[i] else int(self.perm[cur])
-            out[i] = cur
-        return out
+            cur = rand[i] if jumps[i] else perm[cur]
+            out.append(cur)
+        return torch.tensor(out, dtype=torch.long)
 
     def batch(self, step: int, dp_rank: int = 0, dp: int = 1, micro: int = 0, micro_batches: int = 1,
               device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
