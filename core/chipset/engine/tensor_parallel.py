@@ -2,18 +2,21 @@
 
 Layers (each a drop-in for the module it replaces; parameter names stay the same):
 
-* :class:`ColumnParallelLinear` — the output features are split over tp ranks. Input:
-  identity forward / all-reduce backward (or, with sequence parallelism, all-gather of the
-  sequence forward / reduce-scatter backward).
+* :class:`ColumnParallelLinear` — the output features are split over tp ranks. Its input
+  enters the tp region (:func:`enter_region`): identity forward / all-reduce backward (or,
+  with sequence parallelism, all-gather of the sequence forward / reduce-scatter backward).
+* :class:`TPRegionNorm` — the RMSNorm in front of column-parallel projections that read the
+  same input (q, k, v; gate, up; the logit layer): its output enters the tp region once for
+  all of them, so backward sums their input gradients first and needs one collective per
+  region, as Megatron-LM's fused projections do (4 per block, not one per projection).
 * :class:`RowParallelLinear` — the input features are split; the partial outputs are
   all-reduced (or reduce-scattered along the sequence with sequence parallelism).
 * :class:`VocabParallelEmbedding` — rows of the (padded) vocabulary are split; ids outside
   a rank's range look up zeros, and the partial embeddings are summed.
 * :func:`vocab_parallel_cross_entropy` — cross-entropy over logits whose vocabulary is
   split across ranks, without gathering them: a max all-reduce and one sum all-reduce.
-* :class:`SequenceParallelRMSNorm` — with sequence parallelism each rank normalises its own
-  slice of the sequence, so the (replicated) weight's gradient is a partial sum: it is
-  all-reduced over tp in backward.
+  With sequence parallelism each rank normalises its own slice of the sequence, so the
+  (replicated) weight's gradient is a partial sum: it is all-reduced over tp in backward.
 
 A vocabulary tp does not divide is padded to the next multiple of tp; the padded rows of
 the embedding are never looked up and the padded logits are masked to -inf, so results
@@ -40,7 +43,8 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
-    "SequenceParallelRMSNorm",
+    "TPRegionNorm",
+    "enter_region",
     "vocab_parallel_cross_entropy",
     "apply_tp",
     "check_tp_divides",
@@ -186,20 +190,32 @@ def _sharded_param(full: torch.Tensor, dim: int, tp: TPContext) -> nn.Parameter:
     return p
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y = x W^T`` with W's output rows split over tp; the output stays split (no bias)."""
+def enter_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """``x`` into the tp region: identity forward, all-reduce of the gradient backward; with
+    sequence parallelism all-gather of the sequence forward, reduce-scatter backward."""
+    if tp.sequence_parallel:
+        # Gathered along dim 1 the result is a strided view; made contiguous once here it is shared
+        # by every projection reading it (each matmul would otherwise copy, and save, its own).
+        return all_gather_along(x, _SEQ, tp.collective, tp.group).contiguous()
+    return copy_to_group(x, tp.collective, tp.group)
 
-    def __init__(self, full_weight: torch.Tensor, tp: TPContext):
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T`` with W's output rows split over tp; the output stays split (no bias).
+
+    ``enter_region=False``: the input has entered the tp region already (a
+    :class:`TPRegionNorm` in front, shared with the other projections reading it).
+    """
+
+    def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, enter_region: bool = True):
         super().__init__()
         self.tp = tp
+        self.enter_region = enter_region
         self.weight = _sharded_param(full_weight, 0, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.tp
-        if t.sequence_parallel:
-            x = all_gather_along(x, _SEQ, t.collective, t.group)
-        else:
-            x = copy_to_group(x, t.collective, t.group)
+        if self.enter_region:
+            x = enter_region(x, self.tp)
         return F.linear(x, self.weight)
 
 
@@ -239,8 +255,16 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_group(x, t.collective, t.group)
 
 
-class SequenceParallelRMSNorm(nn.Module):
-    """RMSNorm on this rank's slice of the sequence; the weight's gradient is all-reduced over tp."""
+class TPRegionNorm(nn.Module):
+    """RMSNorm whose output enters the tp region once, for every column-parallel projection reading it.
+
+    q, k and v (gate and up) share their input: entering the region here rather than in each
+    projection lets autograd sum the projections' input gradients before the one all-reduce
+    (reduce-scatter with sequence parallelism), and with sequence parallelism gathers the
+    sequence once, so the projections also share one saved gathered input. With sequence
+    parallelism the norm runs on this rank's slice of the sequence, so the (replicated)
+    weight's gradient is a partial sum and is all-reduced over tp.
+    """
 
     def __init__(self, norm: nn.Module, tp: TPContext):
         super().__init__()
@@ -250,8 +274,10 @@ class SequenceParallelRMSNorm(nn.Module):
         self._k = norm._k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = copy_to_group(self.weight, self.tp.collective, self.tp.group)
-        return self._k.rms_norm(x, w, self.eps)
+        w = self.weight
+        if self.tp.sequence_parallel:
+            w = copy_to_group(w, self.tp.collective, self.tp.group)
+        return enter_region(self._k.rms_norm(x, w, self.eps), self.tp)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -326,8 +352,8 @@ def check_tp_divides(tp: int, *, heads: int, kv_heads: int, intermediate: int) -
 
 
 def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
-    """Replace the projections, embedding, logit layer, loss (and, with sequence parallelism, the
-    norms) of the reference Transformer by tensor-parallel versions, in place.
+    """Replace the projections, embedding, logit layer, loss and norms of the reference
+    Transformer by tensor-parallel versions, in place.
 
     The model must hold the full, single-process initialised weights; each rank keeps its
     slice. Logits come out split over the vocabulary; ``model.loss`` uses the
@@ -341,28 +367,26 @@ def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
         raise ConfigError("cannot apply tensor parallelism: " + "; ".join(problems) + "; choose another parallel.tp")
     if tp.size == 1:
         return model
-    sp = tp.sequence_parallel
 
-    def norm(m):
-        return SequenceParallelRMSNorm(m, tp) if sp else m
+    def column(lin):  # behind a TPRegionNorm: the norm's output has entered the region
+        return ColumnParallelLinear(lin.weight, tp, enter_region=False)
 
+    # Each norm feeds only column-parallel projections (Block.forward, OutputHead.forward),
+    # so the region is entered at the norm: 2 entries per block, 1 in the head.
     for block in model.layers:
         a = block.self_attn
-        a.q_proj = ColumnParallelLinear(a.q_proj.weight, tp)
-        a.k_proj = ColumnParallelLinear(a.k_proj.weight, tp)
-        a.v_proj = ColumnParallelLinear(a.v_proj.weight, tp)
+        a.q_proj, a.k_proj, a.v_proj = column(a.q_proj), column(a.k_proj), column(a.v_proj)
         a.o_proj = RowParallelLinear(a.o_proj.weight, tp)
         a.n_heads //= tp.size
         a.n_kv //= tp.size
         m = block.mlp
-        m.gate_proj = ColumnParallelLinear(m.gate_proj.weight, tp)
-        m.up_proj = ColumnParallelLinear(m.up_proj.weight, tp)
+        m.gate_proj, m.up_proj = column(m.gate_proj), column(m.up_proj)
         m.down_proj = RowParallelLinear(m.down_proj.weight, tp)
-        block.input_layernorm = norm(block.input_layernorm)
-        block.post_attention_layernorm = norm(block.post_attention_layernorm)
+        block.input_layernorm = TPRegionNorm(block.input_layernorm, tp)
+        block.post_attention_layernorm = TPRegionNorm(block.post_attention_layernorm, tp)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, tp)
-    model.head.norm = norm(model.head.norm)
-    model.head.lm_head = ColumnParallelLinear(model.head.lm_head.weight, tp)
+    model.head.norm = TPRegionNorm(model.head.norm, tp)
+    model.head.lm_head = column(model.head.lm_head)
     model.loss_fn = _VocabParallelLoss(tp, cfg.vocab_size)
     return model
 

@@ -154,18 +154,13 @@ def departures(cfg: Any, stage: str) -> list[Departure]:
     if lay.ep > 1 and lay.zero == 0:
         add("all_reduce", 4, "expert gradients' squared norm summed over ep (float32)")
     # --- tensor parallel ------------------------------------------------------------------
+    # The blocks' projections move what Megatron-LM's do (the planner's count): q, k, v and
+    # gate, up each share one entry into the tp region (engine/tensor_parallel.py, TPRegionNorm).
     if t > 1:
-        extra = 3 * L * mb
-        why = ("q, k, v (and gate, up) all-reduce their input gradient each: 5 backward collectives per block "
-               "where Megatron-LM sums first and needs 2")
         if lay.sp:
-            add("all_gather", extra * act / t, why)
-            add("reduce_scatter", extra * act, why)
             norms = 2 * L + (1 if last else 0)
             add("all_reduce", mb * norms * h * E,
                 "sequence-parallel norm weights' gradients all-reduced over tp every micro-batch")
-        else:
-            add("all_reduce", extra * act, why)
         if last:
             add("all_reduce", 12 * b * s * mb,
                 "vocabulary-parallel cross-entropy: max, sum of exponentials and target logit per token (float32)")
