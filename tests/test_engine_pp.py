@@ -197,7 +197,6 @@ def test_config_validation_refuses_bad_pipeline_settings_before_launch():
 
     assert "needs parallel.virtual_stages >= 2" in problems(pp=2, schedule="interleaved_1f1b")
     assert "expected one of gpipe" in problems(pp=2, schedule="nope")
-    assert "zero = 3 with parallel.pp > 1" in problems(pp=2, zero=3)
     assert "pipeline_split" in problems(pp=2, pipeline_split="2,2")
     assert "divisible by pipeline ranks" in problems(pp=4, schedule="interleaved_1f1b", virtual_stages=2,
                                                     micro_batches=2)

@@ -5,7 +5,9 @@
   before anything runs; also its timeline and bubble.
 * :mod:`.split` — the model cut into stages (balanced by parameters or explicit).
 * :mod:`.runtime` — :class:`PipelineEngine` executes a schedule with batched p2p, data
-  parallelism (ZeRO 0-2) over each stage's parameters.
+  parallelism (ZeRO 0-3) over each stage's parameters; with context parallelism each cp
+  rank pipelines its share of every sequence, with sequence parallelism each tp rank sends
+  only its slice of the hidden states.
 """
 
 from __future__ import annotations
@@ -85,14 +87,6 @@ def pipeline_problems(cfg) -> list[str]:
             f"pp*virtual_stages ({parts}) exceeds the model's {m.num_hidden_layers + 2} pipeline units (embedding, "
             f"{m.num_hidden_layers} blocks, head); lower parallel.pp/virtual_stages or raise model.num_hidden_layers"
         )
-    if par.zero == 3:
-        problems.append("parallel.zero = 3 with parallel.pp > 1 is not supported (each stage gathers nothing "
-                        "across stages); use parallel.zero <= 2, which shards each stage's optimizer and gradients")
-    if par.cp > 1:
-        problems.append(f"parallel.cp = {par.cp} with parallel.pp > 1 is not supported yet; set parallel.cp=1")
-    if par.tp > 1 and par.sequence_parallel:
-        problems.append("parallel.sequence_parallel with parallel.pp > 1 is not supported yet (stages exchange "
-                        "whole sequences); set parallel.sequence_parallel=false")
     return problems
 
 

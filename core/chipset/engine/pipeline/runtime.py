@@ -69,6 +69,10 @@ class PipelineEngine:
             sm = StageModel(model, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
             self._owners[r] = [(n, t.shape) for n, t in sm.named_parameters()]
         self.model = StageModel(model, self.my_specs)
+        # Stages exchange hidden states as this rank holds them: its cp share of each sequence
+        # and, with sequence parallelism, its tp slice of that (tp ranks send only their slice).
+        sp = any(getattr(getattr(mod, "tp", None), "sequence_parallel", False) for mod in model.modules())
+        self.seq_shards = dims.cp * (dims.tp if sp else 1)
         self.engine = DataParallel(self.model, backend, dims, **dp_kwargs)
         self.engine.norm_groups = [self.pp_group]
         self.instructions = schedule.ranks[self.pp_rank]
@@ -157,7 +161,10 @@ class PipelineEngine:
             if b.grad is not None and any(p.grad is None for p in b.params):
                 b.grad.zero_()  # someone ran model.zero_grad(set_to_none=True): re-attach the views
                 b._bind_grads()
-        act_shape = (*batches[0][0].shape, self.hidden_size)
+        n_seqs, seq_len = batches[0][0].shape
+        if seq_len % self.seq_shards:
+            raise ValueError(f"sequence length {seq_len} is not divisible by cp*tp(sequence parallel) = {self.seq_shards}")
+        act_shape = (n_seqs, seq_len // self.seq_shards, self.hidden_size)
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
@@ -207,10 +214,11 @@ class PipelineEngine:
             stage_range.__enter__()
             if ins.op is Op.FORWARD:
                 tokens, targets = batches[ins.mb]
-                x = tokens if vs == 0 else inputs[key]
-                out = self.model.chunk_forward(ins.chunk, x)
+                x = self.model.local(tokens) if vs == 0 else inputs[key]
+                with e._saved_param_hooks():  # ZeRO-3: saved weights re-gathered in backward
+                    out = self.model.chunk_forward(ins.chunk, x, seq_len)
                 if vs == last_vs:
-                    loss = self.model.loss(out, targets)
+                    loss = self.model.loss(out, self.model.local(targets))
                     losses[ins.mb] = loss.detach().float()
                     out = loss.float() * scale
                 outputs[key] = out
@@ -234,6 +242,9 @@ class PipelineEngine:
             self.timings.append((ins, t0, time.perf_counter()))
             stage_range.__exit__(None, None, None)
         flush()
+        if e.zero == 3:
+            for b in e.buckets:  # any unit still gathered (gradient arrival releases most)
+                b.release()
         if not overlap:
             e.launch_log = []
             for b in e.buckets:

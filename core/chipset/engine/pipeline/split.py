@@ -140,14 +140,31 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for s in specs for i in s.layers})
         if any(s.head for s in specs):
             self.head = model.head
+        self.seq_layout = model.seq_layout  # context parallel: this rank's tokens of each sequence
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
-    def chunk_forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+    def units(self) -> list[nn.Module]:
+        """What ZeRO-3 gathers together, in forward order (``Transformer.units`` of what this rank holds)."""
+        return ([self.embed_tokens] if hasattr(self, "embed_tokens") else []) + list(self.layers.values()) + (
+            [self.head] if hasattr(self, "head") else [])
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of ``t`` (batch, seq): all of them, or its cp share."""
+        return t if self.seq_layout is None else self.seq_layout.local(t)
+
+    def chunk_forward(self, chunk: int, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """``x``: this rank's token ids (first virtual stage) or hidden states (as the previous
+        stage left them: cp share, and with sequence parallelism this tp rank's slice of it);
+        ``seq_len``: the whole sequence's length, for the rotary positions."""
         spec = self.specs[chunk]
-        s = x.shape[1]
         dtype = self.rope_cos.dtype
-        cos, sin = self.rope_cos[:s].to(dtype), self.rope_sin[:s].to(dtype)
+        if self.seq_layout is None:
+            cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        else:
+            pos = self.seq_layout.positions(seq_len, self.rope_cos.device)
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        cos, sin = cos.to(dtype), sin.to(dtype)
         if spec.embed:
             x = self.embed_tokens(x)
         for i in spec.layers:
