@@ -512,17 +512,17 @@ def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
             )
         elif m.num_experts % par.ep:
             problems.append(f"parallel.ep ({par.ep}) must divide model.num_experts ({m.num_experts})")
-        if par.dp > 0 and par.dp % par.ep:
+        if par.dp > 0 and par.cp > 0 and (par.dp * par.cp) % par.ep:
+            where = "parallel.dp" if par.cp == 1 else f"dp*cp ({par.dp}*{par.cp})"
             problems.append(
-                f"parallel.ep ({par.ep}) must divide parallel.dp ({par.dp}): expert-parallel groups are carved out of dp"
+                f"parallel.ep ({par.ep}) must divide {where} ({par.dp * par.cp}): expert-parallel groups are carved "
+                "out of the data-parallel (and context-parallel) ranks"
             )
-    if moe:
-        for name in ("tp", "pp", "cp"):
-            if getattr(par, name) > 1:
-                problems.append(
-                    f"model.num_experts = {m.num_experts} with parallel.{name} = {getattr(par, name)}: MoE layers do not "
-                    f"compose with {name} yet; set parallel.{name}=1 (ep and dp do)"
-                )
+    if moe and par.pp > 1:
+        problems.append(
+            f"model.num_experts = {m.num_experts} with parallel.pp = {par.pp}: MoE layers do not compose with pp yet; "
+            "set parallel.pp=1 (dp, ep, tp, sequence_parallel and cp do)"
+        )
     return problems
 
 

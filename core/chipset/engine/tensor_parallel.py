@@ -379,10 +379,12 @@ def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
         a.o_proj = RowParallelLinear(a.o_proj.weight, tp)
         a.n_heads //= tp.size
         a.n_kv //= tp.size
+        block.input_layernorm = TPRegionNorm(block.input_layernorm, tp)
         m = block.mlp
+        if not hasattr(m, "gate_proj"):  # MoE: replicated over tp (engine/moe_parallel.py)
+            continue
         m.gate_proj, m.up_proj = column(m.gate_proj), column(m.up_proj)
         m.down_proj = RowParallelLinear(m.down_proj.weight, tp)
-        block.input_layernorm = TPRegionNorm(block.input_layernorm, tp)
         block.post_attention_layernorm = TPRegionNorm(block.post_attention_layernorm, tp)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, tp)
     model.head.norm = TPRegionNorm(model.head.norm, tp)

@@ -23,6 +23,7 @@ from chipset.engine.data import SyntheticTokens, TextBytes, make_dataset
 from chipset.engine.data_parallel import DataParallel
 from chipset.engine.expert_parallel import apply_ep
 from chipset.engine.metrics import StepMetrics, trace_range
+from chipset.engine.moe_parallel import apply_cp_moe, apply_tp_moe
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.pipeline import build_pipeline
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
@@ -67,8 +68,11 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
     if dims.tp_enabled:
         tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
         apply_tp(model, tp=tp)
+        apply_tp_moe(model, tp=tp)
     if dims.cp_enabled:
-        apply_cp(model, cp=ContextParallel(col, dims.group("cp", col), backend.kernels, attention=par.cp_attention))
+        cp = ContextParallel(col, dims.group("cp", col), backend.kernels, attention=par.cp_attention)
+        apply_cp(model, cp=cp)
+        apply_cp_moe(model, cp=cp)
     if dims.ep_enabled:
         apply_ep(model, dims=dims, collective=col)
     apply_recompute(model, mode=tr.recompute)

@@ -3,8 +3,11 @@
 No torch.distributed here. Where the experts live is the dispatcher's business: by
 default every expert is local; :func:`chipset.engine.expert_parallel.apply_ep` shards the
 stacked expert weights over the ep ranks and installs a dispatcher that moves tokens
-with all-to-all. The routing below is identical in both cases, so a sharded run drops
-the same tokens and computes the same loss as one process.
+with all-to-all. Which tokens of a sequence this rank holds is ``MoE.seq_layout``'s
+(None: whole sequences; under context parallelism the router's logits are gathered over
+the sequence, routed whole and this rank's share kept, ``engine/moe_parallel.py``). The
+routing below is the same in every case, so a sharded run drops the same tokens and
+computes the same loss as one process.
 
 Routing, per token (``router`` = ``softmax`` | ``sigmoid``):
 
@@ -160,13 +163,23 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, kernels)
         self.dispatcher: Dispatcher = LocalDispatcher()
+        self.seq_layout = None
+        """None: this rank holds whole sequences. Else ``full(t)`` (every rank's part of ``t``
+        [b, s_local, ...] gathered, differentiably, into sequence order) and ``local(t)`` (this
+        rank's part of a whole-sequence ``t``): routing groups are whole sequences."""
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         """The latest forward's routing (inspection: which assignments were dropped)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        r = route(self.router(x), top_k=self.top_k, router=self.router_kind, capacity_factor=self.capacity_factor)
+        logits = self.router(x)
+        if self.seq_layout is not None:  # capacity and the aux loss count whole sequences
+            logits = self.seq_layout.full(logits)
+        r = route(logits, top_k=self.top_k, router=self.router_kind, capacity_factor=self.capacity_factor)
+        if self.seq_layout is not None:
+            sl = self.seq_layout
+            r = Routing(sl.local(r.experts), sl.local(r.gates), sl.local(r.keep), r.aux_loss, r.capacity)
         self.aux_loss, self.last_routing = r.aux_loss, r
         flat = x.reshape(b * s, h)
         token = torch.arange(b * s, device=x.device).repeat_interleave(self.top_k)
