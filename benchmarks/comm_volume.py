@@ -47,6 +47,10 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_attention=\"ring\""]),
     "dp2-tp2-z1": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.zero=1"]),
     "tp2-pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.pipeline_split=\"1,1\""]),
+    "tp2-pp2-sp": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                       "parallel.pipeline_split=\"1,1\""]),
+    "cp2-pp2": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.pipeline_split=\"1,1\""]),
+    "dp2-pp2-z3": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.pipeline_split=\"1,1\""]),
     "dp2-tp2-pp2": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.pipeline_split=\"1,1\""]),
 }
 DEFAULT = [n for n, (w, _) in LAYOUTS.items() if w <= 4]

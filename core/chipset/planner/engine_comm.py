@@ -183,10 +183,10 @@ def departures(cfg: Any, stage: str) -> list[Departure]:
             add("reduce_scatter", n * kv_local * L * mb,
                 "cp_attention=allgather: K, V gradients reduce-scattered back to their owners in backward")
     # --- pipeline -------------------------------------------------------------------------
-    if lay.pp > 1 and t > 1:
+    if lay.pp > 1 and t > 1 and not lay.sp:  # with sp each tp rank holds, and sends, only its slice
         sends = (2 * lay.v - 1) * mb
         add("batch_p2p", 2 * sends * act * (t - 1) / t,
-            "every tp rank sends the whole activation (no scatter/gather optimisation)")
+            "every tp rank sends the whole activation (without sequence parallelism no rank holds only a slice)")
     return out
 
 
