@@ -518,11 +518,6 @@ def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
                 f"parallel.ep ({par.ep}) must divide {where} ({par.dp * par.cp}): expert-parallel groups are carved "
                 "out of the data-parallel (and context-parallel) ranks"
             )
-    if moe and par.pp > 1:
-        problems.append(
-            f"model.num_experts = {m.num_experts} with parallel.pp = {par.pp}: MoE layers do not compose with pp yet; "
-            "set parallel.pp=1 (dp, ep, tp, sequence_parallel and cp do)"
-        )
     return problems
 
 

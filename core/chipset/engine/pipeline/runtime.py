@@ -12,8 +12,10 @@ as one ``backend.collective.batch_p2p`` in the schedule's order and waited on as
 
 Loss: the last virtual stage computes each micro-batch's mean cross-entropy and
 back-propagates ``loss * scale / m``, exactly as the single-process gradient-accumulation
-loop does; the m losses reach every pipeline rank through one all-reduce over the pp
-group. Gradient norm and fp16 overflow are summed over the pp group too
+loop does; every virtual stage holding MoE layers adds their load-balancing loss
+(``StageModel.aux_loss``) to its own backward the same way and to the micro-batch's
+reported loss; the m losses (summed over stages) reach every pipeline rank through one
+all-reduce over the pp group. Gradient norm and fp16 overflow are summed over the pp group too
 (``DataParallel.norm_groups``), so clipping sees the whole model's norm.
 """
 
@@ -169,6 +171,7 @@ class PipelineEngine:
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
         grads_out: dict[tuple[int, int], torch.Tensor] = {}
+        aux_out: dict[tuple[int, int], torch.Tensor] = {}  # scaled MoE aux losses of non-last stages
         losses = torch.zeros(m, dtype=torch.float32, device=self.device)
         scale = self.scaler.scale / m
         # With one chunk, the final backward is the last time every bucket fills: launch the
@@ -217,10 +220,16 @@ class PipelineEngine:
                 x = self.model.local(tokens) if vs == 0 else inputs[key]
                 with e._saved_param_hooks():  # ZeRO-3: saved weights re-gathered in backward
                     out = self.model.chunk_forward(ins.chunk, x, seq_len)
+                aux = self.model.aux_loss(ins.chunk)  # MoE: each stage adds its layers' aux loss
                 if vs == last_vs:
                     loss = self.model.loss(out, self.model.local(targets))
-                    losses[ins.mb] = loss.detach().float()
+                    if aux is not None:
+                        loss = loss + aux
+                    losses[ins.mb] += loss.detach().float()
                     out = loss.float() * scale
+                elif aux is not None:
+                    losses[ins.mb] += aux.detach().float()
+                    aux_out[key] = aux.float() * scale
                 outputs[key] = out
                 delay = self.compute_delay[0]
             else:
@@ -232,6 +241,8 @@ class PipelineEngine:
                 out = outputs.pop(key)
                 if vs == last_vs:
                     out.backward()
+                elif key in aux_out:
+                    torch.autograd.backward([out, aux_out.pop(key)], [grads_in.pop(key), None])
                 else:
                     out.backward(grads_in.pop(key))
                 if vs > 0:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from chipset.errors import ConfigError
+from chipset.models.moe import MoE
 
 __all__ = ["StageSpec", "split_model", "parse_split", "StageModel"]
 
@@ -141,6 +142,7 @@ class StageModel(nn.Module):
         if any(s.head for s in specs):
             self.head = model.head
         self.seq_layout = model.seq_layout  # context parallel: this rank's tokens of each sequence
+        self.aux_loss_coef = model.cfg.aux_loss_coef
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
@@ -176,6 +178,14 @@ class StageModel(nn.Module):
         if spec.head:
             x = self.head(x)
         return x
+
+    def aux_loss(self, chunk: int) -> torch.Tensor | None:
+        """``aux_loss_coef`` x the summed load-balancing losses of chunk ``chunk``'s MoE layers after
+        its forward (``Transformer.loss`` adds every layer's); None when it holds none."""
+        moe = [m for i in self.specs[chunk].layers if isinstance(m := self.layers[str(i)].mlp, MoE)]
+        if not moe or not self.aux_loss_coef:
+            return None
+        return self.aux_loss_coef * torch.stack([m.aux_loss for m in moe]).sum()
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy, exactly as ``Transformer.loss``."""
