@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -69,8 +70,15 @@ def test_launch_pins_the_resolved_backend_for_every_rank(monkeypatch):
 
 
 def test_train_nproc_2_end_to_end_through_torchrun(tmp_path):
-    run_dir = tmp_path / "run"
-    r = _cli("train", "--nproc", "2", "--run-dir", str(run_dir), "--set", "parallel.zero=2", *SMALL)
+    run_dir, one, four = tmp_path / "run", tmp_path / "one", tmp_path / "four"
+    # Four independent commands, side by side: each spends seconds importing on one core.
+    with ThreadPoolExecutor(4) as pool:
+        r, info, r1, r4 = pool.map(lambda args: _cli(*args), [
+            ("train", "--nproc", "2", "--run-dir", str(run_dir), "--set", "parallel.zero=2", *SMALL),
+            ("info", "--json"),
+            ("train", "--run-dir", str(one), *SMALL),
+            ("train", "--nproc", "4", "--run-dir", str(four), "--set", "parallel.zero=3", *SMALL),
+        ])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "step    3/3" in r.stdout and "params digest" in r.stdout
     assert r.stdout.count("step    1/3") == 1  # progress only from rank 0
@@ -84,19 +92,14 @@ def test_train_nproc_2_end_to_end_through_torchrun(tmp_path):
     assert len(summary["peak_memory_bytes"]) == 2 and all(x > 0 for x in summary["peak_memory_bytes"])
     assert summary["final_loss"] == lines[-1]["loss"]
     # The launcher resolved the backend once and every rank used it.
-    info = _cli("info", "--json")
     assert summary["backend"] == json.loads(info.stdout)["backend"]
 
     # One process on the same global batch lands on the same losses.
-    one = tmp_path / "one"
-    r1 = _cli("train", "--run-dir", str(one), *SMALL)
     assert r1.returncode == 0, r1.stdout + r1.stderr
     single = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
     assert single == pytest.approx([m["loss"] for m in lines], rel=1e-5)
 
     # Four ranks at ZeRO-3 (one sequence each) too.
-    four = tmp_path / "four"
-    r4 = _cli("train", "--nproc", "4", "--run-dir", str(four), "--set", "parallel.zero=3", *SMALL)
     assert r4.returncode == 0, r4.stdout + r4.stderr
     s4 = json.loads((four / "summary.json").read_text())
     assert s4["layout"]["dp"] == 4 and len(s4["peak_memory_bytes"]) == 4
