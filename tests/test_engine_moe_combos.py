@@ -49,6 +49,15 @@ W4 = {
 }
 
 
+# Combinations that also save a checkpoint at step SAVE_AT; one process resumes each (wave 2).
+SAVE_AT = 5
+SAVES = ("ep2_tp2_zero1", "dp2_cp2_ep2", "dp2_pp2_ep2_zero1_1f1b")
+
+
+def _ckpt(root: Path, run: str) -> Path:
+    return root / run / "checkpoints" / f"step-{SAVE_AT:08d}"
+
+
 def _cfg(b, overrides: dict):
     from chipset.config import RunConfig
 
@@ -89,8 +98,16 @@ def _job(mode: str, out_path: str) -> None:
     b = multirank.start()
     variants = W4 if mode == "w4" else {"ref": {}}
     results: dict = {"world_size": b.collective.world_size()}
+    root = Path(out_path).parent
+    if mode == "resume":  # one process continues each combination's step-5 checkpoint
+        for name in SAVES:
+            res = train(_cfg(b, {}), b, root / f"resumed_{name}", out=io.StringIO(), resume=str(_ckpt(root, name)))
+            results[name] = {"losses": res.losses, "resumed_step": res.summary.get("resumed_step")}
+        multirank.finish(b, results, out_path)
     for name, over in variants.items():
-        res = train(_cfg(b, over), b, None, out=io.StringIO(), keep_params=True)
+        if name in SAVES:
+            over = _merge(over, {"train": {"checkpoint_every": SAVE_AT, "keep_checkpoints": 0}})
+        res = train(_cfg(b, over), b, root / name if name in SAVES else None, out=io.StringIO(), keep_params=True)
         results[name] = {"losses": res.losses, "grad_norms": [m["grad_norm"] for m in res.metrics],
                          "params": res.params}
     results["dropped"] = {name: _dropped_on_first_batch(b, over) for name, over in variants.items()
@@ -103,7 +120,8 @@ def _job(mode: str, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     multirank.require(4)
-    return multirank.run_jobs(HERE, [{"w4": 4, "ref": 1}], tmp_path_factory.mktemp("moe_combos"), timeout=400)
+    return multirank.run_jobs(HERE, [{"w4": 4, "ref": 1}, {"resume": 1}], tmp_path_factory.mktemp("moe_combos"),
+                              timeout=400)
 
 
 @pytest.mark.parametrize("variant", list(W4))
@@ -140,6 +158,15 @@ def test_capacity_dropping_matches_single_process(runs, variant):
     want = runs["ref"]["dropped"]["ref"]
     assert all(n > 0 for n in want), want
     assert runs["w4"]["dropped"][variant] == want
+
+
+@pytest.mark.parametrize("variant", SAVES)
+def test_a_combinations_checkpoint_resumes_in_one_process(runs, variant):
+    """Experts are stored as logical [E, ...] tensors whatever tp, cp, pp and ep held: one process
+    resumes step 5 and continues with the uninterrupted single-process losses."""
+    got = runs["resume"][variant]
+    assert got["resumed_step"] == SAVE_AT and len(got["losses"]) == STEPS - SAVE_AT
+    torch.testing.assert_close(got["losses"], runs["ref"]["ref"]["losses"][SAVE_AT:], rtol=1e-5, atol=0)
 
 
 def test_config_checks_ep_against_dp_times_cp():

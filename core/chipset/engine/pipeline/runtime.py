@@ -26,6 +26,7 @@ import time
 import torch
 
 from chipset.engine.data_parallel import DataParallel
+from chipset.engine.expert_parallel import expert_param_names
 from chipset.engine.metrics import trace_range
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.pipeline.check import check_schedule
@@ -63,7 +64,10 @@ class PipelineEngine:
         self.hidden_size = model.cfg.hidden_size
         # Logical (single-process) shape of every parameter of the whole model: a checkpoint
         # written or read by one stage is checked against all of it (checkpoint/layout.py).
-        self.model_shapes = {n: tuple(s[3]) if (s := logical_slice(t)) else tuple(t.shape)
+        # ep-sharded experts hold E/ep rows of their logical [E, ...] tensors.
+        experts = expert_param_names(model) if dims.ep_enabled else set()
+        self.model_shapes = {n: tuple(s[3]) if (s := logical_slice(t)) else
+                             (t.shape[0] * dims.ep, *t.shape[1:]) if n in experts else tuple(t.shape)
                              for n, t in model.named_parameters()}
         # Every rank learns every parameter's name, shape and owning stage (for full_parameters).
         self._owners: list[list[tuple[str, torch.Size]]] = [[] for _ in range(p)]
