@@ -17,8 +17,12 @@ from chipset.plugin_kit import scaffold
 
 
 def _child_venv(path: Path) -> Path:
-    """A real venv that also sees this environment's packages (chipset, torch) via a .pth file."""
-    venv.EnvBuilder(with_pip=True).create(path)
+    """A real venv that also sees this environment's packages (chipset, torch) via a .pth file.
+
+    No pip of its own (ensurepip costs seconds): this environment's pip installs into it
+    with ``--python``.
+    """
+    venv.EnvBuilder(with_pip=False).create(path)
     py = path / "bin" / "python"
     purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
@@ -41,7 +45,8 @@ def installed_scaffold(tmp_path_factory):
                        capture_output=True, text=True, env=_env())
     assert r.returncode == 0, r.stderr
     py = _child_venv(root / "venv")
-    r = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(target)],
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+                        "--no-build-isolation", "-e", str(target)],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return py, target
