@@ -88,7 +88,7 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: the model is cut into pp stages (embedding first, head+loss last), see schedule."""
     ep: int = 1
-    """Expert-parallel degree: experts sharded over ep ranks carved out of dp (needs model.num_experts divisible by ep)."""
+    """Expert-parallel degree: experts sharded over ep ranks carved out of dp x cp (needs model.num_experts divisible by ep)."""
     cp: int = 1
     """Context-parallel degree: each sequence is split over cp ranks (2*cp chunks, load-balanced causal attention)."""
     zero: int = 0
