@@ -40,8 +40,9 @@ W4 = {
     "ep2_tp2_zero1": {"parallel": {"tp": 2, "ep": 2, "zero": 1}},
     "dp2_tp2_sp_zero3": {"parallel": {"tp": 2, "sequence_parallel": True, "zero": 3}},
     "dp2_cp2_ep2": {"parallel": {"cp": 2, "ep": 2}},
-    "tp2_cp2_sp_ring_full": {"parallel": {"tp": 2, "cp": 2, "sequence_parallel": True, "cp_attention": "ring"},
-                             "train": {"recompute": "full"}},
+    "tp2_cp2_ep2_sp_ring_full": {"parallel": {"tp": 2, "cp": 2, "ep": 2, "sequence_parallel": True,
+                                             "cp_attention": "ring"},
+                                 "train": {"recompute": "full"}},
     # pp: both blocks are MoE, so a non-last stage adds its aux loss to its backward.
     "dp2_pp2_ep2_zero1_1f1b": {"parallel": {"pp": 2, "ep": 2, "zero": 1, "schedule": "1f1b", "micro_batches": 4}},
     "dp2_pp2_ep2_zero3_gpipe": {"parallel": {"pp": 2, "ep": 2, "zero": 3, "schedule": "gpipe", "micro_batches": 2}},
