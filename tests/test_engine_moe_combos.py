@@ -1,7 +1,8 @@
-"""MoE with tp, sequence parallelism and cp (with and without ep) equals one process.
+"""MoE with tp, sequence parallelism, cp and pp (with and without ep, ZeRO 0-3) equals one process.
 
 One torchrun job on 4 ranks (gloo, default backend) runs every variant in turn beside
-one single-process job running the reference (tests/multirank.py). As in
+one single-process job running the reference (tests/multirank.py); then one process
+resumes three of the variants' step-5 checkpoints. As in
 tests/test_engine_ep.py: fp32 per-step losses and clipped gradient norms within rtol
 1e-5 over 10 steps, final parameters (logical full tensors by single-process name) within
 rtol 1e-5 / atol 1e-5 with at least 99.5% of elements within atol 1e-6; the first step's
