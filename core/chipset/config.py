@@ -79,7 +79,7 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the job is split across ranks: dp (with zero 0..3), tp (+ sequence parallel), cp and ep; pp must be 1 for now."""
+    """How the job is split across ranks: dp (with zero 0..3), tp (+ sequence parallel), pp, cp and ep in any combination (dp*tp*pp*cp is the world size; ep groups are carved out of dp*cp)."""
 
     dp: int = 0
     """Data-parallel degree; 0 means world size / (tp*pp*cp)."""
