@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,7 @@ def run(src: Path, args: list[str], run_dir: Path) -> tuple[list[dict], dict]:
     """One training run under the chipset tree ``src``: its metrics.jsonl records and summary.json."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
     env.update(CHIPSET_BACKEND="cpu_sim", OMP_NUM_THREADS="1", PYTHONPATH=str(src))
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts clean
     cmd = [sys.executable, "-m", "chipset.cli.main", "train", *args, "--resume", "none", "--run-dir", str(run_dir)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode != 0:
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("b", type=Path, help="second tree's import root")
     p.add_argument("--reps", type=int, default=3, help="runs per tree, interleaved")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the timings")
-    p.add_argument("--workdir", type=Path, default=Path("ab_runs"))
+    p.add_argument("--workdir", type=Path, default=Path("runs/ab"), help="run directories (replaced on a rerun)")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     ns, args = p.parse_args(argv[:cut]), argv[cut + 1:]
