@@ -69,6 +69,11 @@ def run_jobs(script: Path, waves: list[dict[str, int]], tmp: Path, *, timeout: f
         finally:
             for p in procs.values():
                 if p.poll() is None:
+                    p.terminate()  # torchrun passes SIGTERM on to its ranks; SIGKILL would orphan them
+            for p in procs.values():
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
                     p.kill()
         for mode, p in procs.items():
             assert p.returncode == 0, f"job {mode} ({wave[mode]} ranks) exited {p.returncode}:\n{logs[mode][-6000:]}"
