@@ -4,15 +4,15 @@ cpu_sim charges every tensor a rank allocates on its simulated device, so the en
 per-step ``peak_memory_bytes_per_rank`` is the exact peak of live tensor bytes. The planner,
 told the run's config (``chipset.planner.run.peak_memory_per_rank``, reference kernels),
 must land within 10% of it on every rank. One torchrun job (2 ranks) runs every 2-rank
-layout in turn, one process runs the 1-rank ones; each variant trains 2 steps. This file is
-also the job's script (``__main__`` below).
+layout in turn, a second (4 ranks) the dp x pp ones, one process runs the 1-rank ones; each
+variant trains 2 steps. This file is also the jobs' script (``__main__`` below).
 
 Below the peaks, one block's saved activations are compared with autograd's saved-tensor hooks
 in one process (fp32, bf16, selective and full recompute, MHA): equal to the byte.
 
 The model (hidden 256, 4 blocks, GQA 4/2 heads, vocabulary 1024, 128-token sequences,
 3.4M parameters) is large enough that no fixed overhead hides a missing term: parameters,
-gradients and optimizer state are 52 MiB, activations 30-120 MiB, the cross-entropy's
+gradients and optimizer state are 52 MiB, measured peaks 32-200 MiB per rank, the cross-entropy's
 float32 buffers 4-16 MiB (the table and the command: docs/planner.md, "Validation: peak memory").
 """
 
@@ -59,7 +59,14 @@ JOBS = {
                                                     "micro_batches": 4}},
         "tp2 + sp, full recompute": {"parallel": {"tp": 2, "sequence_parallel": True}, "train": {"recompute": "full"}},
     },
+    # dp x pp: the first stage's peak is its first backward, before any gradient has accumulated
+    # (ZeRO-3, m <= p); the last stage's is the optimizer step (ZeRO-1: float32 temporaries, no send copy yet).
+    4: {
+        "dp2 x pp2 zero1 1f1b, 4 micro-batches": {"parallel": {"dp": 2, "pp": 2, "zero": 1, "micro_batches": 4}},
+        "dp2 x pp2 zero3 1f1b, 2 micro-batches": {"parallel": {"dp": 2, "pp": 2, "zero": 3, "micro_batches": 2}},
+    },
 }
+ALL = {name: over for job in JOBS.values() for name, over in job.items()}
 TOLERANCE = 0.10
 
 
@@ -109,20 +116,27 @@ def _env() -> dict:
 
 
 def measure(tmp: Path) -> dict[str, list[dict]]:
-    """Run both jobs; ``{variant: [rank 0 result, rank 1 result, ...]}``."""
-    one, two = tmp / "one", tmp / "two"
-    one.mkdir()
-    two.mkdir()
-    job2 = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(HERE), str(two)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    job1 = subprocess.run([sys.executable, str(HERE), str(one)], env=_env(), capture_output=True, text=True,
+    """Run the three jobs; ``{variant: [rank 0 result, rank 1 result, ...]}``."""
+    dirs = {world: tmp / f"world{world}" for world in JOBS}
+    for d in dirs.values():
+        d.mkdir()
+
+    def torchrun(world: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 f"--nproc-per-node={world}", str(HERE), str(dirs[world])],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    job2 = torchrun(2)
+    job1 = subprocess.run([sys.executable, str(HERE), str(dirs[1])], env=_env(), capture_output=True, text=True,
                           timeout=600)
+    job4 = torchrun(4)  # after the 1-process job: the machine has few cores
     log2, _ = job2.communicate(timeout=900)
+    log4, _ = job4.communicate(timeout=900)
     assert job1.returncode == 0, job1.stdout + job1.stderr
     assert job2.returncode == 0, log2
+    assert job4.returncode == 0, log4
     out: dict[str, list[dict]] = {}
-    for d, world in ((one, 1), (two, 2)):
+    for world, d in dirs.items():
         ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
         for name in ranks[0]:
             out[name] = [r[name] for r in ranks]
@@ -136,8 +150,8 @@ def measured(tmp_path_factory):
     b = chipset.backend()
     if b.name != "cpu_sim":
         pytest.skip("exact memory accounting is cpu_sim's (run with CHIPSET_BACKEND=cpu_sim)")
-    if b.device.device_count() < 2:
-        pytest.skip("needs 2 simulated devices")
+    if b.device.device_count() < 4:
+        pytest.skip("needs 4 simulated devices")
     return measure(tmp_path_factory.mktemp("memval"))
 
 
@@ -145,7 +159,7 @@ def predicted(name: str, world: int, kernels: str = "reference") -> list[float]:
     from chipset.config import RunConfig
     from chipset.planner.run import peak_memory_per_rank
 
-    over = {**JOBS[1], **JOBS[2]}[name]
+    over = ALL[name]
     cfg = RunConfig.from_dict(config(over)).validate(world_size=world)
     return [b.total for b in peak_memory_per_rank(cfg, world, kernels=kernels)]
 
@@ -161,7 +175,7 @@ def test_predicted_peak_memory_is_within_10_percent_on_every_rank(measured, name
     for rank, (r, p) in enumerate(zip(ranks, pred, strict=True)):
         assert abs(r["base"]) < 64 * 1024, f"rank {rank}: {r['base']} bytes left by an earlier variant"
         got = r["peak"] - r["base"]
-        assert got > 40 * 2**20, f"{name}: measured peak {got} bytes is implausibly small"
+        assert got > 30 * 2**20, f"{name}: measured peak {got} bytes is implausibly small"
         err = p / got - 1
         assert abs(err) <= TOLERANCE, f"{name} rank {rank}: predicted {p / 2**20:.1f} MiB, measured {got / 2**20:.1f} MiB ({err:+.1%})"
 
@@ -238,7 +252,7 @@ def table() -> str:
     from chipset.planner.run import peak_memory_per_rank
 
     for name, world in VARIANTS:
-        cfg = RunConfig.from_dict(config({**JOBS[1], **JOBS[2]}[name])).validate(world_size=world)
+        cfg = RunConfig.from_dict(config(ALL[name])).validate(world_size=world)
         fused = peak_memory_per_rank(cfg, world, kernels="fused")
         for rank, (r, p) in enumerate(zip(got[name], peak_memory_per_rank(cfg, world), strict=True)):
             m = r["peak"] - r["base"]

@@ -236,37 +236,50 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     loss_stage = stage in ("only", "last")
     embed = tokens * ref.embed_bytes_per_token(lay) if stage in ("only", "first") else 0.0
     head = tokens * ref.head_bytes_per_token(m, lay, train) if loss_stage else 0.0
-    # Micro-batches whose activations are alive: the first stage's warm-up; the last stage runs each
-    # backward right after its forward except under GPipe.
+    # Micro-batches whose activations are alive at the first backward: the first stage's warm-up; the
+    # last stage runs each backward right after its forward except under GPipe.
     if stage == "last" and lay.schedule == "interleaved":  # its other chunks warm up like the first rank's
         chunks = min(micro_batches * lay.v, (lay.v - 1) * lay.pp + 1)
     elif stage == "last":
         chunks = micro_batches * lay.v if lay.schedule == "gpipe" else 1
     else:
         chunks = in_flight_chunks(lay, micro_batches)
-    mbs = max(1, chunks // lay.v) if lay.v > 1 else chunks
-    acts = block * blocks / lay.v * chunks + embed * mbs
     local = psi + expert
-    # ZeRO-2/3 accumulate unsharded gradients locally until the last micro-batch.
+    # ZeRO-2/3 accumulate unsharded gradients locally from the first backward to the last micro-batch's.
+    # They are complete from the second backward on, when one micro-batch fewer may be in flight: with
+    # 1F1B the first stage has min(p, m-1) left, GPipe m-1; the interleaved schedule is counted as if
+    # its warm-up were still in flight (an upper bound).
     accumulated = gb * local if lay.zero >= 2 and micro_batches > 1 else 0.0
-    # Chunk outputs kept for their backward; a loss chunk's output is the loss (interleaved: one in flight).
-    kept = chunks - 1 if loss_stage and lay.v > 1 else 0 if loss_stage else chunks
-    stage_out = e * tokens * m.hidden * kept
-    moments = []
-    if loss_stage:
-        moments.append(("loss backward", acts + stage_out + head * mbs, tokens * ref.loss_backward_bytes_per_token(m, lay)
-                        + accumulated, 0.0))
+    if stage == "only" or lay.schedule == "interleaved" or stage == "last" and lay.schedule != "gpipe":
+        later = chunks
+    elif lay.schedule == "gpipe":
+        later = chunks - lay.v
+    else:
+        later = min(lay.pp, micro_batches - 1)
     z3 = e * local / max(1, blocks) if lay.zero == 3 else 0.0  # the block's gathered parameters
     # A recomputed block holds what it recomputed (full: everything; selective: the attention core) meanwhile.
     redo = block_activation_bytes(m, dataclasses.replace(lay, recompute="none"), s, train) - block
-    moments.append(("block backward", acts + stage_out + head * (mbs - 1) + redo,
-                    ref.block_backward_bytes(m, lay, tokens, train) + accumulated, z3))
+    moments = []
+    for alive, grads in ((chunks, 0.0), (later, accumulated)) if accumulated else ((chunks, 0.0),):
+        mbs = max(1, alive // lay.v) if lay.v > 1 else alive
+        acts = block * blocks / lay.v * alive + embed * mbs
+        # Chunk outputs kept for their backward; a loss chunk's output is the loss (interleaved: one in flight).
+        kept = alive - 1 if loss_stage and lay.v > 1 else 0 if loss_stage else alive
+        stage_out = e * tokens * m.hidden * kept
+        if loss_stage:
+            moments.append(("loss backward", acts + stage_out + head * mbs,
+                            tokens * ref.loss_backward_bytes_per_token(m, lay) + grads, 0.0))
+        moments.append(("block backward", acts + stage_out + head * (mbs - 1) + redo,
+                        ref.block_backward_bytes(m, lay, tokens, train) + grads, z3))
+    mbs = max(1, chunks // lay.v) if lay.v > 1 else chunks
     bucket = train.bucket_mb * 2**20 / e if lay.zero < 3 else local / max(1, blocks)
     bucket = min(local, bucket)
     if lay.zero >= 2:  # every bucket's flattened gradient waits for its reduce-scatter until the step
         moments.append(("gradient reduce", embed * mbs, gb * local + gb * bucket, 0.0))
     shard = bucket if lay.zero == 0 else bucket / n_dense
-    send = e * local / n_dense if lay.zero in (1, 2) and n_dense > 1 else 0.0
+    # ZeRO-1/2: each updated slice waits in a send buffer for its all-gather until every bucket is
+    # updated, so the last full bucket's float32 temporaries meet the earlier buckets' send buffers.
+    send = e * (local - bucket) / n_dense if lay.zero in (1, 2) and n_dense > 1 else 0.0
     moments.append(("optimizer step", 0.0, 3 * ref.F * shard + send, 0.0))
     phase, act, work, buf = max(moments, key=lambda x: x[1] + x[2] + x[3])
     return dataclasses.replace(states, activations=act, workspace=work, zero3_buffer=buf, phase=phase)
