@@ -12,7 +12,7 @@ in one process (fp32, bf16, selective and full recompute, MHA): equal to the byt
 
 The model (hidden 256, 4 blocks, GQA 4/2 heads, vocabulary 1024, 128-token sequences,
 3.4M parameters) is large enough that no fixed overhead hides a missing term: parameters,
-gradients and optimizer state are 52 MiB, measured peaks 32-200 MiB per rank, the cross-entropy's
+gradients and optimizer state are 52 MiB, measured peaks 32-320 MiB per rank, the cross-entropy's
 float32 buffers 4-16 MiB (the table and the command: docs/planner.md, "Validation: peak memory").
 """
 
@@ -53,6 +53,7 @@ JOBS = {
         "pp2 1f1b": {"parallel": {"pp": 2, "schedule": "1f1b", "micro_batches": 4}},
         "pp2 gpipe": {"parallel": {"pp": 2, "schedule": "gpipe", "micro_batches": 4}},
         "ep2 (4 experts, top-2)": {"model": MOE, "parallel": {"ep": 2}},
+        "tp2 + sp (4 experts, top-2, replicated over tp)": {"model": MOE, "parallel": {"tp": 2, "sequence_parallel": True}},
         "cp2": {"parallel": {"cp": 2}},
         "cp2, ring attention": {"parallel": {"cp": 2, "cp_attention": "ring"}},
         "pp2 interleaved 1f1b (v=2)": {"parallel": {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,

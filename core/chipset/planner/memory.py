@@ -115,7 +115,8 @@ def _params_per_device(m: ModelSpec, t: int, ep: int, pp: int, blocks: int) -> t
     dense_block = (m.attention_params() + m.mlp_params()) / t + norms
     moe_block = m.attention_params() / t + m.router_params() + norms
     non_expert = blocks * ((1 - moe_frac) * dense_block + moe_frac * moe_block)
-    expert = blocks * moe_frac * m.mlp_params() * (m.num_experts / ep) / t if m.is_moe else 0.0
+    expert_t = t if m.experts_split_over_tp else 1
+    expert = blocks * moe_frac * m.mlp_params() * (m.num_experts / ep) / expert_t if m.is_moe else 0.0
     emb = m.vocab * m.hidden / t + (m.seq_len * m.hidden if m.position == "learned" else 0)
     out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and pp == 1) else 1)
     if pp == 1:
@@ -141,10 +142,15 @@ def block_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: Train
     # Outside the tensor-parallel region: two norm inputs (4), QKV input (2), MLP input (2), dropout masks.
     replicated = (8 + 2 * drop) * s * b * h
     per_mlp = (6 if m.mlp == "swiglu" else 4) * s * b * f
+    whole = 0.0  # experts replicated over tp run the whole sequence on every tp rank
     if m.is_moe:
         moe_frac = m.moe_layers / m.layers
         moe_mlp = m.top_k * (2 * s * b * h + per_mlp)
-        mlp = (1 - moe_frac) * per_mlp + moe_frac * moe_mlp
+        mlp = (1 - moe_frac) * per_mlp
+        if m.experts_split_over_tp:
+            mlp += moe_frac * moe_mlp
+        else:
+            whole = moe_frac * moe_mlp
         replicated += moe_frac * 4 * s * b * m.num_experts / e  # fp32 router logits
     else:
         mlp = per_mlp
@@ -155,7 +161,7 @@ def block_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: Train
         core = 0.0
     else:
         core = (2 + 3 * drop) * a * s * s_full * b
-    return e * (replicated / sp_div + split / t) + core / t
+    return e * (replicated / sp_div + split / t + whole) + core / t
 
 
 def _edge_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec) -> tuple[float, float]:

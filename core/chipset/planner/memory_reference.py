@@ -88,5 +88,7 @@ def block_backward_bytes(m: ModelSpec, lay: Layout, tokens: float, train: TrainS
     """A block's backward in progress (total bytes): the incoming activation gradient, the gradient of the
     MLP's intermediate and one weight gradient before it is accumulated."""
     e, h, t = train.param_bytes, m.hidden, lay.tp
+    if m.is_moe and not m.experts_split_over_tp:  # whole experts on every tp rank
+        t = 1
     f = m.ffn * (m.top_k if m.is_moe else 1)
     return e * tokens * (h + f / t) + e * h * m.ffn / t

@@ -50,6 +50,9 @@ class ModelSpec:
     """Experts each token is routed to in a MoE layer."""
     moe_every: int = 1
     """Every n-th block is MoE (1: all of them); the others keep a dense MLP."""
+    experts_split_over_tp: bool = True
+    """Each tp rank holds 1/tp of every expert (Megatron-style); false: every tp rank holds whole
+    experts (chipset's engine, docs/engine.md "MoE with tp, cp and pp")."""
     tied_embeddings: bool = False
     """The output projection reuses the input embedding matrix."""
     mlp: str = "swiglu"

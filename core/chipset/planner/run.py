@@ -32,8 +32,9 @@ def from_run_config(cfg: Any, world_size: int | None = None,
     dp = par.dp or (world_size or 0) // (par.tp * par.pp * par.cp)
     if dp < 1:
         raise ValueError(f"parallel.dp is 0 and world_size {world_size!r} does not give a degree; pass world_size")
+    # The engine replicates experts over tp (docs/engine.md, "MoE with tp, cp and pp").
     m = dataclasses.replace(from_engine_model_config(cfg.model, tr.seq_len), kernels=kernels,
-                            flash_attention=kernels != "reference")
+                            flash_attention=kernels != "reference", experts_split_over_tp=False)
     e = DTYPE_BYTES[tr.dtype]
     masters_are_params = tr.dtype == "float32" and par.zero in (0, 3) and not par.offload_optimizer
     lay = Layout(dp=dp, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, zero=par.zero,
