@@ -140,6 +140,20 @@ def test_report_lists_restarts_and_resumes(tmp_path):
     assert "resumed at step 2 after step 3" in out.read_text()
 
 
+def test_report_says_when_the_job_went_on_with_fewer_nodes(tmp_path):
+    d = _write_run(tmp_path / "run", resume=True)
+    summary = json.loads((d / "summary.json").read_text())
+    summary["elastic"] = {"planned_world_size": 2, "world_size": 1, "planned_nodes": 2, "nodes": 1,
+                          "planned_dp": 2, "dp": 1, "planned_micro_batches": 1, "micro_batches": 2,
+                          "global_batch": 8, "micro_batch_size": 4}
+    (d / "summary.json").write_text(json.dumps(summary))
+    line = "elastic: ran on 1 of 2 planned node(s), world 2 -> 1, dp 2 -> 1, micro_batches 1 -> 2 (global batch 8 kept)"
+    assert line in load_run(d).restarts
+    out = tmp_path / "r.html"
+    assert main(["report", str(d), "--out", str(out), "--no-png"]) == 0
+    assert "elastic: ran on 1 of 2 planned node(s)" in out.read_text()
+
+
 def test_report_of_a_folder_that_is_not_a_run_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -81,6 +81,14 @@ def load_run(run_dir: str | Path) -> Run:
         if any(w in key for w in ("restart", "resum", "reshard", "skipped_checkpoint")) and value not in (
                 None, 0, "", [], {}):
             run.restarts.append(f"{key}: {json.dumps(value)}")
+    # A job that lost nodes for good (chipset.engine.elastic.WorldChange.to_dict()).
+    el = run.summary.get("elastic")
+    if isinstance(el, dict) and {"nodes", "planned_nodes", "world_size", "planned_world_size"} <= el.keys():
+        run.restarts.append(
+            f"elastic: ran on {el['nodes']} of {el['planned_nodes']} planned node(s), world "
+            f"{el['planned_world_size']} -> {el['world_size']}, dp {el.get('planned_dp')} -> {el.get('dp')}, "
+            f"micro_batches {el.get('planned_micro_batches')} -> {el.get('micro_batches')} "
+            f"(global batch {el.get('global_batch')} kept)")
     return run
 
 
