@@ -20,19 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_ep import BASE, STEPS  # the same MoE model, steps and seed as the ep parity tests
 
 import multirank
 from multirank import merge as _merge
 
 HERE = Path(__file__).resolve()
-STEPS = 10
-BASE = {
-    "model": {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 48, "num_experts": 4, "top_k": 2,
-              "capacity_factor": 1.0, "aux_loss_coef": 0.01},
-    "train": {"steps": STEPS, "global_batch": 8, "seq_len": 16, "lr": 1e-2, "grad_clip": 0.5, "seed": 11},
-    "parallel": {"bucket_mb": 0.02},
-}
 # Gradients after one step's reduction (zero 0, no ep: every rank holds whole MoE tensors).
 GRAD_PROBES = {"dp2_tp2": {"parallel": {"tp": 2}}, "dp2_tp2_sp": {"parallel": {"tp": 2, "sequence_parallel": True}},
                "dp2_cp2": {"parallel": {"cp": 2}}}
