@@ -36,7 +36,8 @@ __all__ = [
 DTYPES = ("float32", "bfloat16", "float16")
 RECOMPUTE = ("none", "selective", "full")
 ROUTERS = ("softmax", "sigmoid")
-DATA_SOURCES = ("synthetic", "text")
+DATA_SOURCES = ("synthetic", "text", "tokens")
+LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 
 
 @dataclass
@@ -124,7 +125,13 @@ class TrainConfig:
     lr: float = 1e-2
     """Peak AdamW learning rate."""
     warmup_steps: int = 0
-    """Linear warm-up steps before the constant learning rate."""
+    """Linear warm-up steps (from lr/warmup_steps to lr) before the schedule."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant, linear (to min_lr at the last step), cosine (to min_lr) or wsd (stable at lr, then linear to min_lr over the last decay_fraction of the steps)."""
+    min_lr: float = 0.0
+    """The learning rate the linear, cosine and wsd schedules end at."""
+    decay_fraction: float = 0.2
+    """wsd: fraction of the post-warm-up steps spent decaying."""
     weight_decay: float = 0.0
     """Decoupled AdamW weight decay."""
     beta1: float = 0.9
@@ -168,9 +175,9 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "synthetic"
-    """Token source: synthetic (a seeded, learnable token stream) or text (bytes of local text files, vocab 256)."""
+    """Token source: synthetic (a seeded, learnable token stream), text (bytes of local text files, vocab 256) or tokens (a folder made by `chipset data prepare`, or a flat uint16 .bin file)."""
     path: str = ""
-    """text: a file or folder of .py/.txt/.md/.rst files; empty = the Python standard library's sources."""
+    """text: a file or folder of .py/.txt/.md/.rst files (empty = the Python standard library's sources); tokens: the prepared folder or .bin file. Relative paths in a config file are resolved against the file's folder."""
     max_bytes: int = 1 << 20
     """text: read at most this many bytes."""
     seed: int = 0
@@ -342,7 +349,14 @@ def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConf
         except Exception as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
         _apply(cfg, raw, str(p), problems)
+        # A relative data.path in a file means "next to this file", wherever chipset is run from.
+        if isinstance(cfg.data.path, str) and cfg.data.path and not Path(cfg.data.path).is_absolute():
+            cfg.data.path = str((p.parent / cfg.data.path).resolve())
     _apply(cfg, parse_overrides(overrides), "--set", problems)
+    # ... and one given with --set means "from here": stored absolute, so the run directory's
+    # config.toml (read again by the ranks and by a rerun) points at the same data.
+    if isinstance(cfg.data.path, str) and cfg.data.path and not Path(cfg.data.path).is_absolute():
+        cfg.data.path = str(Path(cfg.data.path).resolve())
     return cfg, problems
 
 
@@ -414,6 +428,12 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
         problems.append(
             f"train.dtype = {tr.dtype!r}: the backend does not support it (supported: {', '.join(dtypes)}); choose another dtype"
         )
+    if tr.lr_schedule not in LR_SCHEDULES:
+        problems.append(f"train.lr_schedule = {tr.lr_schedule!r}: expected one of {', '.join(LR_SCHEDULES)}")
+    if not (math.isfinite(tr.min_lr) and 0 <= tr.min_lr <= tr.lr):
+        problems.append(f"train.min_lr = {tr.min_lr!r}: expected a finite value in [0, train.lr ({tr.lr})]")
+    if not 0 < tr.decay_fraction <= 1:
+        problems.append(f"train.decay_fraction = {tr.decay_fraction!r}: expected a fraction in (0, 1]")
     if tr.recompute not in RECOMPUTE:
         problems.append(f"train.recompute = {tr.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if da.source not in DATA_SOURCES:
@@ -423,6 +443,8 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
             f"model.vocab_size ({m.vocab_size}) must be >= 256 for data.source = 'text' (one token per byte); "
             "set --set model.vocab_size=256"
         )
+    elif da.source == "tokens":
+        problems += _token_data_problems(da.path, m.vocab_size)
     if da.max_bytes < 1:
         problems.append(f"data.max_bytes = {da.max_bytes!r}: expected a positive number of bytes")
     for name in ("grad_clip", "weight_decay", "loss_scale", "warmup_steps"):
@@ -458,6 +480,22 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
             )
     problems += _moe_problems(m, par)
     return problems
+
+
+def _token_data_problems(path: str, vocab_size: int) -> list[str]:
+    if not path:
+        return ["data.path is empty: data.source = 'tokens' needs a folder made by `chipset data prepare` "
+                "or a flat uint16 .bin file"]
+    from chipset.tokens import open_tokens
+
+    try:
+        store = open_tokens(path)
+    except ConfigError as exc:
+        return [str(exc)]
+    if store.vocab_size is not None and store.vocab_size > vocab_size:
+        return [f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({store.vocab_size}, data.path = {path!r}); set --set model.vocab_size={store.vocab_size}"]
+    return []
 
 
 def _tp_cp_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig) -> list[str]:

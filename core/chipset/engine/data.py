@@ -20,7 +20,7 @@ import torch
 
 from chipset.errors import ConfigError
 
-__all__ = ["SyntheticTokens", "TextBytes", "make_dataset", "TEXT_SUFFIXES"]
+__all__ = ["SyntheticTokens", "TextBytes", "TokenFiles", "make_dataset", "TEXT_SUFFIXES"]
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
@@ -117,9 +117,55 @@ class TextBytes:
     batch = SyntheticTokens.batch
 
 
-def make_dataset(cfg) -> SyntheticTokens | TextBytes:
+class TokenFiles:
+    """Pre-tokenized data (``chipset data prepare`` folders, nanoGPT ``.bin`` files) through memmap.
+
+    The token stream (documents separated by EOS) is cut into ``n = (tokens - 1) // seq_len``
+    windows of ``seq_len + 1`` tokens; each epoch visits every window once, in an order drawn
+    from ``(seed, epoch)``. Sequence ``i`` of the run is window ``perm_e[i mod n]`` of epoch
+    ``e = i // n``, so like the other sources it depends only on ``(seed, i)``: dp ranks take
+    disjoint blocks of each global batch, and a resumed run (at any dp size) reads exactly
+    the tokens the uninterrupted run would have.
+    """
+
+    def __init__(self, path: str, seq_len: int, global_batch: int, seed: int = 0, vocab_size: int | None = None):
+        from chipset.tokens import open_tokens
+
+        self.store = open_tokens(path)
+        self.source = self.store.source
+        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+        self.vocab_size = vocab_size
+        self.windows = (self.store.total - 1) // seq_len
+        if self.windows < 1:
+            raise ConfigError(f"data.path = {path!r} holds {self.store.total} tokens; need more than "
+                              f"train.seq_len + 1 ({seq_len + 1}) for one sequence")
+        self._epoch, self._perm = -1, None
+
+    def _order(self, epoch: int):
+        if epoch != self._epoch:
+            import numpy as np
+
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+            self._epoch = epoch
+        return self._perm
+
+    def sequence(self, index: int) -> torch.Tensor:
+        epoch, j = divmod(index, self.windows)
+        start = int(self._order(epoch)[j]) * self.seq_len
+        seq = torch.from_numpy(self.store.read(start, self.seq_len + 1))
+        if self.vocab_size is not None and int(seq.max()) >= self.vocab_size:
+            raise ConfigError(f"data.path = {self.source!r} holds token id {int(seq.max())} but model.vocab_size "
+                              f"is {self.vocab_size}; set model.vocab_size to the tokenizer's vocabulary size")
+        return seq
+
+    batch = SyntheticTokens.batch
+
+
+def make_dataset(cfg) -> SyntheticTokens | TextBytes | TokenFiles:
     """The dataset a :class:`chipset.config.RunConfig` asks for."""
     tr, da = cfg.train, cfg.data
+    if da.source == "tokens":
+        return TokenFiles(da.path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size)
     if da.source == "text":
         return TextBytes(da.path, tr.seq_len, tr.global_batch, seed=da.seed, max_bytes=da.max_bytes)
     return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from chipset.config import RunConfig
+from chipset.engine import schedule
 from chipset.engine.context_parallel import ContextParallel, apply_cp
 from chipset.engine.data import SyntheticTokens, TextBytes, make_dataset
 from chipset.engine.data_parallel import DataParallel
@@ -95,10 +96,8 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
-    tr = cfg.train
-    if tr.warmup_steps and step < tr.warmup_steps:
-        return tr.lr * (step + 1) / tr.warmup_steps
-    return tr.lr
+    """The learning rate of 0-based ``step`` (chipset.engine.schedule)."""
+    return schedule.lr_at(cfg.train, step)
 
 
 def _fmt_bytes(n: float) -> str:

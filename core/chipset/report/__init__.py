@@ -25,6 +25,7 @@ __all__ = ["PLOTS", "Run", "load_run", "render_html", "write_report", "write_png
 PLOTS = {
     "plot-loss": "Loss",
     "plot-grad-norm": "Gradient norm",
+    "plot-lr": "Learning rate",
     "plot-throughput": "Throughput (tokens/s)",
     "plot-mfu": "Model FLOPs utilisation",
     "plot-memory": "Peak device memory per rank",
@@ -115,6 +116,7 @@ def _series(run: Run) -> dict[str, dict[str, list[tuple[float, float]]]]:
     return {
         "plot-loss": {"loss": pts(lambda r: r["loss"])},
         "plot-grad-norm": {"grad norm": pts(lambda r: r["grad_norm"])},
+        "plot-lr": {"lr": pts(lambda r: r["lr"])},
         "plot-throughput": {"tokens/s": pts(lambda r: r["tokens_per_s"])},
         "plot-mfu": {"MFU (%)": pts(lambda r: None if r.get("mfu") is None else 100 * r["mfu"])},
         "plot-memory": memory,

@@ -1,0 +1,172 @@
+"""``chipset data prepare`` with a real BPE tokenizer, and training on its output (data.source = 'tokens')."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from chipset.cli.main import main
+from chipset.engine.data import TokenFiles
+
+tokenizers = pytest.importorskip("tokenizers")
+
+WORDS = ("the quick brown fox jumps over lazy dog chip train model layer token shard rank "
+         "gradient optimizer batch sequence tensor device memory kernel").split()
+
+
+def _corpus(tmp_path, docs=60):
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) for _ in range(docs)]
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts)))
+    return texts, jsonl
+
+
+def _tokenizer(tmp_path, texts):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return tok, path
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    texts, jsonl = _corpus(tmp_path)
+    tok, tok_path = _tokenizer(tmp_path, texts)
+    out = tmp_path / "tokens"
+    rc = main(["data", "prepare", str(jsonl), "--tokenizer", str(tok_path), "--out", str(out),
+               "--field", "body", "--workers", "2", "--shard-tokens", "1000"])
+    assert rc == 0
+    return texts, tok, out
+
+
+def test_prepare_writes_shards_that_decode_to_the_documents(prepared):
+    texts, tok, out = prepared
+    meta = json.loads((out / "meta.json").read_text())
+    eos = tok.token_to_id("</s>")
+    assert meta["eos_id"] == eos and meta["dtype"] == "uint16" and meta["documents"] == len(texts)
+    assert len(meta["shards"]) > 1, "--shard-tokens 1000 must split this corpus"
+    stream = np.concatenate([np.fromfile(out / s["file"], dtype="<u2") for s in meta["shards"]])
+    assert len(stream) == meta["tokens"] == sum(s["tokens"] for s in meta["shards"])
+    docs = np.split(stream, np.flatnonzero(stream == eos) + 1)[:-1]
+    assert len(docs) == len(texts)
+    for text, doc in zip(texts, docs, strict=True):  # same order, same ids as the tokenizer alone gives
+        assert doc[-1] == eos
+        assert doc[:-1].tolist() == tok.encode(text, add_special_tokens=False).ids
+    starts = np.concatenate([np.load(out / s["index"]) + off for s, off in
+                             zip(meta["shards"], np.cumsum([0] + [s["tokens"] for s in meta["shards"]])[:-1], strict=True)])
+    assert (stream[starts[1:] - 1] == eos).all(), "index offsets are document starts"
+    assert not list(out.parent.glob(".tokens.partial-*")), "no temporary folder is left behind"
+
+
+def test_token_files_cover_each_epoch_once_and_shard_dp_without_overlap(prepared):
+    _, _, out = prepared
+    data = TokenFiles(str(out), seq_len=16, global_batch=4, seed=3)
+    n = data.windows
+    starts = [int(data._order(0)[j]) for j in range(n)]
+    assert sorted(starts) == list(range(n)), "an epoch visits every window exactly once"
+    one = data.batch(5, 0, 1)[0]
+    two = [data.batch(5, r, 2)[0] for r in range(2)]
+    assert (np.concatenate([t.numpy() for t in two]) == one.numpy()).all()
+    assert data.sequence(n).tolist() != data.sequence(0).tolist() or n == 1  # epoch 1 is reshuffled
+
+
+def test_nanogpt_bin_files_are_read(tmp_path):
+    ids = np.arange(1000, dtype="<u2") % 97
+    f = tmp_path / "train.bin"
+    ids.tofile(f)
+    data = TokenFiles(str(f), seq_len=10, global_batch=2, seed=0)
+    seq = data.sequence(0).numpy()
+    start = int(data._order(0)[0]) * 10
+    assert (seq == ids[start:start + 11]).all()
+
+
+def test_train_on_prepared_tokens(prepared, tmp_path, capsys):
+    _, _, out = prepared
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "cfg" / "run.toml"
+    cfg.parent.mkdir()
+    # data.path relative to the config file's folder
+    cfg.write_text('[data]\nsource = "tokens"\npath = "../tokens"\n[model]\nvocab_size = 128\n'
+                   '[train]\nsteps = 3\nseq_len = 16\nglobal_batch = 4\n')
+    assert main(["train", str(cfg), "--run-dir", str(run_dir)]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3
+    assert str(out.resolve()) in (run_dir / "config.toml").read_text()
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--set", "data.source=tokens"], "data.path is empty"),
+    (["--set", "data.source=tokens", "--set", "data.path=/nonexistent/x"], "no such file or directory"),
+])
+def test_bad_token_config_exits_2(tmp_path, capsys, args, expect):
+    assert main(["train", *args, "--run-dir", str(tmp_path / "run")]) == 2
+    assert expect in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_vocab_too_small_for_the_tokenizer_exits_2(prepared, tmp_path, capsys):
+    _, _, out = prepared
+    rc = main(["train", "--set", "data.source=tokens", "--set", f"data.path={out}",
+               "--set", "model.vocab_size=64", "--run-dir", str(tmp_path / "run")])
+    vocab = json.loads((out / "meta.json").read_text())["vocab_size"]
+    assert rc == 2 and 64 < vocab
+    assert f"model.vocab_size (64) is smaller than the tokenizer's vocabulary ({vocab}" in capsys.readouterr().err
+
+
+def test_prepare_refuses_bad_input_and_writes_nothing(tmp_path, capsys):
+    texts, jsonl = _corpus(tmp_path, docs=5)
+    _, tok_path = _tokenizer(tmp_path, texts * 10)
+    out = tmp_path / "out"
+    assert main(["data", "prepare", str(jsonl), "--tokenizer", str(tok_path), "--out", str(out),
+                 "--workers", "1"]) == 2
+    assert "has no string field 'text'" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["data", "prepare", str(jsonl), "--tokenizer", str(tok_path), "--out", str(out),
+                 "--field", "body"]) == 2
+    assert "already exists and is not an empty folder" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.multirank
+def test_resume_at_another_dp_size_sees_the_same_tokens(prepared, tmp_path):
+    """Kill-free version of "resume at a different dp size": 2 ranks stop at step 2 with a checkpoint,
+    1 rank resumes to step 4; its losses equal the uninterrupted 2-rank run's.
+
+    Tolerance: the two runs differ only in reduction order (dp 2 vs 1 with 2 micro-batches), so
+    the steps' parameters differ by rounding; elements whose gradient is pure rounding noise can
+    move by up to 2*lr under Adam, but such elements barely move the loss (first order:
+    |grad| * 2*lr ~ 1e-7 * 2e-2). A loss over 4*16 tokens then agrees to ~1e-6 relative; 1e-4 leaves
+    margin on any CPU while a shifted data position (other tokens) changes it by > 1e-2.
+    """
+    _, _, out = prepared
+    common = ["--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab_size=128",
+              "--set", "train.seq_len=16", "--set", "train.global_batch=4", "--set", "train.steps=4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env["OMP_NUM_THREADS"] = "1"
+
+    def train(run_dir, *extra):
+        r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *common, "--run-dir",
+                            str(run_dir), *extra], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    full = train(tmp_path / "full", "--nproc", "2")
+    part = tmp_path / "part"
+    train(part, "--nproc", "2", "--set", "train.steps=2", "--set", "train.checkpoint_every=2")
+    resumed = train(part, "--nproc", "1", "--set", "parallel.micro_batches=2", "--resume", "auto")
+    assert len(resumed) == 4
+    np.testing.assert_allclose(resumed[2:], full[2:], rtol=1e-4)
+    assert abs(resumed[3] - full[2]) > 1e-3, "different steps see different tokens"
