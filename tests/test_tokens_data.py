@@ -170,3 +170,55 @@ def test_resume_at_another_dp_size_sees_the_same_tokens(prepared, tmp_path):
     assert len(resumed) == 4
     np.testing.assert_allclose(resumed[2:], full[2:], rtol=1e-4)
     assert abs(resumed[3] - full[2]) > 1e-3, "different steps see different tokens"
+
+
+def test_eval_reports_loss_and_perplexity_on_held_out_windows(prepared, tmp_path):
+    _, _, out = prepared
+    run_dir = tmp_path / "run"
+    assert main(["train", "--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab_size=128",
+                 "--set", "data.eval_fraction=0.2", "--set", "train.eval_every=2", "--set", "train.eval_steps=2",
+                 "--set", "train.steps=5", "--set", "train.seq_len=16", "--set", "train.global_batch=4",
+                 "--run-dir", str(run_dir)]) == 0
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in recs if "eval_loss" in r}
+    assert sorted(evals) == [2, 4, 5], "every eval_every steps and after the last step"
+    for r in evals.values():
+        assert r["eval_ppl"] == pytest.approx(np.exp(r["eval_loss"]))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_loss"] == evals[5]["eval_loss"]
+    train_part = TokenFiles(str(out), 16, 4, holdout=0.2)
+    eval_part = TokenFiles(str(out), 16, 4, holdout=0.2, part="eval")
+    assert train_part.windows + eval_part.windows == (train_part.store.total - 1) // 16
+    assert max(int(train_part._order(0)[j]) for j in range(train_part.windows)) < eval_part.first
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--set", "train.eval_every=2", "--set", "parallel.pp=2", "--nproc", "2"], "parallel.pp > 1 is not supported"),
+    (["--set", "train.eval_every=2", "--set", "data.source=text"], "data.source = 'text' has none"),
+    (["--set", "data.eval_fraction=0.9"], "data.eval_fraction = 0.9: expected a fraction in [0, 0.5]"),
+])
+def test_bad_eval_config_exits_2(tmp_path, capsys, args, expect):
+    assert main(["train", *args, "--run-dir", str(tmp_path / "run")]) == 2
+    assert expect in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.multirank
+def test_two_rank_zero3_eval_matches_one_process(prepared, tmp_path):
+    """Eval through ZeRO-3's gather hooks on 2 ranks equals one process (tolerance as in the
+    resume test above: the runs differ only in reduction order)."""
+    _, _, out = prepared
+    common = ["--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab_size=128",
+              "--set", "data.eval_fraction=0.2", "--set", "train.eval_every=2", "--set", "train.steps=2",
+              "--set", "train.seq_len=16", "--set", "train.global_batch=4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env["OMP_NUM_THREADS"] = "1"
+    evals = []
+    for extra in (["--nproc", "2", "--set", "parallel.zero=3"], []):
+        run_dir = tmp_path / f"run{len(evals)}"
+        r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *common, *extra, "--run-dir",
+                            str(run_dir)], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "eval at step 2: loss" in r.stdout
+        evals.append(json.loads((run_dir / "summary.json").read_text())["eval_loss"])
+    assert evals[0] == pytest.approx(evals[1], rel=1e-4)

@@ -158,6 +158,10 @@ class TrainConfig:
     """float16 dynamic scaling: the floor of the scale."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (whole blocks)."""
+    eval_every: int = 0
+    """Evaluate on held-out data every N steps and after the last step (0 = never); see data.eval_path / data.eval_fraction."""
+    eval_steps: int = 10
+    """Batches of train.global_batch sequences per evaluation."""
     log_every: int = 1
     """Print a progress line every N steps on rank 0."""
     checkpoint_every: int = 0
@@ -182,6 +186,10 @@ class DataConfig:
     """text: read at most this many bytes."""
     seed: int = 0
     """Seed of the data stream (independent of train.seed)."""
+    eval_path: str = ""
+    """Held-out data for evaluation, in the same form as data.path (tokens: a prepared folder or .bin file); empty = use data.eval_fraction."""
+    eval_fraction: float = 0.0
+    """tokens: hold out this fraction of the data.path windows for evaluation (the end of the stream, never trained on); synthetic: evaluate on sequences of the same walk that training never reads."""
 
 
 @dataclass
@@ -349,15 +357,20 @@ def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConf
         except Exception as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
         _apply(cfg, raw, str(p), problems)
-        # A relative data.path in a file means "next to this file", wherever chipset is run from.
-        if isinstance(cfg.data.path, str) and cfg.data.path and not Path(cfg.data.path).is_absolute():
-            cfg.data.path = str((p.parent / cfg.data.path).resolve())
+        # A relative data path in a file means "next to this file", wherever chipset is run from.
+        _absolute_data_paths(cfg, p.parent)
     _apply(cfg, parse_overrides(overrides), "--set", problems)
     # ... and one given with --set means "from here": stored absolute, so the run directory's
     # config.toml (read again by the ranks and by a rerun) points at the same data.
-    if isinstance(cfg.data.path, str) and cfg.data.path and not Path(cfg.data.path).is_absolute():
-        cfg.data.path = str(Path(cfg.data.path).resolve())
+    _absolute_data_paths(cfg, Path.cwd())
     return cfg, problems
+
+
+def _absolute_data_paths(cfg: RunConfig, base: Path) -> None:
+    for key in ("path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            setattr(cfg.data, key, str((base / value).resolve()))
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:
@@ -445,6 +458,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
         )
     elif da.source == "tokens":
         problems += _token_data_problems(da.path, m.vocab_size)
+    problems += _eval_problems(cfg)
     if da.max_bytes < 1:
         problems.append(f"data.max_bytes = {da.max_bytes!r}: expected a positive number of bytes")
     for name in ("grad_clip", "weight_decay", "loss_scale", "warmup_steps"):
@@ -479,6 +493,32 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
                 f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
             )
     problems += _moe_problems(m, par)
+    return problems
+
+
+def _eval_problems(cfg: RunConfig) -> list[str]:
+    tr, da, par = cfg.train, cfg.data, cfg.parallel
+    problems = []
+    if tr.eval_every < 0 or tr.eval_steps < 1:
+        problems.append(f"train.eval_every/eval_steps = {tr.eval_every!r}/{tr.eval_steps!r}: expected eval_every >= 0 "
+                        "(0 = never) and eval_steps >= 1")
+    if not (isinstance(da.eval_fraction, float | int) and 0 <= da.eval_fraction <= 0.5):
+        problems.append(f"data.eval_fraction = {da.eval_fraction!r}: expected a fraction in [0, 0.5]")
+    if da.eval_path and da.source != "tokens":
+        problems.append(f"data.eval_path is set but data.source = {da.source!r}; eval_path needs data.source = 'tokens'")
+    if da.eval_fraction and da.eval_path:
+        problems.append("data.eval_fraction and data.eval_path are both set; choose one source of held-out data")
+    if tr.eval_every > 0:
+        if da.source == "text":
+            problems.append("train.eval_every needs held-out data: data.source = 'text' has none; "
+                            "prepare the text with `chipset data prepare` and use data.source = 'tokens'")
+        elif da.source == "tokens" and not (da.eval_path or da.eval_fraction):
+            problems.append("train.eval_every needs held-out data: set data.eval_path or data.eval_fraction (e.g. 0.05)")
+        if par.pp > 1:
+            problems.append("train.eval_every with parallel.pp > 1 is not supported yet (the pipeline schedules "
+                            "always run backward); evaluate with the same model on a layout without pp")
+        elif da.source == "tokens" and da.eval_path:
+            problems += [p.replace("data.path", "data.eval_path") for p in _token_data_problems(da.eval_path, cfg.model.vocab_size)]
     return problems
 
 

@@ -20,7 +20,7 @@ import torch
 
 from chipset.errors import ConfigError
 
-__all__ = ["SyntheticTokens", "TextBytes", "TokenFiles", "make_dataset", "TEXT_SUFFIXES"]
+__all__ = ["SyntheticTokens", "TextBytes", "TokenFiles", "make_dataset", "make_eval_dataset", "TEXT_SUFFIXES"]
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
@@ -28,7 +28,9 @@ TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 class SyntheticTokens:
     """A seeded token stream; ``batch(step, dp_rank, dp, micro, micro_batches)`` -> (tokens, targets)."""
 
-    def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int = 0, jump: float = 0.1):
+    def __init__(self, vocab_size: int, seq_len: int, global_batch: int, seed: int = 0, jump: float = 0.1,
+                 offset: int = 0):
+        self.offset = offset  # evaluation reads the same walk from indices no training step reaches
         self.vocab_size = vocab_size
         self.seq_len = seq_len
         self.global_batch = global_batch
@@ -40,7 +42,7 @@ class SyntheticTokens:
 
     def sequence(self, index: int) -> torch.Tensor:
         """Sequence ``index`` of the stream: ``seq_len + 1`` token ids (int64)."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.offset + index)
         n = self.seq_len + 1
         start = torch.randint(self.vocab_size, (1,), generator=g)
         jumps = (torch.rand(n, generator=g) < self.jump).tolist()
@@ -126,19 +128,28 @@ class TokenFiles:
     ``e = i // n``, so like the other sources it depends only on ``(seed, i)``: dp ranks take
     disjoint blocks of each global batch, and a resumed run (at any dp size) reads exactly
     the tokens the uninterrupted run would have.
+
+    ``holdout``: the last fraction of the windows (the end of the stream) is kept out of
+    training; ``part = "eval"`` reads only those, in stream order.
     """
 
-    def __init__(self, path: str, seq_len: int, global_batch: int, seed: int = 0, vocab_size: int | None = None):
+    def __init__(self, path: str, seq_len: int, global_batch: int, seed: int = 0, vocab_size: int | None = None,
+                 holdout: float = 0.0, part: str = "train"):
         from chipset.tokens import open_tokens
 
         self.store = open_tokens(path)
         self.source = self.store.source
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.vocab_size = vocab_size
-        self.windows = (self.store.total - 1) // seq_len
+        total = (self.store.total - 1) // seq_len
+        held = max(1, int(total * holdout)) if holdout > 0 else 0
+        self.part = part
+        self.first, self.windows = (total - held, held) if part == "eval" else (0, total - held)
         if self.windows < 1:
-            raise ConfigError(f"data.path = {path!r} holds {self.store.total} tokens; need more than "
-                              f"train.seq_len + 1 ({seq_len + 1}) for one sequence")
+            what = "held-out" if part == "eval" else "training"
+            raise ConfigError(f"data.path = {path!r} holds {self.store.total} tokens: no {what} sequence of "
+                              f"train.seq_len + 1 ({seq_len + 1}) tokens is left (data.eval_fraction = {holdout}); "
+                              "use more data or a shorter seq_len")
         self._epoch, self._perm = -1, None
 
     def _order(self, epoch: int):
@@ -151,7 +162,8 @@ class TokenFiles:
 
     def sequence(self, index: int) -> torch.Tensor:
         epoch, j = divmod(index, self.windows)
-        start = int(self._order(epoch)[j]) * self.seq_len
+        window = self.first + j if self.part == "eval" else int(self._order(epoch)[j])
+        start = window * self.seq_len
         seq = torch.from_numpy(self.store.read(start, self.seq_len + 1))
         if self.vocab_size is not None and int(seq.max()) >= self.vocab_size:
             raise ConfigError(f"data.path = {self.source!r} holds token id {int(seq.max())} but model.vocab_size "
@@ -165,7 +177,21 @@ def make_dataset(cfg) -> SyntheticTokens | TextBytes | TokenFiles:
     """The dataset a :class:`chipset.config.RunConfig` asks for."""
     tr, da = cfg.train, cfg.data
     if da.source == "tokens":
-        return TokenFiles(da.path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size)
+        return TokenFiles(da.path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
+                          holdout=da.eval_fraction)
     if da.source == "text":
         return TextBytes(da.path, tr.seq_len, tr.global_batch, seed=da.seed, max_bytes=da.max_bytes)
     return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed)
+
+
+def make_eval_dataset(cfg) -> SyntheticTokens | TokenFiles:
+    """Held-out data for ``train.eval_every``: data.eval_path, the data.eval_fraction of data.path, or
+    (synthetic) sequences of the same walk that no training step reads."""
+    tr, da = cfg.train, cfg.data
+    if da.source == "tokens":
+        if da.eval_path:
+            return TokenFiles(da.eval_path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
+                              holdout=1.0, part="eval")
+        return TokenFiles(da.path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
+                          holdout=da.eval_fraction, part="eval")
+    return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed, offset=1 << 40)

@@ -22,12 +22,14 @@ from chipset.engine import schedule
 from chipset.engine.context_parallel import ContextParallel, apply_cp
 from chipset.engine.data import SyntheticTokens, TextBytes, make_dataset
 from chipset.engine.data_parallel import DataParallel
+from chipset.engine.evaluate import Evaluator
 from chipset.engine.expert_parallel import apply_ep
 from chipset.engine.metrics import StepMetrics, trace_range
 from chipset.engine.moe_parallel import apply_cp_moe, apply_tp_moe
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.pipeline import build_pipeline
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
+from chipset.engine.progress import Progress, fmt_bytes
 from chipset.engine.recompute import apply_recompute
 from chipset.engine.tensor_parallel import TPContext, apply_tp
 from chipset.models import Transformer
@@ -100,12 +102,7 @@ def lr_at(cfg: RunConfig, step: int) -> float:
     return schedule.lr_at(cfg.train, step)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+_fmt_bytes = fmt_bytes
 
 
 def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=None, keep_params: bool = False,
@@ -149,6 +146,9 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     overall_peak = 0
     times = []
     obs = StepMetrics(cfg, backend, dims, device=device, run_dir=run_dir, rank=rank, out=out)
+    progress = Progress(cfg, out, start_step=start, enabled=rank == 0)
+    evaluator = Evaluator(cfg, engine, dims, col, rank) if tr.eval_every else None
+    last_eval = None
     try:
         for step in range(start, tr.steps):
             col.notify_step(step)
@@ -181,6 +181,10 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
                    "loss_scale": stats["loss_scale"], "skipped": stats["skipped"],
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "peak_memory_bytes": peak}
             rec = obs.end_step(rec)  # every rank's time, memory and communication, gathered
+            if evaluator is not None and evaluator.due(step + 1):
+                last_eval = evaluator.run()
+                rec.update(last_eval)
+                progress.eval(step + 1, last_eval)
             res.losses.append(loss)
             res.metrics.append(rec)
             if metrics_file is not None:
@@ -188,14 +192,11 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
                 metrics_file.flush()
             if ckpt is not None and ckpt.due(step + 1):
                 ckpt.save(step + 1)
-            if rank == 0 and ((step + 1) % tr.log_every == 0 or step + 1 == tr.steps):
-                skipped = " (skipped: overflow)" if stats["skipped"] else ""
-                print(f"step {step + 1:>4}/{tr.steps}  loss {loss:8.4f}  grad_norm {stats['grad_norm']:8.4f}  "
-                      f"lr {lr:.2e}  {rec['tokens_per_s']:9.0f} tok/s  mem {_fmt_bytes(peak)}{skipped}",
-                      file=out, flush=True)
+            progress.step(rec, stats["skipped"])
         if ckpt is not None:
             ckpt.finish()  # an asynchronous save completes (or raises) before the summary
     finally:
+        progress.close()
         obs.close()
         if metrics_file is not None:
             metrics_file.close()
@@ -221,6 +222,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         "loss_scale": engine.scaler.state_dict(),
         "params_digest": params_digest(params),
         **obs.summary(),
+        **(last_eval or {}),
         **(ckpt.summary() if ckpt is not None else {}),
         **({"elastic": elastic.to_dict()} if elastic is not None else {}),
     }

@@ -170,8 +170,11 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin)
         return self.head(x)
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (float32) over the tokens this rank holds."""
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, aux: bool = True) -> torch.Tensor:
+        """Mean next-token cross-entropy (float32) over the tokens this rank holds.
+
+        ``aux``: add a MoE model's load-balancing loss (training); evaluation leaves it out.
+        """
         positions = None
         if self.seq_layout is not None:
             positions = self.seq_layout.positions(tokens.shape[1], tokens.device)
@@ -180,6 +183,6 @@ class Transformer(nn.Module):
         loss_fn = self.loss_fn or self._k.cross_entropy
         loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         moe = [m for m in self.modules() if isinstance(m, MoE)]
-        if moe and self.cfg.aux_loss_coef:  # MoE load-balancing loss (models/moe.py)
+        if aux and moe and self.cfg.aux_loss_coef:  # MoE load-balancing loss (models/moe.py)
             loss = loss + self.cfg.aux_loss_coef * torch.stack([m.aux_loss for m in moe]).sum()
         return loss

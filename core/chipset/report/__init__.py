@@ -114,7 +114,8 @@ def _series(run: Run) -> dict[str, dict[str, list[tuple[float, float]]]]:
     memory = ({f"rank {i}": pts(lambda r, i=i: r["peak_memory_bytes_per_rank"][i]) for i in range(world)}
               if world else {"rank 0": pts(lambda r: r["peak_memory_bytes"])})
     return {
-        "plot-loss": {"loss": pts(lambda r: r["loss"])},
+        "plot-loss": {"loss": pts(lambda r: r["loss"]),
+                      **({"eval loss": ev} if (ev := pts(lambda r: r.get("eval_loss"))) else {})},
         "plot-grad-norm": {"grad norm": pts(lambda r: r["grad_norm"])},
         "plot-lr": {"lr": pts(lambda r: r["lr"])},
         "plot-throughput": {"tokens/s": pts(lambda r: r["tokens_per_s"])},
