@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 RECOMPUTE = ("none", "selective", "full")
 ROUTERS = ("softmax", "sigmoid")
 DATA_SOURCES = ("synthetic", "text", "tokens")
@@ -253,6 +254,13 @@ def _coerce(value: Any, typ: type, key: str, problems: list[str]) -> Any:
     return value
 
 
+def _did_you_mean(word: str, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _apply(cfg: RunConfig, raw: dict[str, Any], where: str, problems: list[str]) -> None:
     if not isinstance(raw, dict):
         problems.append(f"expected a table of sections, found {type(raw).__name__}")
@@ -260,7 +268,7 @@ def _apply(cfg: RunConfig, raw: dict[str, Any], where: str, problems: list[str])
     for section, body in raw.items():
         if section not in SECTIONS:
             problems.append(
-                f"[{section}]: unknown section; expected one of {', '.join(SECTIONS)}"
+                f"[{section}]: unknown section{_did_you_mean(section, SECTIONS)}; expected one of {', '.join(SECTIONS)}"
             )
             continue
         if not isinstance(body, dict):
@@ -272,9 +280,12 @@ def _apply(cfg: RunConfig, raw: dict[str, Any], where: str, problems: list[str])
             full = f"{section}.{key}"
             if key not in types:
                 problems.append(
-                    f"{full}: unknown key (value {value!r}); valid keys in [{section}]: {', '.join(types)}"
+                    f"{full}: unknown key (value {value!r}){_did_you_mean(key, types)}; "
+                    f"valid keys in [{section}]: {', '.join(types)}"
                 )
                 continue
+            if full == "train.dtype" and value in DTYPE_ALIASES:
+                value = DTYPE_ALIASES[value]
             v = _coerce(value, types[key], full, problems)
             if v is not None:
                 setattr(target, key, v)
@@ -480,11 +491,13 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
         other = par.tp * par.pp * par.cp
         if par.dp == 0:
             if world_size % other:
-                problems.append(f"tp*pp*cp ({other}) must divide world size ({world_size})")
+                problems.append(f"tp*pp*cp ({other}) must divide world size ({world_size}); run with a multiple of "
+                                f"{other} ranks, e.g. --nproc {other * max(1, round(world_size / other))}")
             else:
                 par.dp = world_size // other
         elif par.dp * other != world_size:
-            problems.append(f"dp*tp*pp*cp ({par.dp * other}) must equal world size ({world_size})")
+            problems.append(f"dp*tp*pp*cp ({par.dp * other}) must equal world size ({world_size}); "
+                            f"run with --nproc {par.dp * other} (or set parallel.dp = 0 to use every rank)")
     dp = par.dp if par.dp > 0 else None
     if dp and par.micro_batches > 0 and tr.global_batch > 0:
         if tr.global_batch % (dp * par.micro_batches):

@@ -15,7 +15,38 @@ COMMANDS = ("backends", "info", "train", "plugin", "conformance", "plan", "repor
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # exit 2 with one clear line, and a hint
         self.print_usage(sys.stderr)
-        self.exit(2, f"chipset: error: {message}\nRun '{self.prog} --help' for the valid commands and options.\n")
+        self.exit(2, f"chipset: error: {message}{self._suggest(message)}\n"
+                     f"Run '{self.prog} --help' for the valid commands and options.\n")
+
+    def _suggest(self, message: str) -> str:
+        """'did you mean' for a mistyped command or option (argparse on Python < 3.14 has none)."""
+        import difflib
+        import re
+
+        m = re.search(r"invalid choice: '([^']*)'", message)
+        if m:
+            choices = [c for a in self._actions if a.choices for c in a.choices]
+            words = [m.group(1)]
+        else:
+            m = re.search(r"unrecognized arguments: (.*)", message)
+            if not m:
+                return ""
+            choices = sorted(set(_options(self)))
+            words = [w.split("=")[0] for w in m.group(1).split() if w.startswith("-")]
+        hints = [f"{w!r} -> {close[0]!r}" for w in words
+                 if (close := difflib.get_close_matches(w, choices, n=1, cutoff=0.6))]
+        return f" (did you mean: {', '.join(hints)}?)" if hints else ""
+
+
+def _options(parser) -> list[str]:
+    """Every option string of ``parser`` and its sub-commands (unknown options reach the top parser)."""
+    out = []
+    for a in parser._actions:
+        out += a.option_strings
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                out += _options(sub)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
