@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from chipset.logs import configure
+
+    configure()
     try:
         return int(args.run(args) or 0)
     except ChipsetError as exc:
