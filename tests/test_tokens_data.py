@@ -222,3 +222,23 @@ def test_two_rank_zero3_eval_matches_one_process(prepared, tmp_path):
         assert "eval at step 2: loss" in r.stdout
         evals.append(json.loads((run_dir / "summary.json").read_text())["eval_loss"])
     assert evals[0] == pytest.approx(evals[1], rel=1e-4)
+
+
+def test_parquet_and_text_inputs(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts, _ = _corpus(tmp_path, docs=30)
+    tok, tok_path = _tokenizer(tmp_path, texts)
+    pq.write_table(pa.table({"content": texts[:20], "n": list(range(20))}), tmp_path / "part.parquet")
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, t in enumerate(texts[20:]):
+        (folder / f"{i:02d}.txt").write_text(t)
+    out = tmp_path / "tok"
+    assert main(["data", "prepare", str(tmp_path / "part.parquet"), str(folder), "--tokenizer", str(tok_path),
+                 "--out", str(out), "--field", "content", "--workers", "1"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents"] == 30
+    expected = sum(len(tok.encode(t, add_special_tokens=False).ids) + 1 for t in texts)
+    assert meta["tokens"] == expected

@@ -53,7 +53,7 @@ def _load_tokenizer(f: Path):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise usage("the 'tokenizers' package is not installed", "pip install tokenizers") from None
+        raise usage("the 'tokenizers' package is not installed", "pip install 'chipset[data]' (or pip install tokenizers)") from None
     try:
         return Tokenizer.from_file(str(f))
     except Exception as exc:  # tokenizers raises its own Exception type on a bad file
@@ -126,7 +126,7 @@ def documents(path: Path, field: str) -> Iterator[str]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise usage(f"reading {path} needs pyarrow", "pip install pyarrow") from None
+            raise usage(f"reading {path} needs pyarrow", "pip install 'chipset[data]' (or pip install pyarrow)") from None
         pf = pq.ParquetFile(path)
         if field not in pf.schema_arrow.names:
             raise usage(f"{path} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})",
