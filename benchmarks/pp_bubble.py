@@ -1,4 +1,4 @@
-"""Measured pipeline bubble of chipset's schedules vs (p-1)/m (DESIGN.md), on any backend.
+"""Measured pipeline bubble of chipset's schedules vs (p-1)/m (docs/formulas.md), on any backend.
 
 Each forward sleeps ``--forward-ms`` and each backward ``--backward-ms`` (default 250/500)
 after its real compute, so a step is bound by the schedule rather than by Python and

@@ -33,7 +33,7 @@ def test_parts_outside_the_table_are_not_guessed_from_a_similar_name(name):
 
 
 def test_design_brief_bf16_peaks_match_the_table():
-    # DESIGN.md: dense bf16 A100 312, H100 SXM 989, H200 989 (same die) TFLOP/s.
+    # docs/formulas.md: dense bf16 A100 312, H100 SXM 989, H200 989 (same die) TFLOP/s.
     profiles = P.profiles()
     assert profiles["a100-80g"].peak_flops["bfloat16"] == 312e12
     assert profiles["h100-sxm"].peak_flops["bfloat16"] == pytest.approx(989e12, rel=1e-3)

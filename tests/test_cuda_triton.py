@@ -6,7 +6,7 @@ this module sets it before importing either, removes it again afterwards, and se
 again around each of its tests (triton reads it lazily as well), so other tests'
 environment is left alone. Shapes are tiny: the interpreter runs every program in Python.
 
-Tolerances are DESIGN.md's per dtype (fp32 1.3e-6/1e-5, fp16 1e-3/1e-5, bf16 1.6e-2/1e-5)
+Tolerances are docs/formulas.md's per dtype (fp32 1.3e-6/1e-5, fp16 1e-3/1e-5, bf16 1.6e-2/1e-5)
 with one declared exception, documented in docs/cuda.md: swiglu's gate gradient in
 fp16 is the sum of two rounded terms that can cancel; eager CPU rounds
 ``sigmoid_backward`` after each fp16 op where CUDA (and the kernel) round once, so it is

@@ -46,7 +46,7 @@ class SimResult:
 
     @property
     def bubble(self) -> float:
-        """Idle time over ideal time (m*v*(f+b) per rank), as DESIGN.md defines the bubble."""
+        """Idle time over ideal time (m*v*(f+b) per rank), as docs/formulas.md defines the bubble."""
         s = self.schedule
         ideal = s.micro_batches * s.virtual_stages * (self.forward_cost + self.backward_cost)
         return (self.makespan - ideal) / ideal

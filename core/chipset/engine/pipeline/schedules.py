@@ -112,7 +112,7 @@ class PipelineSchedule:
         return virtual_stage % self.stages, virtual_stage // self.stages
 
     def theoretical_bubble(self) -> float:
-        """DESIGN.md: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved."""
+        """docs/formulas.md: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved."""
         return (self.stages - 1) / (self.virtual_stages * self.micro_batches)
 
     def render(self) -> str:
