@@ -119,7 +119,7 @@ def _check_html(text: str) -> _Checker:
 
 def test_report_is_well_formed_offline_and_has_every_plot(tmp_path, capsys):
     run = _write_run(tmp_path / "run")
-    out = tmp_path / "out" / "r.html"
+    out = tmp_path / "r.html"
     assert main(["report", str(run), "--out", str(out), "--no-png"]) == 0
     assert f"{len(PLOTS)} plots" in capsys.readouterr().out
     text = out.read_text()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from chipset.errors import ConfigError
+from chipset.preflight import read_text_file, value_problems
 
 __all__ = [
     "ModelConfig",
@@ -357,10 +358,7 @@ def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConf
     cfg = RunConfig()
     if path is not None:
         p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}; check the path") from None
+        text = read_text_file(p, "config file", "a TOML config file (docs/config.md)")
         try:
             raw = _toml_loads(text)
         except ConfigError:
@@ -400,8 +398,18 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
 
 def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, ...] | None = None) -> list[str]:
     """Every cross-field problem of ``cfg`` as a list of messages (fills ``parallel.dp`` when 0)."""
+    bad_values, bad_keys = value_problems(cfg)
+    if any(isinstance(getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]), int) for k in bad_keys):
+        return bad_values  # cross-field rules would build tables sized by an int beyond int64
+    checked = _validate_ranges(cfg, world_size, dtypes, [])
+    # Keys already refused as non-finite, too large or not one line of text are reported once.
+    return bad_values + [p for p in checked if p.split(" ", 1)[0] not in bad_keys]
+
+
+def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, ...] | None,
+                     problems: list[str]) -> list[str]:
+    """The range and cross-field rules of :func:`validate`."""
     m, par, tr, da = cfg.model, cfg.parallel, cfg.train, cfg.data
-    problems: list[str] = []
 
     def positive(section: str, obj: Any, *names: str) -> None:
         for n in names:
@@ -442,7 +450,10 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
     problems += _tp_cp_problems(m, par, tr)
-    if par.pp > 1:  # schedule, split and combinations: engine/pipeline/__init__.py
+    # The schedule is built to check it: only for degrees the rules below do not refuse anyway
+    # (pp beyond the world, more micro-batches than sequences).
+    if 1 < par.pp <= (world_size or par.pp) and par.micro_batches <= max(tr.global_batch, 1):
+        # schedule, split and combinations: engine/pipeline/__init__.py
         from chipset.engine.pipeline import pipeline_problems
 
         problems += pipeline_problems(cfg)

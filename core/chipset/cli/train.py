@@ -96,6 +96,7 @@ def run(args) -> int:
             f"sees on this node; lower --nproc or make more devices visible ({b.device.visible_devices_env})"
         )
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
+    _preflight(cfg, b, run_dir, world, args.nproc)  # bad folder, data, timeout or sizes: exit 2, nothing written
     check_resume(run_dir, args.resume, cfg, b)  # a bad --resume or a different model: exit 2, nothing written
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
@@ -119,6 +120,28 @@ def run(args) -> int:
     elif args.project:
         return _project(args.project, cfg, world, run_dir)
     return rc
+
+
+def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int) -> None:
+    """What would otherwise fail inside every rank (or after the run directory exists): check it here.
+
+    The run directory must be a writable folder, ``data.path`` must exist, ``CHIPSET_COLLECTIVE_TIMEOUT``
+    must parse, and the planner's per-rank memory estimate must fit the backend's devices (and the
+    host's available memory where the devices are host memory), so absurd sizes exit 2 in seconds.
+    """
+    from chipset.errors import ConfigError
+    from chipset.interfaces.collective import collective_timeout
+    from chipset.preflight import check_job_memory, check_writable_dir
+
+    check_writable_dir(run_dir, "run directory", "--run-dir")
+    if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).exists():
+        raise ConfigError(f"data.path = {cfg.data.path!r}: no such file or directory; give a text file or a "
+                          "folder of them (or leave data.path empty for the Python standard library's sources)")
+    collective_timeout()
+    caps = b.capabilities
+    total = b.device.properties(0).total_memory if caps.memory_capacity_enforced else None
+    check_job_memory(cfg, world, local_ranks, total, b.device.torch_device(0).type == "cpu",
+                     kernels="fused" if caps.kernels else "reference")
 
 
 def _project(profile: str, cfg, world: int, run_dir: Path) -> int:

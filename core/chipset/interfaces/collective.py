@@ -45,11 +45,12 @@ def collective_timeout() -> _dt.timedelta:
     raw = os.environ.get("CHIPSET_COLLECTIVE_TIMEOUT", "600")
     try:
         seconds = float(raw)
-        if seconds <= 0:
+        if not 0 < seconds < 10**9:  # also refuses nan and inf, which timedelta cannot hold
             raise ValueError
     except ValueError:
         raise ConfigError(
-            f"CHIPSET_COLLECTIVE_TIMEOUT must be a positive number of seconds, found {raw!r}"
+            f"CHIPSET_COLLECTIVE_TIMEOUT must be a positive, finite number of seconds (below 1e9), found {raw!r}; "
+            "set it to e.g. 600 or unset it for the default"
         ) from None
     return _dt.timedelta(seconds=seconds)
 

@@ -33,6 +33,11 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
 
+MAX_DEVICES = 2**20
+"""Most devices a cluster spec may name: the search walks every divisor of the world size, so an absurd
+spec (10^9 x 10^9) would run for ever instead of answering."""
+
+
 def parse_cluster_spec(spec: str) -> tuple[int, int, str]:
     """``"64x8:a100-80g"`` -> ``(64, 8, "a100-80g")``; ConfigError when it does not parse."""
     mt = _SPEC.match(spec or "")
@@ -41,7 +46,13 @@ def parse_cluster_spec(spec: str) -> tuple[int, int, str]:
             f"cannot parse cluster spec {spec!r}: expected NODESxDEVICES:PROFILE with positive integers, "
             "for example 64x8:a100-80g (run 'chipset plan --list-profiles' for profile names)"
         )
-    return int(mt.group(1)), int(mt.group(2)), mt.group(3)
+    nodes, per_node = int(mt.group(1)), int(mt.group(2))
+    if nodes * per_node > MAX_DEVICES:
+        raise ConfigError(
+            f"cluster spec {spec!r} has {nodes * per_node:,} devices; the planner enumerates layouts of at most "
+            f"{MAX_DEVICES:,} devices (the largest training clusters hold ~10^5); give fewer NODES or DEVICES"
+        )
+    return nodes, per_node, mt.group(3)
 
 
 def list_profiles() -> dict[str, tuple[str, DeviceProperties]]:

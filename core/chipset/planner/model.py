@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from chipset.errors import ConfigError
+from chipset.preflight import INT_LIMIT, read_text_file
 
 __all__ = ["ModelSpec", "PRESETS", "get_preset", "load_model_toml", "apply_model_overrides", "from_engine_model_config"]
 
@@ -166,12 +167,12 @@ class ModelSpec:
         problems = []
         for f in ("layers", "hidden", "heads", "vocab", "seq_len", "top_k", "moe_every"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                problems.append(f"model.{f} must be a positive integer (found {v!r})")
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= INT_LIMIT:
+                problems.append(f"model.{f} must be a positive integer of at most 2**63-1 (found {v!r})")
         for f in ("kv_heads", "ffn_hidden", "num_experts"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                problems.append(f"model.{f} must be a non-negative integer (found {v!r})")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= INT_LIMIT:
+                problems.append(f"model.{f} must be a non-negative integer of at most 2**63-1 (found {v!r})")
         for f, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("position", POSITION_KINDS),
                          ("kernels", KERNEL_KINDS)):
             if getattr(self, f) not in kinds:
@@ -266,10 +267,10 @@ def load_model_toml(path: str | Path, base: ModelSpec | None = None) -> ModelSpe
     else:  # pragma: no cover
         import tomli as tomllib
     p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"model file {str(p)!r} not found; pass an existing TOML file with a [model] table")
     try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"model file {str(p)!r} not found; pass an existing TOML file with a [model] table") from None
+        data = tomllib.loads(read_text_file(p, "model file", "a TOML file with a [model] table"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"model file {str(p)!r} is not valid TOML: {exc}") from None
     table = data.get("model")

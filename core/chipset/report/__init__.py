@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from chipset.errors import UsageError
+from chipset.preflight import check_output_file, read_text_file
+from chipset.report.checks import check_record, parse_summary
 from chipset.report.svg import _num, line_chart
 
 __all__ = ["PLOTS", "Run", "load_run", "render_html", "write_report", "write_pngs"]
@@ -34,6 +36,7 @@ PLOTS = {
     "plot-time-split": "Step time: compute / communication / idle (mean over ranks)",
 }
 """Every plot the page carries, by element id (each is present even when its data is not)."""
+_METRICS = "the JSON lines chipset train writes (one object per step)"
 
 
 @dataclass
@@ -59,17 +62,21 @@ def load_run(run_dir: str | Path) -> Run:
             "pass the folder chipset train printed as its run directory"
         )
     run = Run(path)
-    for n, line in enumerate(metrics.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text_file(metrics, "metrics file", _METRICS).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            run.records.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
             run.restarts.append(f"metrics.jsonl line {n} is not JSON (a rank was killed while writing?)")
+            continue
+        run.records.append(check_record(rec, metrics, n))
     if (path / "summary.json").is_file():
-        run.summary = json.loads((path / "summary.json").read_text())
+        summary = path / "summary.json"
+        run.summary = parse_summary(read_text_file(summary, "summary", "the JSON object chipset train writes"),
+                                    summary)
     if (path / "config.toml").is_file():
-        run.config_text = (path / "config.toml").read_text()
+        run.config_text = read_text_file(path / "config.toml", "run config", "the TOML file chipset train writes")
     prev = None
     for rec in run.records:
         step = rec.get("step")
@@ -167,6 +174,11 @@ document.addEventListener("DOMContentLoaded", function () {
 """
 
 
+def _fixed(v: Any, digits: int) -> str:
+    """A number with ``digits`` decimals; "?" when it is missing or null (not known)."""
+    return f"{v:.{digits}f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "?"
+
+
 def _table(rows: list[tuple[str, Any]]) -> str:
     body = "".join(f"<tr><th>{escape(str(k))}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
     return f"<table>{body}</table>"
@@ -185,11 +197,11 @@ def render_html(run: Run) -> str:
         ("layout", " ".join(f"{k}={v}" for k, v in layout.items()) or "?"),
         ("dtype / recompute", f"{s.get('dtype', '?')} / {s.get('recompute', '?')}"),
         ("steps recorded", len(recs)),
-        ("loss first -> final", f"{recs[0].get('loss', float('nan')):.4f} -> {last.get('loss', float('nan')):.4f}"
+        ("loss first -> final", f"{_fixed(recs[0].get('loss'), 4)} -> {_fixed(last.get('loss'), 4)}"
          if recs else "no steps"),
-        ("tokens/s (steady)", f"{s['tokens_per_s']:.0f}" if "tokens_per_s" in s else "?"),
+        ("tokens/s (steady)", _fixed(s.get("tokens_per_s"), 0)),
         ("MFU (mean)", f"{100 * mfu:.3g} %" if isinstance(mfu, (int, float)) else "n/a (no declared peak)"),
-        ("peak memory per rank", ", ".join(_bytes(x) for x in s.get("peak_memory_bytes", [])) or "?"),
+        ("peak memory per rank", ", ".join(_bytes(x) for x in s.get("peak_memory_bytes") or []) or "?"),
         ("skipped steps", s.get("skipped_steps", "?")),
         ("checkpoints saved at steps", ", ".join(str(x) for x in s.get("checkpoints_saved") or []) or "none"),
         ("params digest", s.get("params_digest", "?")),
@@ -240,7 +252,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, png: boo
     """
     run = load_run(run_dir)
     target = Path(out) if out is not None else run.path / "report.html"
-    target.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(target, "report", "--out FILE.html")  # before anything is written
     target.write_text(render_html(run), encoding="utf-8")
     pngs = write_pngs(run, target.parent / f"{target.stem}_png") if png else []
     return target, pngs

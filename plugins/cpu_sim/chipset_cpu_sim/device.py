@@ -22,6 +22,9 @@ DEVICES_ENV = "CHIPSET_SIM_DEVICES"
 VISIBLE_ENV = "CHIPSET_SIM_VISIBLE_DEVICES"
 PROFILE_ENV = "CHIPSET_SIM_PROFILE"
 DEFAULT_DEVICES = 8
+MAX_DEVICES = 4096
+"""Most simulated devices per node: each keeps its own RNG state and memory counters on the host,
+so an absurd count (99999999) is refused at once instead of eating gigabytes of bookkeeping."""
 
 
 def _int_env(name: str, default: int) -> int:
@@ -38,7 +41,11 @@ def _int_env(name: str, default: int) -> int:
 
 
 def physical_count() -> int:
-    return _int_env(DEVICES_ENV, DEFAULT_DEVICES)
+    n = _int_env(DEVICES_ENV, DEFAULT_DEVICES)
+    if n > MAX_DEVICES:
+        raise ConfigError(f"{DEVICES_ENV}={n}: at most {MAX_DEVICES} simulated devices per node (each keeps an "
+                          f"RNG state and memory counters on the host); set {DEVICES_ENV} to {MAX_DEVICES} or fewer")
+    return n
 
 
 def visible_indices() -> list[int]:

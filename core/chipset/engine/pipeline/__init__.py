@@ -71,7 +71,7 @@ def pipeline_problems(cfg) -> list[str]:
             f"parallel.schedule = 'interleaved_1f1b' needs parallel.virtual_stages >= 2 (found {par.virtual_stages}); "
             "set parallel.virtual_stages=2 or choose schedule 1f1b"
         )
-    elif par.micro_batches > 0:
+    elif par.micro_batches > 0 and par.pp * par.virtual_stages <= m.num_hidden_layers + 2:  # else refused below
         try:
             schedule_for(par)
         except ConfigError as exc:

@@ -1,0 +1,253 @@
+"""Checks that run before anything is written or launched, so bad input exits 2 with a clear message.
+
+Why a module of its own: the same questions (is this file text? can this folder be written? can
+this host back this job?) are asked by ``chipset train``, ``plan``, ``report`` and ``plugin new``,
+and each must be answered before the command creates a folder, writes a file or starts a rank.
+Every function raises :class:`chipset.errors.UsageError` (exit 2) or returns a list of problems.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import math
+import os
+import tempfile
+import unicodedata
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from chipset.errors import UsageError
+
+__all__ = [
+    "INT_LIMIT",
+    "read_text_file",
+    "value_problems",
+    "check_writable_dir",
+    "check_output_file",
+    "host_memory_available",
+    "check_job_memory",
+]
+
+log = logging.getLogger(__name__)
+
+INT_LIMIT = 2**63 - 1
+"""The largest integer a config key may hold: torch indexes and seeds tensors with int64."""
+
+
+# --- files ---------------------------------------------------------------------------------
+
+
+def read_text_file(path: str | Path, what: str, expected: str) -> str:
+    """The UTF-8 text of ``path``; UsageError naming ``what`` when it is missing or binary.
+
+    ``expected`` describes the right kind of file (e.g. "a TOML config file"); it goes in the
+    message together with what was found, so the user knows which file to pass instead.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except IsADirectoryError:
+        raise UsageError(f"{what} {str(p)!r} is a folder; expected {expected}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {str(p)!r}: {exc.strerror or exc}; expected {expected}, "
+                         "check the path") from None
+    nul = data.find(b"\0")
+    try:
+        text = data.decode("utf-8")
+        bad = nul
+    except UnicodeDecodeError as exc:
+        bad = exc.start if nul < 0 else min(nul, exc.start)
+    else:
+        if nul < 0:
+            return text
+    raise UsageError(
+        f"{what} {str(p)!r} is not a text file: byte 0x{data[bad]:02x} at offset {bad} is not UTF-8 text "
+        f"({len(data)} bytes, starting {data[:8]!r}); expected {expected}, pass that file instead"
+    )
+
+
+# --- config values -------------------------------------------------------------------------
+
+
+def _control_char(text: str) -> tuple[int, str] | None:
+    for i, ch in enumerate(text):
+        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+            return i, ch
+    return None
+
+
+def value_problems(cfg: Any) -> tuple[list[str], set[str]]:
+    """Per-value sanity of every key of a dataclass config (sections of dataclasses).
+
+    Every float must be finite, every int within :data:`INT_LIMIT`, every string one line of
+    printable text. Returns (problems, keys with a problem) so the caller can skip its own
+    range checks of those keys and report each key once.
+    """
+    problems: list[str] = []
+    bad: set[str] = set()
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(obj):
+            continue
+        types = get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            key, v, typ = f"{section.name}.{f.name}", getattr(obj, f.name), types.get(f.name)
+            if typ is float and isinstance(v, float) and not math.isfinite(v):
+                problems.append(f"{key} = {v!r}: expected a finite number (default {f.default!r})")
+            elif typ is int and isinstance(v, int) and abs(v) > INT_LIMIT:
+                problems.append(f"{key} = {v:.3e}: far too large; expected an integer of at most "
+                                f"{INT_LIMIT} (int64) and in practice one this host can hold (default {f.default!r})")
+            elif typ is str and isinstance(v, str) and (hit := _control_char(v)) is not None:
+                i, ch = hit
+                problems.append(f"{key} = {v!r}: control character {ch!r} at position {i}; expected one line "
+                                "of printable text")
+            else:
+                continue
+            bad.add(key)
+    return problems, bad
+
+
+# --- folders -------------------------------------------------------------------------------
+
+
+def _probe_write(folder: Path) -> OSError | None:
+    """Try to create (and remove) a temporary file in ``folder``: the only test that also holds as root,
+    where permission bits do not stop writes but read-only mounts and /proc do."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".chipset-write-test-", dir=folder)
+    except OSError as exc:
+        return exc
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
+def check_writable_dir(path: str | Path, what: str, flag: str) -> None:
+    """UsageError unless ``path`` is a writable folder or can be created as one; creates nothing.
+
+    Checks: ``path`` is not a file, no ancestor is a file, and the nearest existing folder
+    accepts a new file (tested by creating and removing one).
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{what} {str(p)!r} is a file, not a folder; expected a folder to write into. "
+                         f"Pass another {flag} (a new or existing folder)")
+    existing = p
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing != p and not existing.is_dir():
+        raise UsageError(f"{what} {str(p)!r} lies under {str(existing)!r}, which is a file, not a folder; "
+                         f"pass another {flag}")
+    exc = _probe_write(existing)
+    if exc is not None:
+        reason = exc.strerror or str(exc)
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            reason += " (read-only or not yours)"
+        raise UsageError(f"{what} {str(p)!r} cannot be written: creating a file in {str(existing)!r} failed: "
+                         f"{reason}; pass a {flag} in a writable location")
+
+
+def check_output_file(path: str | Path, what: str, flag: str) -> None:
+    """UsageError unless ``path``'s folder exists and is writable and ``path`` is not a folder."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{what} {str(p)!r} is a folder; expected a file name, e.g. {str(p / 'report.html')!r}")
+    parent = p.parent
+    if parent.exists() and not parent.is_dir():
+        raise UsageError(f"{what} {str(p)!r} lies under {str(parent)!r}, which is a file, not a folder; "
+                         f"pass another {flag}")
+    if not parent.exists():
+        raise UsageError(f"{what} {str(p)!r}: its folder {str(parent)!r} does not exist; create it first "
+                         f"(mkdir -p {parent}) or pass another {flag}")
+    check_writable_dir(parent, f"the folder of {what}", flag)
+
+
+# --- memory --------------------------------------------------------------------------------
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes the cgroup (v2) still lets this process group use, when a limit is set."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+    except OSError:
+        return None
+    if not limit.isdigit() or not used.isdigit():
+        return None  # "max": no limit
+    return max(0, int(limit) - int(used))
+
+
+def host_memory_available() -> tuple[int, str] | None:
+    """(bytes, where from) of host memory a new job can still use; None when it cannot be told."""
+    found: list[tuple[int, str]] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if not found:
+        try:
+            pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+            if pages > 0 and size > 0:
+                found.append((pages * size, "free physical pages (sysconf)"))
+        except (ValueError, OSError, AttributeError):
+            pass
+    head = _cgroup_headroom()
+    if head is not None:
+        found.append((head, "the cgroup's memory.max less memory.current"))
+    return min(found) if found else None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+_ADVICE = ("lower model.hidden_size / num_hidden_layers / vocab_size / intermediate_size, train.global_batch "
+           "or train.seq_len, or raise parallel.micro_batches, parallel.zero or the tp/pp degrees")
+
+
+def check_job_memory(cfg: Any, world_size: int, local_ranks: int, device_memory: int | None,
+                     device_is_host: bool, kernels: str = "reference",
+                     available: tuple[int, str] | None = None) -> float:
+    """Refuse (UsageError) a job whose ranks cannot fit, before any rank allocates a byte.
+
+    Each rank's peak is the planner's estimate (parameters, gradients, optimizer state and the
+    activations of the in-flight micro-batches, ``chipset.planner.run.peak_memory_per_rank``)
+    plus the rotary tables (``model.max_position_embeddings`` rows, built in float64). It is
+    compared with ``device_memory`` (the backend's declared capacity per device, None: unknown)
+    and, when the devices are host memory (``device_is_host``), ``local_ranks`` times it with
+    the host's available memory. Returns the per-rank estimate in bytes.
+    """
+    from chipset.planner.run import peak_memory_per_rank
+
+    m = cfg.model
+    try:
+        per_rank = max(b.total for b in peak_memory_per_rank(cfg, world_size, kernels=kernels))
+    except Exception as exc:  # a layout the planner cannot model: the run itself is still allowed
+        log.info("no memory estimate before launch (%s: %s); the backend's own out-of-memory check applies",
+                 type(exc).__name__, exc)
+        return 0.0
+    head_dim = m.hidden_size // max(1, m.num_attention_heads)
+    per_rank += 3 * 8 * m.max_position_embeddings * max(1, head_dim // 2)  # angles, cos, sin (float64)
+    log.debug("estimated peak memory per rank: %d bytes", per_rank)
+    if device_memory and per_rank > device_memory:
+        raise UsageError(
+            f"this job needs about {_gib(per_rank)} per rank (planner estimate: parameters, gradients, "
+            f"optimizer state, activations of one micro-batch) but each device holds {_gib(device_memory)}; "
+            f"{_ADVICE} ('chipset plan' finds a layout that fits)")
+    if device_is_host:
+        avail = available if available is not None else host_memory_available()
+        need = per_rank * local_ranks
+        if avail is not None and need > avail[0]:
+            raise UsageError(
+                f"this job needs about {_gib(need)} of host memory on this node ({local_ranks} rank(s) x "
+                f"{_gib(per_rank)}, planner estimate: parameters, gradients, optimizer state, activations of "
+                f"one micro-batch) but only {_gib(avail[0])} is available ({avail[1]}); {_ADVICE}, or use "
+                "fewer ranks per node")
+    return per_rank
