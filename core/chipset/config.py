@@ -378,7 +378,7 @@ def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConf
 def _absolute_data_paths(cfg: RunConfig, base: Path) -> None:
     for key in ("path", "eval_path"):
         value = getattr(cfg.data, key)
-        if isinstance(value, str) and value and not Path(value).is_absolute():
+        if isinstance(value, str) and value and value.isprintable() and not Path(value).is_absolute():
             setattr(cfg.data, key, str((base / value).resolve()))
 
 
