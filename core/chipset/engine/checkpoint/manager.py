@@ -282,7 +282,7 @@ class Checkpointer:
         else:
             try:
                 self._write(sd, state, tmp, final, step)
-            except Exception as exc:
+            except BaseException as exc:  # torch's CheckpointException is a BaseException
                 nospace = find_enospc(exc)
                 if nospace is not None:
                     raise disk_full(tmp, nospace) from exc
