@@ -222,12 +222,14 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("where", ["checkpoints", "summary.json"])
-def test_a_full_disk_says_no_space_left_and_leaves_no_empty_summary(tmp_path, where):
+@pytest.mark.parametrize("where, extra", [("checkpoints", []), ("checkpoints", ["train.async_checkpoint=true"]),
+                                          ("summary.json", [])])
+def test_a_full_disk_says_no_space_left_and_leaves_no_empty_summary(tmp_path, where, extra):
     # ENOSPC injected where the real write path reaches the disk (fsync of the named files):
     # a filesystem that fills up cannot be mounted on every test machine.
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-c", _ENOSPC_DRIVER, where, "train", *BASE, "--run-dir", str(run)],
+    sets = [a for e in extra for a in ("--set", e)]
+    r = subprocess.run([sys.executable, "-c", _ENOSPC_DRIVER, where, "train", *BASE, *sets, "--run-dir", str(run)],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "no space left on device while writing" in r.stderr and "MiB free" in r.stderr, r.stderr
