@@ -174,6 +174,8 @@ class TrainConfig:
     """Write checkpoints in a background thread so training continues (the state is copied to host first)."""
     profile_steps: str = ""
     """Steps FIRST:LAST (1-based, inclusive) to record a torch.profiler Chrome trace per rank into RUN_DIR/traces; empty = off."""
+    max_nonfinite_steps: int = 20
+    """Stop the run (exit 1) after this many consecutive steps with a NaN/inf loss or a skipped (overflowed) update; 0 = never."""
 
 
 @dataclass
@@ -424,6 +426,8 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
     for name in ("checkpoint_every", "keep_checkpoints"):
         if getattr(tr, name) < 0:
             problems.append(f"train.{name} = {getattr(tr, name)!r}: expected an integer >= 0 (0 = {'never' if name == 'checkpoint_every' else 'keep all'})")
+    if tr.max_nonfinite_steps < 0:
+        problems.append(f"train.max_nonfinite_steps = {tr.max_nonfinite_steps!r}: expected an integer >= 0 (0 = never stop)")
     try:
         parse_profile_steps(tr.profile_steps)
     except ValueError as exc:

@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", default="auto", metavar="auto|none|PATH",
                    help="auto (default): continue from the run directory's newest complete checkpoint, if any; "
                    "none: start fresh; PATH: a checkpoint folder or another run directory (docs/fault-tolerance.md)")
+    p.add_argument("--discard-checkpoints", action="store_true",
+                   help="delete checkpoints of an earlier run found in --run-dir before starting a new run there "
+                   "(without it, chipset refuses to start a new run over them; docs/fault-tolerance.md)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the whole job up to N times when a rank dies (torch's elastic agent); "
                    "it resumes from the last checkpoint")
@@ -57,14 +60,10 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from chipset.config import parse_overrides, resolve_config, to_toml
-    from chipset.engine.checkpoint.launcher import (
-        check_resume,
-        clear_hang_logs,
-        parse_nnodes,
-        report_failure,
-    )
+    from chipset.engine.checkpoint.launcher import check_resume, parse_nnodes
     from chipset.engine.elastic import check_node_range
-    from chipset.engine.launch import default_run_dir, launch, rendezvous_conf, torchrun_command
+    from chipset.engine.launch import default_run_dir
+    from chipset.engine.rundir import RunLock, atomic_write_text, read_run_id
     from chipset.loader import backend
 
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
@@ -97,11 +96,23 @@ def run(args) -> int:
         )
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
     _preflight(cfg, b, run_dir, world, args.nproc)  # bad folder, data, timeout or sizes: exit 2, nothing written
-    check_resume(run_dir, args.resume, cfg, b)  # a bad --resume or a different model: exit 2, nothing written
+    # A bad --resume, a different model or an incompatible config: exit 2, nothing written.
+    check_resume(run_dir, args.resume, cfg, b, read_run_id(run_dir) if args.resume == "auto" else None)
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.toml"
-    config_path.write_text(to_toml(cfg))
-    print(f"chipset train: run directory {run_dir}")
+    # One job per run directory; the nodes of one multi-node job share it.
+    single_node = str(args.nnodes) == "1" and args.rdzv_endpoint is None
+    with RunLock(run_dir, shared=not single_node):
+        adopt_run(run_dir, args.resume, discard=args.discard_checkpoints)
+        config_path = run_dir / "config.toml"
+        atomic_write_text(config_path, to_toml(cfg))
+        print(f"chipset train: run directory {run_dir}")
+        return _launch(args, cfg, b, world, min_nodes, max_nodes, run_dir, config_path)
+
+
+def _launch(args, cfg, b, world, min_nodes, max_nodes, run_dir: Path, config_path: Path) -> int:
+    from chipset.engine.checkpoint.launcher import clear_hang_logs, report_failure
+    from chipset.engine.launch import launch, rendezvous_conf, torchrun_command
+
     if world == 1 and args.max_restarts == 0:
         from chipset.engine.worker import run_rank
 
@@ -161,7 +172,9 @@ def _project(profile: str, cfg, world: int, run_dir: Path) -> int:
     cfg.parallel.dp = int(summary.get("layout", {}).get("dp", cfg.parallel.dp))
     proj = project(cfg, world, last.get("comm", {}), profile)
     summary["projection"] = proj
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    from chipset.engine.rundir import atomic_write_text, strict_dumps
+
+    atomic_write_text(summary_path, strict_dumps(summary, indent=2) + "\n")
     print(format_projection(proj, last.get("step_time_s"), summary.get("tokens_per_s")), flush=True)
     return 0
 
@@ -173,3 +186,36 @@ def _print_schedule(cfg, b) -> int:
 
     print(describe_pipeline(cfg, b.kernels))
     return 0
+
+
+def adopt_run(run_dir: Path, mode: str, *, discard: bool = False) -> str:
+    """Decide this job's run id (call holding the run directory's lock); returns it.
+
+    ``--resume auto`` (and a restart) continues the run recorded in ``run.json``;
+    ``--resume none`` starts a new run. Checkpoints of any other run (or from before run
+    ids) would be mistaken for the new run's, and a new run's save of the same step would
+    replace them: refused (exit 2) unless ``discard``, which deletes them first.
+    ``--resume PATH`` keeps the recorded run (a new one if none) and leaves checkpoints alone.
+    """
+    import shutil
+
+    from chipset.engine.checkpoint import store
+    from chipset.engine.rundir import new_run_id, read_run_id, write_run_id
+
+    current = read_run_id(run_dir) if mode != "none" else None
+    if mode in ("auto", "none"):
+        other = [c for c in store.list_checkpoints(run_dir)
+                 if current is None or store.run_id_of(c.path) != current]
+        if other and not discard:
+            ids = sorted({store.run_id_of(c.path) or "written before run ids" for c in other})
+            steps = ", ".join(str(c.step) for c in sorted(other, key=lambda c: c.step))
+            why = ("--resume none starts a new run" if mode == "none"
+                   else "this run directory's run.json names no run they belong to")
+            raise UsageError(
+                f"run directory {run_dir} holds {len(other)} checkpoint(s) of another run (run {', '.join(ids)}; "
+                f"steps {steps}) and {why}. Choose another --run-dir, resume one of them with --resume PATH, "
+                "or add --discard-checkpoints to delete them and start the new run here")
+        for c in other:
+            shutil.rmtree(c.path)
+            print(f"chipset train: deleted {c.path} (another run's checkpoint; --discard-checkpoints)", flush=True)
+    return write_run_id(run_dir, current or new_run_id())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -31,7 +32,9 @@ from chipset.engine.pipeline import build_pipeline
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
 from chipset.engine.progress import Progress, fmt_bytes
 from chipset.engine.recompute import apply_recompute
+from chipset.engine.rundir import atomic_write_text, finite_json, strict_dumps
 from chipset.engine.tensor_parallel import TPContext, apply_tp
+from chipset.errors import ChipsetError
 from chipset.models import Transformer
 
 __all__ = ["TrainResult", "build", "train", "params_digest"]
@@ -133,6 +136,13 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
 
         ckpt = Checkpointer(cfg, backend, engine, run_dir, out=out)
     start = ckpt.resume(resume) if ckpt is not None else 0
+    # Run-directory safety (docs/fault-tolerance.md, "Run directories"): a finished run is not redone.
+    finished = start > 0 and start >= tr.steps
+    if finished and rank == 0:
+        print(f"chipset train: this run already finished: its checkpoint is at step {start} and train.steps is "
+              f"{tr.steps}; summary.json is kept. Raise train.steps to train further, or start a new run with "
+              "--resume none in another --run-dir", file=out, flush=True)
+    nonfinite = _NonFinite(tr.max_nonfinite_steps)
     if run_dir is not None and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")
@@ -188,8 +198,9 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             res.losses.append(loss)
             res.metrics.append(rec)
             if metrics_file is not None:
-                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.write(strict_dumps(rec) + "\n")  # NaN/inf as null: every JSON parser reads it
                 metrics_file.flush()
+            nonfinite.check(step + 1, loss, stats["skipped"])  # same loss and skip on every rank
             if ckpt is not None and ckpt.due(step + 1):
                 ckpt.save(step + 1)
             progress.step(rec, stats["skipped"])
@@ -209,7 +220,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         col.all_reduce(peaks, "sum")
     steady = times[1:] or times
     summary = {
-        "final_loss": res.losses[-1] if res.losses else None,
+        "final_loss": res.losses[-1] if res.losses else _last_logged_loss(run_dir),
         "steps": tr.steps,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
         "world_size": dims.world_size,
@@ -230,17 +241,74 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     if keep_params:
         res.params = params
     if rank == 0:
-        if run_dir is not None:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _print_table(summary, res, out)
+        if run_dir is not None and finished and _readable_summary(run_dir / "summary.json"):
+            res.summary = json.loads((run_dir / "summary.json").read_text())  # the run's own, kept
+        else:
+            if run_dir is not None:
+                _write_summary(run_dir / "summary.json", summary)
+            _print_table(summary, res, out)
     return res
 
 
+class NonFiniteLossError(ChipsetError):
+    """The loss stayed NaN/inf (or every update overflowed) for ``train.max_nonfinite_steps`` steps."""
+
+
+class _NonFinite:
+    """Counts consecutive steps whose loss is NaN/inf or whose update was skipped (overflow)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.run = 0
+        self.first = 0
+
+    def check(self, step: int, loss: float, skipped: bool) -> None:
+        if math.isfinite(loss) and not skipped:
+            self.run = 0
+            return
+        self.run += 1
+        self.first = self.first if self.run > 1 else step
+        if self.limit and self.run >= self.limit:
+            raise NonFiniteLossError(
+                f"the loss was NaN/inf or the update overflowed for {self.run} consecutive steps "
+                f"(steps {self.first}-{step}, last loss {loss}); the run diverged, so it stops here "
+                f"(train.max_nonfinite_steps = {self.limit}). Lower train.lr, add train.warmup_steps or "
+                "train.grad_clip, or use float32/bfloat16; resume from an earlier checkpoint with --resume PATH")
+
+
+def _last_logged_loss(run_dir: Path | None) -> float | None:
+    """The last loss in metrics.jsonl (a resumed run that had no step left to do)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if run_dir is not None else []
+        return json.loads(lines[-1]).get("loss") if lines else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _readable_summary(path: Path) -> bool:
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def _write_summary(path: Path, summary: dict) -> None:
+    """Atomically and as strict JSON; NaN/inf values become null and are named in ``nonfinite_values``."""
+    bad: list[str] = []
+    clean = finite_json(summary, bad=bad)
+    if bad:
+        clean["nonfinite_values"] = bad
+    atomic_write_text(path, json.dumps(clean, indent=2, allow_nan=False) + "\n")
+
+
 def _print_table(summary: dict, res: TrainResult, out) -> None:
-    first = res.losses[0] if res.losses else float("nan")
+    def fmt(x) -> str:
+        return f"{x:.4f}" if isinstance(x, (int, float)) else "-"
+
+    first = res.losses[0] if res.losses else None
     rows = [
         ("steps", str(summary["steps"])),
-        ("loss (first -> final)", f"{first:.4f} -> {summary['final_loss']:.4f}"),
+        ("loss (first -> final)", f"{fmt(first)} -> {fmt(summary['final_loss'])}"),
         ("tokens/s (steady)", f"{summary['tokens_per_s']:.0f}"),
         ("world size", str(summary["world_size"])),
         ("layout", " ".join(f"{k}={v}" for k, v in summary["layout"].items())),

@@ -12,6 +12,7 @@ import torch
 from chipset.engine.checkpoint import store
 from chipset.engine.checkpoint.hangs import HANGS, diagnose
 from chipset.engine.checkpoint.manager import refuse_shapes, resolve_resume, shape_mismatches
+from chipset.engine.resume_check import check_compatible
 from chipset.errors import UsageError
 
 __all__ = ["parse_nnodes", "check_resume", "report_failure", "clear_hang_logs"]
@@ -29,11 +30,12 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return a, b
 
 
-def check_resume(run_dir: Path, mode: str, cfg, backend) -> Path | None:
-    """Before launch: the checkpoint ``mode`` selects must exist and fit the model (ConfigError, exit 2)."""
+def check_resume(run_dir: Path, mode: str, cfg, backend, run_id: str | None = None) -> Path | None:
+    """Before launch: the checkpoint ``mode`` selects must exist, fit the model and have been written
+    under a compatible config (ConfigError, exit 2). ``auto`` looks only at run ``run_id``'s checkpoints."""
     if mode == "none":
         return None
-    path, _ = resolve_resume(run_dir, mode)
+    path, _ = resolve_resume(run_dir, mode, run_id)
     if path is None:
         return None
     from chipset.models import Transformer
@@ -45,6 +47,7 @@ def check_resume(run_dir: Path, mode: str, cfg, backend) -> Path | None:
     problems = shape_mismatches({n: tuple(s) for n, s in state["shapes"].items()}, mine)
     if problems:
         raise refuse_shapes(path, problems)
+    check_compatible(path, state.get("config"), cfg.to_dict())
     return path
 
 

@@ -15,6 +15,7 @@ parameters' shapes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -32,9 +33,13 @@ from chipset.engine.checkpoint.layout import (
     read_planner,
     sharded,
 )
+from chipset.engine.resume_check import check_compatible
+from chipset.engine.rundir import atomic_write_text, disk_full, ensure_run_id, find_enospc
 from chipset.errors import ChipsetError, ConfigError
 
 __all__ = ["Checkpointer", "shape_mismatches", "resolve_resume"]
+
+log = logging.getLogger(__name__)
 
 _PATH_BYTES = 4096
 
@@ -61,16 +66,18 @@ def refuse_shapes(path: Path, problems: list[str]) -> ConfigError:
     )
 
 
-def resolve_resume(run_dir: Path, mode: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+def resolve_resume(run_dir: Path, mode: str, run_id: str | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
     """Which checkpoint ``mode`` (``auto``, ``none`` or a path) selects; and newer ones skipped.
 
-    A path may name a checkpoint folder or a run directory (its newest complete one).
-    An explicit path that is incomplete or corrupt is a ConfigError, not a silent skip.
+    ``auto`` considers only run ``run_id``'s checkpoints when given (an earlier run's in the
+    same directory never take over). A path may name a checkpoint folder or a run directory
+    (its newest complete one). An explicit path that is incomplete or corrupt is a
+    ConfigError, not a silent skip.
     """
     if mode == "none":
         return None, []
     if mode == "auto":
-        chosen, skipped = store.select(run_dir)
+        chosen, skipped = store.select(run_dir, run_id)
         return (chosen.path if chosen else None), skipped
     p = Path(mode)
     if (p / store.MANIFEST).exists() or store._STEP_RE.match(p.name):
@@ -110,6 +117,10 @@ class Checkpointer:
         self.saved: list[int] = []
         self.save_seconds: list[float] = []
         """Seconds each save blocked training (staging only when asynchronous)."""
+        self.run_id = None
+        if self.rank == 0:  # only rank 0 selects, commits and prunes
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_id = ensure_run_id(self.run_dir)
         self.info: dict = {"restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
                            "resumed_from": None, "resumed_step": 0, "skipped_checkpoints": []}
         # Asynchronous saves talk over their own group so they never interleave with training's.
@@ -120,15 +131,15 @@ class Checkpointer:
     # --- resume -------------------------------------------------------------------------
     def resume(self, mode: str = "auto") -> int:
         """Load the checkpoint ``mode`` selects (see :func:`resolve_resume`); returns the step to start at."""
-        if self.info["restarts"] > 0 and mode == "none":
-            mode = "auto"  # a restarted job continues from its own checkpoints
         path = None
         if self.rank == 0:
             store.remove_partials(self.run_dir)
             try:
-                path, skipped = resolve_resume(self.run_dir, mode)
-                if path is None and self.info["restarts"] > 0 and mode not in ("auto", "none"):
-                    path, skipped = resolve_resume(Path(mode), mode)
+                path, skipped = None, []
+                if self.info["restarts"] > 0:  # a restarted job continues from this run's own checkpoints
+                    path, skipped = resolve_resume(self.run_dir, "auto", self.run_id)
+                if path is None:
+                    path, skipped = resolve_resume(self.run_dir, mode, self.run_id)
             except ConfigError as exc:
                 path, skipped = None, []
                 self._share_path(f"!{exc}")
@@ -165,11 +176,25 @@ class Checkpointer:
         return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
 
     def _trim_metrics(self, step: int) -> None:
+        """Keep the records of steps <= ``step``; drop a torn line (a crash mid-write) with a warning."""
         f = self.run_dir / "metrics.jsonl"
         if not f.exists():
             return
-        keep = [ln for ln in f.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        f.write_text("".join(ln + "\n" for ln in keep))
+        keep = []
+        for i, ln in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            if not ln.strip():
+                continue
+            try:
+                rec = json.loads(ln)
+                s = int(rec.get("step", 0))
+            except (ValueError, TypeError, AttributeError):
+                log.warning("%s line %d is not a complete JSON record (a write cut short); dropped", f, i)
+                print(f"chipset checkpoint: warning: dropped {f} line {i}: not a complete record "
+                      "(a write cut short)", file=self.out, flush=True)
+                continue
+            if s <= step:
+                keep.append(ln)
+        atomic_write_text(f, "".join(ln + "\n" for ln in keep))
 
     def load(self, path: Path) -> int:
         """Load ``path`` into the engine under its current layout (reshards); returns the saved step."""
@@ -177,6 +202,7 @@ class Checkpointer:
 
         e = self.engine
         state = json.loads((path / store.STATE).read_text())
+        check_compatible(path, state.get("config"), self.cfg.to_dict())
         reader = store.safe_reader(path)
         md = reader.read_metadata()
         saved = {k.removeprefix("model."): tuple(v.size) for k, v in md.state_dict_metadata.items()
@@ -245,7 +271,7 @@ class Checkpointer:
                      "seq_len": tr.seq_len, "source": self.cfg.data.source, "seed": self.cfg.data.seed},
             "config": self.cfg.to_dict(), "world_size": self.world, "layout": e.dims.layout(),
             "shapes": {n: list(s) for n, s in logical_shapes(e).items()}, "backend": self.backend.name,
-            "dtype": str(e.dtype).removeprefix("torch."),
+            "dtype": str(e.dtype).removeprefix("torch."), "run_id": self.run_id,
         }
         tmp = self.run_dir / store.CHECKPOINTS / f".tmp-step-{step:08d}"
         final = store.checkpoint_dir(self.run_dir, step)
@@ -254,7 +280,13 @@ class Checkpointer:
                                             name=f"chipset-checkpoint-{step}", daemon=True)
             self._thread.start()
         else:
-            self._write(sd, state, tmp, final, step)
+            try:
+                self._write(sd, state, tmp, final, step)
+            except BaseException as exc:  # torch's CheckpointException is a BaseException
+                nospace = find_enospc(exc)
+                if nospace is not None:
+                    raise disk_full(tmp, nospace) from exc
+                raise
         self.save_seconds.append(time.perf_counter() - t0)
 
     def _write_guarded(self, *args) -> None:
@@ -287,9 +319,10 @@ class Checkpointer:
             f = tmp / f".sums-{r}.json"
             sums.update(json.loads(f.read_text()))
             f.unlink()
-        store.commit(tmp, final, step, sums, {"world_size": self.world, "layout": state["layout"]})
+        store.commit(tmp, final, step, sums, {"world_size": self.world, "layout": state["layout"],
+                                              "run_id": self.run_id})
         self.saved.append(step)
-        for p in store.prune(self.run_dir, self.keep):
+        for p in store.prune(self.run_dir, self.keep, self.run_id):
             print(f"chipset checkpoint: removed {p} (train.keep_checkpoints = {self.keep})", file=self.out, flush=True)
         print(f"chipset checkpoint: saved {final}", file=self.out, flush=True)
 
@@ -302,6 +335,9 @@ class Checkpointer:
             err, self._error = self._error, None
             if isinstance(err, ChipsetError):
                 raise err
+            nospace = find_enospc(err)
+            if nospace is not None:
+                raise disk_full(self.run_dir / store.CHECKPOINTS, nospace) from err
             raise ChipsetError(f"asynchronous checkpoint save failed: {type(err).__name__}: {err}") from err
 
     def summary(self) -> dict:

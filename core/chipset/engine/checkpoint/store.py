@@ -29,7 +29,7 @@ from pathlib import Path
 
 __all__ = [
     "CHECKPOINTS", "MANIFEST", "STATE", "Candidate", "checkpoint_dir", "list_checkpoints", "verify",
-    "select", "commit", "prune", "remove_partials", "safe_reader", "file_sha256",
+    "select", "commit", "prune", "run_id_of", "of_run", "remove_partials", "safe_reader", "file_sha256",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -121,6 +121,10 @@ def verify(path: Path) -> str | None:
         return f"{MANIFEST} is unreadable ({exc})"
     if manifest.get("format") != FORMAT:
         return f"unknown format {manifest.get('format')!r} (expected {FORMAT!r})"
+    if not isinstance(files, dict) or not files:
+        return f"{MANIFEST} lists no files (a complete checkpoint lists every file it holds)"
+    if STATE not in files:  # rank 0 writes it into every checkpoint
+        return f"{MANIFEST} does not list {STATE} (every complete checkpoint has one)"
     for name, want in sorted(files.items()):
         f = path / name
         if not f.is_file():
@@ -133,10 +137,27 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def select(run_dir: str | Path) -> tuple[Candidate | None, list[tuple[Path, str]]]:
-    """The newest complete checkpoint of ``run_dir`` and the newer ones skipped, with reasons."""
+def run_id_of(path: Path) -> str | None:
+    """The run id a checkpoint's manifest records (None: unreadable, or written before run ids)."""
+    try:
+        rid = json.loads((path / MANIFEST).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) else None
+
+
+def of_run(cands: list[Candidate], run_id: str | None) -> list[Candidate]:
+    """Only the checkpoints of run ``run_id`` (all of them when ``run_id`` is None)."""
+    return cands if run_id is None else [c for c in cands if run_id_of(c.path) == run_id]
+
+
+def select(run_dir: str | Path, run_id: str | None = None) -> tuple[Candidate | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of ``run_dir`` and the newer ones skipped, with reasons.
+
+    ``run_id``: consider only that run's checkpoints (an earlier run's never take over).
+    """
     skipped = []
-    for c in list_checkpoints(run_dir):
+    for c in of_run(list_checkpoints(run_dir), run_id):
         why = verify(c.path)
         if why is None:
             return c, skipped
@@ -144,11 +165,14 @@ def select(run_dir: str | Path) -> tuple[Candidate | None, list[tuple[Path, str]
     return None, skipped
 
 
-def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest complete checkpoints (0 keeps all); returns what was removed."""
+def prune(run_dir: str | Path, keep: int, run_id: str | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints (0 keeps all); returns what was removed.
+
+    ``run_id``: count and delete only that run's checkpoints (never another run's).
+    """
     if keep <= 0:
         return []
-    complete = [c for c in list_checkpoints(run_dir) if (c.path / MANIFEST).is_file()]
+    complete = [c for c in of_run(list_checkpoints(run_dir), run_id) if (c.path / MANIFEST).is_file()]
     removed = []
     for c in complete[keep:]:
         shutil.rmtree(c.path, ignore_errors=True)
