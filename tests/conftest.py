@@ -14,6 +14,12 @@ from chipset.discovery import records
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The suite's backend for the whole session, module-scoped fixtures included (they run
+# before the per-test fixture below): tests/testenv.py.
+os.environ.pop("CHIPSET_BACKEND", None)
+os.environ.pop("CHIPSET_DISABLE_PLUGINS", None)
+os.environ.update(testenv.selection_env())
+
 
 @pytest.fixture
 def site(tmp_path, monkeypatch):
