@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import time
 
 import torch
