@@ -26,7 +26,8 @@ capacity first, and allocated/active follow the new size (shrinking to 0 credits
 bytes back, the freed block goes to the cache). A tensor-level ``resize_`` (an aten op)
 is re-synchronised the next time the dispatcher sees the storage.
 
-Overhead: one Python call per aten op (measured in docs/cpu_sim.md).
+Overhead: one Python call per aten op (measured in docs/cpu_sim.md and
+benchmarks/sim_accounting_overhead.py).
 """
 
 from __future__ import annotations
@@ -88,11 +89,24 @@ class _Tracker(TorchDispatchMode):
         if planned:
             self.memory._check_capacity(planned)
         out = func(*args, **kwargs)
-        flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self.memory._charge(t)
+        if isinstance(out, torch.Tensor):
+            if out.device.type == "cpu":
+                self.memory._charge(out)
+        elif isinstance(out, (tuple, list)):
+            self._charge_all(out)
+        elif out is not None:
+            self._charge_all(tree_flatten(out)[0])
         return out
+
+    def _charge_all(self, seq) -> None:
+        # aten outputs are tensors or (nested) tuples and lists of them: walked directly,
+        # which costs a fraction of a pytree flatten (the tracker runs for every op).
+        for t in seq:
+            if isinstance(t, torch.Tensor):
+                if t.device.type == "cpu":
+                    self.memory._charge(t)
+            elif isinstance(t, (tuple, list)):
+                self._charge_all(t)
 
 
 # What torch would have wrapped __torch_dispatch__ in: dynamo never traces the accounting.
