@@ -6,7 +6,8 @@ top operators by self CPU time plus the median step time. Used for the before/af
 breakdown in docs/benchmarks.md ("Engine overhead").
 
     OMP_NUM_THREADS=1 CHIPSET_BACKEND=cpu_sim python benchmarks/profile_step.py \
-        [--hidden 128 --layers 4 --heads 4 --kv-heads 2 --ffn 344 --vocab 256 --seq 128 --batch 16] [--top 15]
+        [--hidden 128 --layers 4 --heads 4 --kv-heads 2 --ffn 344 --vocab 256 --seq 128 --batch 16] [--top 15] \
+        [--reference]
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--reference", action="store_true",
+                    help="drop the backend's registered kernels: every kernel runs the core reference")
     args = ap.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -46,6 +49,8 @@ def main() -> None:
     b = backend()
     b.device.set_device(0)
     b.collective.init_process_group()
+    if args.reference:
+        b.kernels._impls.clear()
     cfg = RunConfig.from_dict({"model": {
         "vocab_size": args.vocab, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
         "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
@@ -68,7 +73,7 @@ def main() -> None:
             t0 = time.perf_counter()
             step(args.warmup + i)
             times.append(time.perf_counter() - t0)
-    print(f"backend {b.name}: median step {statistics.median(times) * 1e3:.1f} ms over {args.steps} "
+    print(f"backend {b.name}{' (reference kernels)' if args.reference else ''}: median step {statistics.median(times) * 1e3:.1f} ms over {args.steps} "
           f"(under the profiler), {args.batch * args.seq / statistics.median(times):.0f} tokens/s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top,
                                     max_name_column_width=40))
