@@ -9,9 +9,16 @@ from pathlib import Path
 
 import pytest
 
+import testenv
 from chipset.discovery import records
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The suite's backend for the whole session, module-scoped fixtures included (they run
+# before the per-test fixture below): tests/testenv.py.
+os.environ.pop("CHIPSET_BACKEND", None)
+os.environ.pop("CHIPSET_DISABLE_PLUGINS", None)
+os.environ.update(testenv.selection_env())
 
 
 @pytest.fixture
@@ -31,6 +38,9 @@ def site(tmp_path, monkeypatch):
 def _clean_env(monkeypatch):
     for var in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
+    # The suite's backend (tests/testenv.py): cpu_sim unless the run named another.
+    for var, value in testenv.selection_env().items():
+        monkeypatch.setenv(var, value)
     records.clear_cache()
     yield
     records.clear_cache()
@@ -38,7 +48,7 @@ def _clean_env(monkeypatch):
 
 def run_cli(*args: str, env: dict | None = None, site: Path | None = None, timeout: float = 120):
     """Run ``chipset ARGS`` in a subprocess; returns CompletedProcess with text output."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    e = testenv.clean_env()
     if site is not None:
         e["PYTHONPATH"] = os.pathsep.join([str(site), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.update(env or {})

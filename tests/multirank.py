@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import testenv
+
 
 def merge(base: dict, over: dict) -> dict:
     """A copy of ``base`` with each of ``over``'s sections updated into it (one level deep)."""
@@ -28,7 +30,7 @@ def merge(base: dict, over: dict) -> dict:
 
 def env() -> dict:
     """The environment for a job: the default backend (no selection variables), one thread per rank."""
-    e = {k: v for k, v in os.environ.items() if k not in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS")}
+    e = testenv.clean_env(keep_settings=True)
     e["OMP_NUM_THREADS"] = "1"  # 2 cores shared by every rank: more threads only contend
     return e
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+import testenv
+
 HERE = Path(__file__).resolve()
 STEPS = 12
 BASE = {
@@ -99,7 +101,7 @@ def _job(mode: str, root: str) -> None:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS")}
+    env = testenv.clean_env(keep_settings=True)
     env["OMP_NUM_THREADS"] = "1"
     return env
 

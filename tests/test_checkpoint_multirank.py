@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+import testenv
+
 HERE = Path(__file__).resolve()
 STEPS = 12
 NPROC = "4"
@@ -27,7 +29,7 @@ MODEL = ["--set", "parallel.tp=2", "--set", "model.num_key_value_heads=2", "--se
 
 
 def _cli(*args: str, env_extra: dict | None = None, timeout: float = 420):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
@@ -88,7 +90,7 @@ def test_a_collective_that_never_arrives_ends_the_job_and_names_the_missing_rank
 
 def test_a_rank_killed_during_an_asynchronous_save_leaves_no_usable_partial(reference, tmp_path):
     run = tmp_path / "async-kill"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
                         "--max-restarts=1", str(HERE), str(run)], capture_output=True, text=True, env=env, timeout=420)

@@ -9,18 +9,19 @@ shape and a bad ``--resume`` path are refused before anything is written (exit 2
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import testenv
+
 BASE = ["--set", "train.steps=6", "--set", "train.global_batch=4", "--set", "train.checkpoint_every=2"]
 
 
 def _cli(*args: str, env_extra: dict | None = None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,

@@ -15,6 +15,7 @@ from pathlib import Path
 import broken_backends
 import pytest
 
+import testenv
 from chipset.conformance import GROUPS
 
 
@@ -24,7 +25,7 @@ def broken_site(tmp_path_factory) -> Path:
 
 
 def _suite(backend: str, tmp: Path, *extra: str, site: Path | None = None, plain_pytest: bool = False):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     if site is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     report = tmp / f"{backend}.json"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -11,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+import testenv
 
 SESSION = textwrap.dedent("""
     import json, os, sys, torch, torch.distributed as dist, chipset
@@ -67,7 +68,7 @@ def ranks(tmp_path_factory) -> list[dict]:
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+        env = testenv.clean_env()
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                    CHIPSET_COLLECTIVE_TIMEOUT="60")
         procs.append(subprocess.Popen([sys.executable, "-W", "ignore", "-c", SESSION, str(tmp / f"r{rank}.json")],

@@ -10,13 +10,14 @@ import textwrap
 
 import pytest
 
+import testenv
 from chipset.errors import ConfigError, DeviceIndexError
 from chipset_cpu_sim.device import SimDevice
 from chipset_cpu_sim.profiles import PROFILES
 
 
 def _cli(*args, env=None, pythonpath=None):
-    e = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    e = testenv.clean_env()
     e.update(env or {})
     if pythonpath:
         e["PYTHONPATH"] = os.pathsep.join([str(pythonpath), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import testenv
 from chipset.errors import ConfigError
 from chipset_cpu_sim.faults import Fault, fault_dir, parse_faults
 
@@ -57,7 +58,7 @@ def test_malformed_entries_are_config_errors_that_quote_the_entry(text, needle):
 
 
 def test_malformed_faults_fail_backend_load_with_exit_code_2():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env.update(CHIPSET_BACKEND="cpu_sim", CHIPSET_SIM_FAULTS="kill:rank=1")
     proc = subprocess.run([sys.executable, "-m", "chipset.cli.main", "info"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2

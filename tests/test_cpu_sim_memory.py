@@ -7,12 +7,13 @@ scenario runs in its own interpreter rather than in the pytest process.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+import testenv
 
 SCENARIO = textwrap.dedent("""
     import gc, json, torch, chipset
@@ -85,7 +86,7 @@ OOM = textwrap.dedent("""
 
 
 def _run(code: str, **env) -> dict:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    e = testenv.clean_env()
     e.update(env)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

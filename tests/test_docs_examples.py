@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+import testenv
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNNABLE = {"python", "console", "bash", "sh"}
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
@@ -61,7 +63,7 @@ CASES = [(page, *b) for page in PAGES for b in blocks(page)]
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["CHIPSET_BACKEND"] = "cpu_sim"
     env["OMP_NUM_THREADS"] = "1"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")

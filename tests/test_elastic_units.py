@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import testenv
 from chipset.config import resolve_config
 from chipset.engine.elastic import check_node_range, fit_world
 from chipset.engine.launch import rendezvous_conf, torchrun_command
@@ -75,7 +76,7 @@ def test_the_node_range_is_checked_for_every_node_count():
 
 def test_train_refuses_a_node_range_before_writing_anything(tmp_path):
     run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["CHIPSET_BACKEND"] = "cpu_sim"
     r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nnodes", "1:3", "--set",
                         "train.global_batch=12", "--run-dir", str(run)], capture_output=True, text=True, env=env,

@@ -319,7 +319,7 @@ def test_chipset_train_runs_moe_with_ep2_on_two_ranks(tmp_path):
     if not b.capabilities.multi_process or b.device.device_count() < 2:
         pytest.skip("needs multi_process and 2 devices")
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in multirank.env().items() if not k.startswith("CHIPSET_")}
+    env = multirank.env()
     r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "model.num_experts=4",
                         "--set", "parallel.ep=2", "--nproc", "2", "--set", "train.steps=6",
                         "--run-dir", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)

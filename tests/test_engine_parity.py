@@ -252,7 +252,18 @@ def test_fp16_overflow_skips_exactly_that_step_and_halves_the_scale(runs):
         assert result["scale"] == [1024.0, 512.0, 512.0, 512.0]
 
 
-def test_zero_memory_follows_the_formulas(runs):
+@pytest.fixture
+def exact_memory():
+    """Byte-level memory assertions need a backend that counts every tensor (cpu_sim does;
+    the ``cpu`` backend reports the process's resident memory)."""
+    import chipset
+
+    how = chipset.backend().capabilities.memory_accounting
+    if how != "exact":
+        pytest.skip(f"backend declares memory_accounting={how!r}, not exact")
+
+
+def test_zero_memory_follows_the_formulas(runs, exact_memory):
     """bf16 params + fp32 master/Adam (K=12): 16P, 4P+12P/N, 2P+14P/N, 16P/N bytes, within 10%."""
     dp, _ = runs
     n = 2
@@ -286,13 +297,13 @@ def test_every_step_notifies_the_collective(runs):
     assert dp["notified_steps"] == ref["notified_steps"] == list(range(STEPS))
 
 
-def test_finished_engines_free_their_memory(runs):
+def test_finished_engines_free_their_memory(runs, exact_memory):
     """Nothing but the returned parameters stays allocated after a run (hooks do not pin engines)."""
     dp, ref = runs
     assert abs(dp["leaked_bytes"]) < 4096 and abs(ref["leaked_bytes"]) < 4096, (dp["leaked_bytes"], ref["leaked_bytes"])
 
 
-def test_higher_zero_stages_lower_peak_memory(runs):
+def test_higher_zero_stages_lower_peak_memory(runs, exact_memory):
     dp, _ = runs
     peaks = [dp[f"zero{z}"]["peak_over_base"] for z in range(4)]
     assert peaks[3] < peaks[0], peaks

@@ -4,7 +4,6 @@ rank gathered on rank 0, profiler traces with chipset's ranges, TensorBoard when
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import chipset
+import testenv
 from chipset.config import parse_profile_steps, resolve_config
 from chipset.errors import ConfigError
 from chipset.interfaces import Group
@@ -71,7 +71,7 @@ def test_bad_profile_steps_is_a_config_error_naming_the_key(bad):
 
 
 def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         [sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run_dir), "--set", "train.steps=3",

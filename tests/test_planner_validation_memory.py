@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+import testenv
+
 HERE = Path(__file__).resolve()
 BASE = {
     "model": {"vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -111,7 +113,7 @@ def _job(out_dir: str) -> None:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("CHIPSET_BACKEND", "CHIPSET_DISABLE_PLUGINS")}
+    env = testenv.clean_env(keep_settings=True)
     env["OMP_NUM_THREADS"] = "1"
     return env
 

@@ -7,12 +7,12 @@ against the planner's own pieces and against the bytes the simulator counted.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+import testenv
 from chipset.config import load_config
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import ring_bytes
@@ -25,7 +25,7 @@ SETS = ["--set", "train.steps=2", "--set", "train.global_batch=8", "--set", "tra
 
 
 def _cli(*args: str, timeout: float = 300):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)

@@ -4,7 +4,6 @@ pure-Python parser always, and in a real headless browser when /usr/bin/chromium
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import testenv
 from chipset.cli.main import main
 from chipset.report import PLOTS, load_run
 
@@ -162,7 +162,7 @@ def test_report_of_a_folder_that_is_not_a_run_exits_2(tmp_path, capsys):
 
 def test_report_of_a_real_resumed_run_with_pngs_when_matplotlib_is_installed(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     train = ["train", "--run-dir", str(run_dir), "--set", "train.global_batch=2", "--set", "train.checkpoint_every=1"]
     # 2 steps with a checkpoint per step, then the same run directory to 3 steps: resumes at step 2

@@ -113,7 +113,7 @@ def test_disabled_plugin_cannot_be_selected(monkeypatch):
 
 
 def test_nothing_available_at_all_explains_how_to_fix(monkeypatch):
-    monkeypatch.setenv("CHIPSET_DISABLE_PLUGINS", "cpu_sim")
+    monkeypatch.setenv("CHIPSET_DISABLE_PLUGINS", "cpu_sim,cpu")
     with pytest.raises(BackendUnavailableError, match="pip install chipset-cpu-sim"):
         _select()
 

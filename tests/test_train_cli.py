@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import testenv
 from chipset.cli.main import main
 from chipset.config import load_config
 from chipset.engine.launch import torchrun_command
@@ -18,7 +18,7 @@ SMALL = ["--set", "train.steps=3", "--set", "train.global_batch=4"]
 
 
 def _cli(*args: str, cwd=None, timeout: float = 180):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=cwd)

@@ -246,7 +246,11 @@ class Bucket:
     def apply_update(self, step: int, grad_scale: float, kernels, hp: dict) -> None:
         e = self.engine
         with e.host_scope():
-            g = self.grad_owned().to(self.master.device, torch.float32, copy=True)
+            g = self.grad_owned()
+            if g.dtype != torch.float32 or g.device != self.master.device:
+                g = g.to(self.master.device, torch.float32)
+            # Scaled in place: the owned gradient is zeroed right after the update, so a
+            # float32 gradient on the optimizer's device needs no copy (it took one per step).
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
             kernels.fused_adamw([self.master], [g], [self.exp_avg], [self.exp_avg_sq], step, **hp)

@@ -42,6 +42,10 @@ class Capabilities:
     """Capture and replay of device work graphs."""
     memory_capacity_enforced: bool = True
     """Allocating past the device capacity raises OutOfMemoryError."""
+    memory_accounting: str = "exact"
+    """How ``Memory.stats`` counts: ``"exact"`` (every tensor's bytes, up to allocator rounding)
+    or ``"process"`` (the process's resident memory, for a host backend that keeps no
+    per-tensor count; the conformance suite then skips the per-tensor checks)."""
     pinned_memory: bool = False
     """Page-locked host memory is available."""
     multi_process: bool = True

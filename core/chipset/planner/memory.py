@@ -286,6 +286,9 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     # ZeRO-1/2: each updated slice waits in a send buffer for its all-gather until every bucket is
     # updated, so the last full bucket's float32 temporaries meet the earlier buckets' send buffers.
     send = e * (local - bucket) / n_dense if lay.zero in (1, 2) and n_dense > 1 else 0.0
-    moments.append(("optimizer step", 0.0, 3 * ref.F * shard + send, 0.0))
+    # The reference AdamW's m/bc1 and v/bc2, plus a float32 copy of the gradient unless the
+    # gradient already is float32 (then it is scaled in place, data_parallel.apply_update).
+    temps = 2 if e == ref.F else 3
+    moments.append(("optimizer step", 0.0, temps * ref.F * shard + send, 0.0))
     phase, act, work, buf = max(moments, key=lambda x: x[1] + x[2] + x[3])
     return dataclasses.replace(states, activations=act, workspace=work, zero3_buffer=buf, phase=phase)

@@ -26,7 +26,8 @@ capacity first, and allocated/active follow the new size (shrinking to 0 credits
 bytes back, the freed block goes to the cache). A tensor-level ``resize_`` (an aten op)
 is re-synchronised the next time the dispatcher sees the storage.
 
-Overhead: one Python call per aten op (measured in docs/cpu_sim.md).
+Overhead: one Python call per aten op (measured in docs/cpu_sim.md and
+benchmarks/sim_accounting_overhead.py).
 """
 
 from __future__ import annotations
@@ -84,19 +85,55 @@ class _Tracker(TorchDispatchMode):
         return self._track(func, args, kwargs or {})
 
     def _track(self, func, args, kwargs):
+        if _ALIASING.get(func) or (func not in _ALIASING and _aliasing(func)):
+            return func(*args, **kwargs)
         planned = _factory_bytes(func, args, kwargs)
         if planned:
             self.memory._check_capacity(planned)
         out = func(*args, **kwargs)
-        flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                self.memory._charge(t)
+        if isinstance(out, torch.Tensor):
+            if out.device.type == "cpu":
+                self.memory._charge(out)
+        elif isinstance(out, (tuple, list)):
+            self._charge_all(out)
+        elif out is not None:
+            self._charge_all(tree_flatten(out)[0])
         return out
+
+    def _charge_all(self, seq) -> None:
+        # aten outputs are tensors or (nested) tuples and lists of them: walked directly,
+        # which costs a fraction of a pytree flatten (the tracker runs for every op).
+        for t in seq:
+            if isinstance(t, torch.Tensor):
+                if t.device.type == "cpu":
+                    self.memory._charge(t)
+            elif isinstance(t, (tuple, list)):
+                self._charge_all(t)
 
 
 # What torch would have wrapped __torch_dispatch__ in: dynamo never traces the accounting.
 _track_outside_dynamo = torch._disable_dynamo(_Tracker._track, recursive=True)
+
+
+_ALIASING: dict = {}
+"""op -> True when its outputs are only views of its inputs, or its own input updated in
+place: nothing new to charge, so the tracker skips the work after the call (about half
+of a training step's ops: view, transpose, t, expand, slice, add_, mul_, copy_ ...)."""
+
+
+def _aliasing(func) -> bool:
+    schema = func._schema
+    returns = schema.returns
+    name = schema.name
+    # lift_fresh hands a tensor made outside the dispatcher (torch.tensor(...)) to it: the
+    # first time the tracker sees that storage, so it is charged there.
+    ok = bool(returns) and all(r.alias_info is not None for r in returns) and "lift" not in name
+    if ok and any(r.alias_info.is_write for r in returns):
+        # In place on ``self`` only: ``out=`` variants and resize_/set_ may (re)allocate.
+        ok = (name.endswith("_") and "resize" not in name and not name.endswith("set_")
+              and schema.overload_name != "out" and not schema.overload_name.endswith("_out"))
+    _ALIASING[func] = ok
+    return ok
 
 
 _SIZE_ARG: dict = {}

@@ -1,0 +1,126 @@
+"""torch's own CPU kernels behind chipset's kernel names, each with the reference's semantics.
+
+- scaled_dot_product_attention: ``F.scaled_dot_product_attention`` (a fused CPU kernel:
+  no materialised causal mask, no separate softmax and NaN-cleaning passes). Used when no
+  row can be fully masked (no explicit mask; causal only with as many queries as keys),
+  since the reference defines such rows as zeros; everything else goes to the reference.
+- fused_adamw: ``torch._fused_adamw_``, the CPU multi-tensor kernel behind
+  ``torch.optim.AdamW(fused=True)``; groups it cannot take go to the reference.
+- rms_norm (float32), swiglu, cross_entropy: the ``torch.nn.functional`` ops, one C++
+  call (and autograd node) each instead of the reference's chain of Python-level ops.
+
+Every predicate takes the reference's arguments and says no to anything it does not
+handle exactly, so the registry falls back to ``chipset.kernels.reference``. Attention,
+RMSNorm and SwiGLU take float32 only: in bfloat16/float16 torch's kernels round at other
+points than the reference (which upcasts attention to float32 and rounds SwiGLU's
+product in the input dtype), beyond the conformance tolerances for those dtypes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from chipset.kernels import reference
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cpu(*ts) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in ts)
+
+
+def sdpa_available(q, k, v, mask=None, causal=False, scale=None) -> bool:
+    if not _cpu(q, k, v) or q.dtype != torch.float32 or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[-1] != k.shape[-1]:
+        return False
+    if q.shape[1] % k.shape[1] or q.shape[0] != k.shape[0]:
+        return False
+    return mask is None and (not causal or q.shape[-2] == k.shape[-2])
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, causal=False, scale=None):
+    # Square causal: torch's top-left alignment is the reference's bottom-right one.
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def fused_adamw_available(params=None, grads=None, exp_avgs=None, exp_avg_sqs=None, step=None, **hyper) -> bool:
+    # Without arguments (``registry.select("fused_adamw")``): yes; the implementation itself
+    # sends any group the fused kernel cannot take to the reference.
+    return params is None or (bool(params) and _cpu(*params))
+
+
+def _fusable(p, g, m, v) -> bool:
+    if p.dtype not in (*_FLOATS, torch.float64) or not _cpu(p, g, m, v):
+        return False
+    return all(t.dtype == p.dtype and not t.is_sparse for t in (g, m, v))
+
+
+@torch.no_grad()
+def fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=0.0) -> None:
+    """One AdamW step in place (the reference's), through torch's fused CPU kernel."""
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    groups: dict[torch.dtype, list[list[torch.Tensor]]] = defaultdict(lambda: [[], [], [], []])
+    rest: list[list[torch.Tensor]] = [[], [], [], []]
+    for quad in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        lists = groups[quad[0].dtype] if _fusable(*quad) else rest
+        for lst, t in zip(lists, quad, strict=True):
+            lst.append(t)
+    for ps, gs, ms, vs in groups.values():
+        # The kernel reads the (already incremented, 1-based) step from float32 tensors.
+        steps = [torch.tensor(float(step))] * len(ps)
+        torch._fused_adamw_(ps, gs, ms, vs, [], steps, amsgrad=False, maximize=False, **hyper)
+    if rest[0]:
+        reference.fused_adamw(*rest, step, **hyper)
+
+
+def rms_norm_available(x, weight, eps=1e-6) -> bool:
+    if not _cpu(x) or x.dtype != torch.float32:
+        return False
+    return weight is None or (_cpu(weight) and weight.dtype == torch.float32 and weight.shape == x.shape[-1:])
+
+
+def rms_norm(x, weight, eps=1e-6):
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def swiglu_available(gate, up) -> bool:
+    return _cpu(gate, up) and gate.dtype == torch.float32 and up.dtype == gate.dtype and up.shape == gate.shape
+
+
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def cross_entropy_available(logits, target, ignore_index=-100, reduction="mean") -> bool:
+    if not _cpu(logits, target) or logits.dim() != 2 or target.shape != logits.shape[:1]:
+        return False
+    return target.dtype == torch.int64 and reduction in ("mean", "sum", "none")
+
+
+def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
+    lf = logits.float()
+    if reduction != "mean":
+        return F.cross_entropy(lf, target, ignore_index=ignore_index, reduction=reduction)
+    # The reference's mean over no valid target is 0, not NaN.
+    count = (target != ignore_index).sum().clamp(min=1)
+    return F.cross_entropy(lf, target, ignore_index=ignore_index, reduction="sum") / count
+
+
+KERNELS = {
+    "scaled_dot_product_attention": (scaled_dot_product_attention, sdpa_available, "torch SDPA (fused CPU attention)"),
+    "fused_adamw": (fused_adamw, fused_adamw_available, "torch._fused_adamw_ (fused multi-tensor AdamW, CPU)"),
+    "rms_norm": (rms_norm, rms_norm_available, "torch.nn.functional.rms_norm (float32)"),
+    "swiglu": (swiglu, swiglu_available, "torch.nn.functional.silu times up"),
+    "cross_entropy": (cross_entropy, cross_entropy_available, "torch.nn.functional.cross_entropy"),
+}
+
+
+def register(registry) -> None:
+    for name, (fn, available, description) in KERNELS.items():
+        registry.register(name, fn, priority=10, available=available, description=description)
