@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from chipset.config import load_config
+from testenv import clean_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 CONFIGS = sorted(EXAMPLES.glob("*.toml"))
@@ -37,7 +37,7 @@ def test_every_example_config_is_valid(path):
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", sorted(RUNNABLE))
 def test_example_trains_on_two_ranks(tmp_path, name):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = clean_env()
     env["OMP_NUM_THREADS"] = "1"
     sets = [a for kv in RUNNABLE[name] for a in ("--set", kv)]
     run_dir = tmp_path / "run"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 
 from chipset.cli.main import main
 from chipset.engine.data import TokenFiles
+from testenv import clean_env
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -154,7 +154,7 @@ def test_resume_at_another_dp_size_sees_the_same_tokens(prepared, tmp_path):
     _, _, out = prepared
     common = ["--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab_size=128",
               "--set", "train.seq_len=16", "--set", "train.global_batch=4", "--set", "train.steps=4"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = clean_env()
     env["OMP_NUM_THREADS"] = "1"
 
     def train(run_dir, *extra):
@@ -211,7 +211,7 @@ def test_two_rank_zero3_eval_matches_one_process(prepared, tmp_path):
     common = ["--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab_size=128",
               "--set", "data.eval_fraction=0.2", "--set", "train.eval_every=2", "--set", "train.steps=2",
               "--set", "train.seq_len=16", "--set", "train.global_batch=4"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    env = clean_env()
     env["OMP_NUM_THREADS"] = "1"
     evals = []
     for extra in (["--nproc", "2", "--set", "parallel.zero=3"], []):
