@@ -493,7 +493,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, .
     problems += _moe_problems(m, par)
     from chipset.models.hf.config import model_problems  # late: models import this module
 
-    problems += model_problems(m, tr.seq_len, par.pp)
+    problems += model_problems(m, tr.seq_len, par.pp, par.zero)
     return problems
 
 

@@ -183,7 +183,7 @@ def apply_hf_config(m: ModelConfig) -> list[str]:
     return [f"{key} ({path}): {p}" for p in problems]
 
 
-def model_problems(m: ModelConfig, seq_len: int, pp: int) -> list[str]:
+def model_problems(m: ModelConfig, seq_len: int, pp: int, zero: int) -> list[str]:
     """Cross-field rules of the keys this module adds (called from :func:`chipset.config.validate`)."""
     problems = []
     if m.rope_type not in ("default", "llama3"):
@@ -194,7 +194,10 @@ def model_problems(m: ModelConfig, seq_len: int, pp: int) -> list[str]:
                         "rope_factor > 0 and rope_original_max_position_embeddings > 0")
     if m.tie_word_embeddings and pp > 1:
         problems.append("model.tie_word_embeddings = true with parallel.pp > 1: the embedding and the logit layer "
-                        "live on different stages; use pp = 1 (tp, dp and ZeRO work)")
+                        "live on different stages; use pp = 1 (dp, tp and ZeRO 0-2 work)")
+    if m.tie_word_embeddings and zero == 3:
+        problems.append("model.tie_word_embeddings = true with parallel.zero = 3: the shared matrix would belong to "
+                        "two gathered units; use zero <= 2")
     if m.sliding_window and seq_len > m.sliding_window:
         problems.append(f"train.seq_len ({seq_len}) > model.sliding_window ({m.sliding_window}): chipset attends "
                         "over the whole sequence; use train.seq_len <= sliding_window")
