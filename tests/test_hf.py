@@ -311,6 +311,18 @@ def test_tied_embeddings_with_pp_and_a_bad_directory_are_refused(families, tmp_p
     assert r.returncode == 2 and "expected a Hugging Face model directory" in r.stderr, r.stderr
 
 
+def test_the_example_config_takes_a_model_directory(families):
+    from chipset.config import load_config
+    from chipset.errors import ConfigError
+
+    example = HERE.parents[1] / "examples" / "hf-finetune.toml"
+    with pytest.raises(ConfigError, match="model.init_from = 'path/to/your-hf-model': expected a Hugging Face"):
+        load_config(example)
+    cfg = load_config(example, [f"model.init_from={families / 'qwen2'}", "data.source=synthetic", "train.seq_len=32"])
+    cfg.validate(world_size=2)
+    assert cfg.model.architecture == "Qwen2ForCausalLM" and cfg.model.attention_bias and cfg.parallel.tp == 2
+
+
 # --- train, export, reload -----------------------------------------------------------
 
 

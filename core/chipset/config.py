@@ -82,7 +82,7 @@ class ModelConfig:
     qk_norm: bool = False
     """RMSNorm over each query and key head before rotary (Qwen3)."""
     tie_word_embeddings: bool = False
-    """The logit layer shares the embedding matrix (not with parallel.pp > 1)."""
+    """The logit layer shares the embedding matrix (not with parallel.pp > 1 or parallel.zero = 3)."""
     rope_type: str = "default"
     """Rotary frequencies: default, or llama3 (Llama 3.1 scaling with the rope_* keys below)."""
     rope_factor: float = 8.0
