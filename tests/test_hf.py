@@ -45,7 +45,11 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": 64}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "norm_topk_prob": True, "head_dim": 16}),
 }
+MOE = ("mixtral", "qwen3_moe")
 # Big enough that a whole-file read stands out from allocator noise: ~17.8M params, 36 MB in bf16.
 BIG = ("LlamaConfig", dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, intermediate_size=1536, max_position_embeddings=64))
@@ -115,6 +119,20 @@ def file_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+def assert_params_equal_file(params: dict[str, torch.Tensor], path: Path, fam: str) -> None:
+    """Every chipset parameter equals its HF tensor (stacked experts: the experts' tensors stacked)."""
+    from chipset.models.hf.names import expert_names, to_hf
+
+    want = file_tensors(path)
+    seen = set()
+    for n, t in params.items():
+        experts = expert_names(n, fam, t.shape[0])
+        ref = torch.stack([want[e] for e in experts]) if experts else want[to_hf(n, fam)]
+        seen |= set(experts or [to_hf(n, fam)])
+        assert torch.equal(t, ref), n
+    assert seen == set(want)
+
+
 # --------------------------------------------------------------------------------------
 # The jobs (``python tests/test_hf.py MODE OUT`` or under torchrun)
 # --------------------------------------------------------------------------------------
@@ -139,7 +157,8 @@ def _job(mode: str, out: str) -> None:
     for fam in FAMILIES:
         if mode in ("pp2", "zero3") and fam == "llama3_tied":
             continue  # tied embeddings are refused with pp > 1 and ZeRO-3 (test below)
-        cfg = load_config(None, [f"model.init_from={root / fam}", f"train.seq_len={SEQ}", *LAYOUTS[mode][1]])
+        ep = ["parallel.ep=2"] if mode == "zero3" and fam in MOE else []  # experts sharded over the dp ranks
+        cfg = load_config(None, [f"model.init_from={root / fam}", f"train.seq_len={SEQ}", *LAYOUTS[mode][1], *ep])
         cfg.validate(world_size=world)
         engine, _, _ = build(cfg, b)
         results[fam] = {k: v.detach().float().clone() for k, v in engine.full_parameters().items()}
@@ -199,12 +218,7 @@ def _model_cfg(fam_dir: Path) -> dict:
 @pytest.mark.parametrize("fam", list(FAMILIES))
 def test_single_process_load_equals_transformers(families, loaded, tokens, fam):
     params = loaded["one"][fam]
-    want = file_tensors(families / fam)
-    from chipset.models.hf.names import to_hf
-
-    assert {to_hf(n) for n in params} == set(want)
-    for n, t in params.items():
-        assert torch.equal(t, want[to_hf(n)]), n
+    assert_params_equal_file(params, families / fam, fam)
     got = chipset_logits(_model_cfg(families / fam), params, tokens)
     ref = hf_logits(families / fam, tokens)
     print(f"logits {fam} one process: max rel diff {rel_diff(got, ref):.2e}")
@@ -218,12 +232,8 @@ def test_sharded_load_equals_the_file(families, loaded, tokens, fam, layout):
     """Each rank read only its slices; gathered, they are the file's tensors exactly."""
     if fam not in loaded[layout]:
         pytest.skip("tied embeddings are refused with pp > 1 and ZeRO-3")
-    from chipset.models.hf.names import to_hf
-
-    want = file_tensors(families / fam)
     params = loaded[layout][fam]
-    for n, t in params.items():
-        assert torch.equal(t, want[to_hf(n)]), (layout, n)
+    assert_params_equal_file(params, families / fam, fam)
     got = chipset_logits(_model_cfg(families / fam), params, tokens)
     d = rel_diff(got, hf_logits(families / fam, tokens))
     print(f"logits {fam} {layout}: max rel diff {d:.2e}")
@@ -236,9 +246,9 @@ def _rotary_interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-@pytest.mark.parametrize("wrong", ["rotary_permutation", "swap_k_v", "qwen3_no_qk_norm"])
+@pytest.mark.parametrize("wrong", ["rotary_permutation", "swap_k_v", "qwen3_no_qk_norm", "mixtral_swap_w1_w3"])
 def test_a_wrong_mapping_fails_the_comparison(families, loaded, tokens, wrong):
-    fam = "qwen3" if wrong == "qwen3_no_qk_norm" else "llama"
+    fam = {"qwen3_no_qk_norm": "qwen3", "mixtral_swap_w1_w3": "mixtral"}.get(wrong, "llama")
     params = dict(loaded["one"][fam])
     cfg = _model_cfg(families / fam)
     if wrong == "rotary_permutation":
@@ -249,6 +259,10 @@ def test_a_wrong_mapping_fails_the_comparison(families, loaded, tokens, wrong):
     elif wrong == "swap_k_v":
         for i in range(BASE["num_hidden_layers"]):
             a, b = f"layers.{i}.self_attn.k_proj.weight", f"layers.{i}.self_attn.v_proj.weight"
+            params[a], params[b] = params[b], params[a]
+    elif wrong == "mixtral_swap_w1_w3":  # the experts' gate and up projections exchanged
+        for i in range(BASE["num_hidden_layers"]):
+            a, b = f"layers.{i}.mlp.experts.gate_proj", f"layers.{i}.mlp.experts.up_proj"
             params[a], params[b] = params[b], params[a]
     else:
         cfg["qk_norm"] = False
@@ -331,10 +345,11 @@ def trained(families, tmp_path_factory):
     """``chipset train`` 3 steps from each family (1 rank; tp2 for two of them), then both exports."""
     multirank.require(2)
     root = tmp_path_factory.mktemp("trained")
-    runs = {fam: (fam, 1) for fam in FAMILIES} | {"qwen3_tp2": ("qwen3", 2), "llama3_tied_tp2": ("llama3_tied", 2)}
+    runs = {fam: (fam, 1) for fam in FAMILIES} | {"qwen3_tp2": ("qwen3", 2), "llama3_tied_tp2": ("llama3_tied", 2),
+                                                  "mixtral_ep2": ("mixtral", 2)}
     procs = {}
     for name, (fam, n) in runs.items():
-        extra = ["--set", "parallel.tp=2", "--nproc", "2"] if n == 2 else []
+        extra = ["--set", f"parallel.{name[-3:-1]}=2", "--nproc", "2"] if n == 2 else []
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "chipset.cli.main", "train", "--set", f"model.init_from={families / fam}",
              "--set", "train.steps=3", "--set", "train.checkpoint_every=3", "--set", f"train.seq_len={SEQ}",
@@ -350,7 +365,7 @@ def trained(families, tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", list(FAMILIES) + ["qwen3_tp2", "llama3_tied_tp2"])
+@pytest.mark.parametrize("name", list(FAMILIES) + ["qwen3_tp2", "llama3_tied_tp2", "mixtral_ep2"])
 def test_trained_export_reloads_in_transformers_with_equal_logits(families, trained, tokens, name):
     root, runs = trained
     fam = runs[name][0]

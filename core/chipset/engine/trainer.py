@@ -93,7 +93,7 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
     if cfg.model.init_from:  # Hugging Face weights into the shards this rank holds (models/hf/weights.py)
         from chipset.models.hf.weights import load_into_engine
 
-        load_into_engine(engine, cfg.model.init_from)
+        load_into_engine(engine, cfg.model.init_from, cfg.model.architecture)
     data = make_dataset(cfg)
     return engine, data, dims
 

@@ -23,8 +23,14 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-"""HF architecture -> model_type of the families chipset maps (dense decoders)."""
+"""HF architecture -> model_type of the families chipset maps."""
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+_MOE_KEYS = ("num_local_experts", "num_experts", "num_experts_per_tok", "router_aux_loss_coef",
+             "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
 
 _BY_TYPE = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
 
@@ -40,12 +46,12 @@ _IGNORED = {
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "torchscript",
     "use_bfloat16", "tf_legacy_loss", "pruned_heads", "tie_encoder_decoder", "is_decoder", "add_cross_attention",
-    "cross_attention_hidden_size", "max_window_layers", "initializer_range", "auto_map",
+    "cross_attention_hidden_size", "max_window_layers", "initializer_range", "auto_map", "output_router_logits",
 }
 
 # key -> the value chipset computes (anything else is refused).
 _REQUIRED = {"hidden_act": "silu", "mlp_bias": False, "pretraining_tp": 1, "attention_dropout": 0.0,
-             "use_sliding_window": False, "output_router_logits": False}
+             "use_sliding_window": False, "router_jitter_noise": 0.0}
 
 _MAPPED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
            "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
@@ -122,24 +128,51 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     elif bias:
         problems.append(f"attention_bias = {bias!r}: unsupported for {arch} (it biases the output projection too); "
                         "supported: false")
-    out["qk_norm"] = family == "qwen3"
+    out["qk_norm"] = family in ("qwen3", "qwen3_moe")
+    if family in MOE_FAMILIES:
+        _moe(hf, family, out, problems)
     window = hf.get("sliding_window")
-    if family == "mistral" and window is not None:
+    if family in ("mistral", "mixtral") and window is not None:
         out["sliding_window"] = int(window)  # train.seq_len <= window: the window never applies
     for i, kind in enumerate(hf.get("layer_types") or []):
         if kind != "full_attention":
             problems.append(f"layer_types[{i}] = {kind!r}: unsupported; supported: full_attention")
     for key, value in hf.items():
-        if key in _MAPPED or key in _IGNORED:
+        if key in _MAPPED or key in _IGNORED or (family in MOE_FAMILIES and key in _MOE_KEYS):
             continue
         if key in _REQUIRED:
             want = _REQUIRED[key]
-            if value != want and not (key == "attention_dropout" and value == 0):
+            if value != want:
                 problems.append(f"{key} = {value!r}: unsupported; supported: {json.dumps(want)}")
             continue
         problems.append(f"{key} = {_short(value)}: unsupported key for {arch}; chipset maps "
                         f"{', '.join(_MAPPED)} and ignores tokenizer/generation keys (docs/hf.md)")
     return out, problems
+
+
+def _moe(hf: dict, family: str, out: dict, problems: list[str]) -> None:
+    """Mixtral / Qwen3-MoE: softmax router, top-k renormalised (chipset's MoE with top_k >= 2), no shared expert."""
+    n = hf.get("num_local_experts", hf.get("num_experts"))
+    k = hf.get("num_experts_per_tok", 2)
+    out.update(num_experts=n, top_k=k, router="softmax", capacity_factor=0.0, moe_every=1,
+               aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    if not isinstance(n, int) or n < 2:
+        problems.append(f"num_local_experts / num_experts = {n!r}: expected an integer >= 2")
+    if not isinstance(k, int) or k < 2:
+        problems.append(f"num_experts_per_tok = {k!r}: unsupported; supported: >= 2 (chipset's top-1 gate is the raw "
+                        "softmax score, HF renormalises it to 1)")
+    if family == "qwen3_moe":
+        if not hf.get("norm_topk_prob", False):
+            problems.append(f"norm_topk_prob = {hf.get('norm_topk_prob')!r}: unsupported; supported: true (chipset "
+                            "renormalises the top-k gates)")
+        if hf.get("mlp_only_layers"):
+            problems.append(f"mlp_only_layers = {hf['mlp_only_layers']!r}: unsupported; supported: []")
+        width, step = hf.get("moe_intermediate_size"), hf.get("decoder_sparse_step", 1)
+        if step != 1 and width != hf.get("intermediate_size"):
+            problems.append(f"decoder_sparse_step = {step!r} with moe_intermediate_size ({width}) != intermediate_size "
+                            f"({hf.get('intermediate_size')}): unsupported; chipset's dense and expert MLPs share one "
+                            "width; supported: decoder_sparse_step = 1")
+        out["intermediate_size"], out["moe_every"] = width, step
 
 
 def _short(value: Any) -> str:
@@ -204,20 +237,32 @@ def model_problems(m: ModelConfig, seq_len: int, pp: int, zero: int) -> list[str
     if m.architecture and m.architecture not in SUPPORTED_ARCHITECTURES:
         problems.append(f"model.architecture = {m.architecture!r}: expected one of "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (or empty)")
-    if m.init_from and m.num_experts > 1:
-        problems.append("model.init_from with model.num_experts > 1: mixture-of-experts families are not mapped yet")
+    family = SUPPORTED_ARCHITECTURES.get(m.architecture)
+    if family in MOE_FAMILIES and not (m.num_experts > 1 and m.top_k >= 2 and m.router == "softmax"):
+        problems.append(f"model.architecture = {m.architecture!r} needs num_experts > 1, top_k >= 2 and router = "
+                        f"softmax (found {m.num_experts}, {m.top_k}, {m.router!r})")
     return problems
+
+
+def _family_of(m: ModelConfig) -> tuple[str, str]:
+    if m.architecture:
+        return m.architecture, SUPPORTED_ARCHITECTURES[m.architecture]
+    if m.num_experts > 1:
+        arch = "Qwen3MoeForCausalLM" if m.qk_norm else "MixtralForCausalLM"
+    else:
+        arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.attention_bias else "LlamaForCausalLM"
+    return arch, SUPPORTED_ARCHITECTURES[arch]
 
 
 def to_hf_config(m: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` of ``m`` for transformers (raises ValueError for what HF cannot express)."""
-    if m.num_experts > 1:
-        raise ValueError(f"model.num_experts = {m.num_experts}: exporting mixture-of-experts models to Hugging Face "
-                         "is not supported yet; use --format torch")
-    arch = m.architecture or ("Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.attention_bias
-                              else "LlamaForCausalLM")
-    family = SUPPORTED_ARCHITECTURES[arch]
-    if m.qk_norm != (family == "qwen3") or m.attention_bias != (family == "qwen2"):
+    arch, family = _family_of(m)
+    moe = family in MOE_FAMILIES
+    if moe != (m.num_experts > 1) or (moe and not (m.top_k >= 2 and m.router == "softmax" and m.moe_every == 1)):
+        raise ValueError(f"model.num_experts = {m.num_experts}, top_k = {m.top_k}, router = {m.router!r}, moe_every = "
+                         f"{m.moe_every} as {arch}: Hugging Face's MoE families need num_experts > 1, top_k >= 2, a "
+                         "softmax router and every block MoE (dense families: num_experts 0); use --format torch")
+    if m.qk_norm != (family in ("qwen3", "qwen3_moe")) or m.attention_bias != (family == "qwen2"):
         raise ValueError(f"model.architecture = {arch!r} with qk_norm = {m.qk_norm} and attention_bias = "
                          f"{m.attention_bias}: no Hugging Face family has this combination")
     hd = m.head_dim or m.hidden_size // m.num_attention_heads
@@ -240,10 +285,17 @@ def to_hf_config(m: ModelConfig) -> dict[str, Any]:
     }
     if family == "llama":
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         out["sliding_window"] = m.sliding_window or None
     else:
         out.update(use_sliding_window=False, sliding_window=None)
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = False
+    if family == "mixtral":
+        out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, router_jitter_noise=0.0,
+                   router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
+    elif family == "qwen3_moe":
+        out.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef,
+                   moe_intermediate_size=m.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
+                   norm_topk_prob=True, output_router_logits=False)
     return out

@@ -21,8 +21,8 @@ import torch
 
 from chipset.config import RunConfig
 from chipset.errors import ConfigError
-from chipset.models.hf.config import to_hf_config
-from chipset.models.hf.names import to_hf
+from chipset.models.hf.config import SUPPORTED_ARCHITECTURES, to_hf_config
+from chipset.models.hf.names import expert_names, to_hf
 
 __all__ = ["FORMATS", "export", "find_checkpoint"]
 
@@ -109,7 +109,8 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, fmt
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         if fmt == "hf":
-            _write_hf(reader, kind, shapes, hf_cfg, tmp, DTYPES[dtype], int(max_shard_mb * 2**20))
+            family = SUPPORTED_ARCHITECTURES[hf_cfg["architectures"][0]]
+            _write_hf(reader, kind, shapes, hf_cfg, tmp, DTYPES[dtype], int(max_shard_mb * 2**20), family)
         else:
             _write_torch(reader, kind, shapes, cfg, tmp, DTYPES[dtype])
         if out.exists():
@@ -122,7 +123,15 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, fmt
     return ckpt
 
 
-def _write_hf(reader, kind, shapes, hf_cfg, tmp: Path, dtype, max_bytes: int) -> None:
+def _hf_tensors(name: str, t: torch.Tensor, family: str) -> dict[str, torch.Tensor]:
+    """HF names and tensors of chipset's ``name``: stacked experts become one tensor per expert."""
+    experts = expert_names(name, family, t.shape[0])
+    if experts is None:
+        return {to_hf(name, family): t.contiguous()}
+    return {e: t[i].contiguous() for i, e in enumerate(experts)}
+
+
+def _write_hf(reader, kind, shapes, hf_cfg, tmp: Path, dtype, max_bytes: int, family: str) -> None:
     from safetensors.torch import save_file
 
     groups = _groups(shapes, max_bytes, torch.tensor([], dtype=dtype).element_size())
@@ -132,7 +141,7 @@ def _write_hf(reader, kind, shapes, hf_cfg, tmp: Path, dtype, max_bytes: int) ->
     for names, file in zip(groups, files, strict=True):
         buf = {n: (shapes[n], torch.empty(shapes[n], dtype=torch.float32)) for n in names}
         _read(reader, {f"{kind}.{n}": v for n, v in buf.items()})
-        tensors = {to_hf(n): t.to(dtype).contiguous() for n, (_, t) in buf.items()}
+        tensors = {k: v for n, (_, t) in buf.items() for k, v in _hf_tensors(n, t.to(dtype), family).items()}
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         for k, t in tensors.items():
             weight_map[k] = file

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from chipset.errors import ConfigError
-from chipset.models.hf.names import to_hf
+from chipset.models.hf.names import expert_names, to_hf
 
 __all__ = ["SafetensorsDir", "load_into_engine"]
 
@@ -72,9 +72,20 @@ class SafetensorsDir:
         self.close()
 
 
-def _check(src: SafetensorsDir, shapes: dict[str, tuple[int, ...]], tied: bool) -> list[str]:
+def _sources(name: str, shape: tuple[int, ...], family: str) -> list[str] | str:
+    """The HF tensor of ``name``, or the per-expert tensors stacked into it (MoE families)."""
+    return expert_names(name, family, shape[0]) or to_hf(name, family)
+
+
+def _check(src: SafetensorsDir, shapes: dict[str, tuple[int, ...]], tied: bool, family: str) -> list[str]:
     problems = []
-    wanted = {to_hf(n): (n, s) for n, s in shapes.items()}
+    wanted = {}
+    for n, s in shapes.items():
+        hf = _sources(n, s, family)
+        if isinstance(hf, list):
+            wanted.update({e: (n, s[1:]) for e in hf})
+        else:
+            wanted[hf] = (n, s)
     for hf, (n, s) in sorted(wanted.items()):
         if hf not in src.where:
             problems.append(f"{hf}: missing from the safetensors files (chipset parameter {n}, shape {tuple(s)})")
@@ -87,20 +98,30 @@ def _check(src: SafetensorsDir, shapes: dict[str, tuple[int, ...]], tied: bool) 
     return problems
 
 
-def load_into_engine(engine, directory: str | Path) -> int:
+def _read_box(src: SafetensorsDir, hf: list[str] | str, offsets: list[int], sizes: list[int]) -> torch.Tensor:
+    """One box of a logical tensor; for stacked experts, the box's rows of each expert's tensor."""
+    index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+    if isinstance(hf, str):
+        return src.get_slice(hf)[index]
+    return torch.stack([src.get_slice(hf[e])[index[1:]] for e in range(offsets[0], offsets[0] + sizes[0])])
+
+
+def load_into_engine(engine, directory: str | Path, architecture: str = "") -> int:
     """Fill every parameter (and fp32 master) this rank holds from ``directory``; returns bytes read.
 
     Collective-free: each rank reads its own boxes. Raises ConfigError (exit 2) naming every
     missing, extra or mis-shaped tensor.
     """
     from chipset.engine.checkpoint.layout import engine_pieces, logical_shapes
+    from chipset.models.hf.config import SUPPORTED_ARCHITECTURES
 
+    family = SUPPORTED_ARCHITECTURES.get(architecture, "llama")
     directory = Path(directory)
     read = 0
     with SafetensorsDir(directory) as src:
         shapes = logical_shapes(engine)
         tied = "head.lm_head.weight" not in shapes
-        problems = _check(src, shapes, tied)
+        problems = _check(src, shapes, tied, family)
         if problems:
             shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
             raise ConfigError(f"model.init_from = {str(directory)!r}: the weights do not match the model:\n"
@@ -109,11 +130,11 @@ def load_into_engine(engine, directory: str | Path) -> int:
         kinds = ("optim.master",) if alias else ("optim.master", "model")
         with torch.no_grad():
             for kind in kinds:
-                for name, _, pieces in engine_pieces(engine, kind, for_load=True):
-                    sl = src.get_slice(to_hf(name))
+                for name, shape, pieces in engine_pieces(engine, kind, for_load=True):
+                    hf = _sources(name, shape, family)
                     for piece in pieces:
                         for box in piece.boxes:
-                            part = sl[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes, strict=True))]
+                            part = _read_box(src, hf, box.offsets, box.sizes)
                             box.view(piece.tensor).copy_(part.reshape(box.sizes))
                             read += part.numel() * part.element_size()
                             del part
