@@ -317,6 +317,16 @@ def test_unsupported_configs_are_refused_before_launch(families, tmp_path, patch
     assert not (tmp_path / "run").exists()
 
 
+def test_a_key_the_model_directory_sets_is_not_silently_replaced(families):
+    from chipset.config import load_config
+    from chipset.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.num_hidden_layers = 1 conflicts with 2 from config.json"):
+        load_config(None, [f"model.init_from={families / 'llama'}", "model.num_hidden_layers=1"])
+    cfg = load_config(None, [f"model.init_from={families / 'llama'}", "model.num_hidden_layers=2"])
+    assert cfg.model.num_key_value_heads == 2 and cfg.model.architecture == "LlamaForCausalLM"
+
+
 def test_tied_embeddings_with_pp_and_a_bad_directory_are_refused(families, tmp_path):
     r = _chipset("train", "--set", f"model.init_from={families / 'llama3_tied'}", "--set", "parallel.pp=2",
                  "--nproc", "2", "--run-dir", str(tmp_path / "run"))
@@ -382,6 +392,25 @@ def test_trained_export_reloads_in_transformers_with_equal_logits(families, trai
     ref = hf_logits(hf_dir, tokens)
     print(f"logits {name} trained + exported: max rel diff {rel_diff(got, ref):.2e}")
     assert rel_diff(got, ref) < RTOL
+
+
+def test_a_run_from_scratch_exports_as_llama_and_a_top1_moe_is_refused(tmp_path, tokens):
+    """chipset's default model is Llama under HF names; top-1 MoE routing has no HF family."""
+    pytest.importorskip("transformers")
+    for name, extra in (("dense", []), ("moe", ["--set", "model.num_experts=4"])):
+        r = _chipset("train", "--set", "train.steps=2", "--set", "train.checkpoint_every=2", "--set",
+                     f"train.seq_len={SEQ}", *extra, "--run-dir", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr
+    r = _chipset("export", str(tmp_path / "moe"), "--out", str(tmp_path / "moe-hf"))
+    assert r.returncode == 2 and "top_k = 1" in r.stderr, r.stderr
+    assert not (tmp_path / "moe-hf").exists()
+    for fmt in ("hf", "torch"):
+        r = _chipset("export", str(tmp_path / "dense"), "--format", fmt, "--out", str(tmp_path / f"dense-{fmt}"))
+        assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "dense-hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    cfg = json.loads((tmp_path / "dense-torch" / "config.json").read_text())
+    got = chipset_logits(cfg, torch.load(tmp_path / "dense-torch" / "model.pt", weights_only=True), tokens)
+    assert rel_diff(got, hf_logits(tmp_path / "dense-hf", tokens)) < RTOL
 
 
 def test_export_refuses_a_non_empty_out_and_leaves_nothing_behind(trained):

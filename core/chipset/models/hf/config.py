@@ -211,7 +211,12 @@ def apply_hf_config(m: ModelConfig) -> list[str]:
     except (OSError, ValueError) as exc:
         return [f"{key}: cannot read {path} as JSON ({exc}); expected a Hugging Face config.json"]
     fields, problems = from_hf_config(hf)
+    default = ModelConfig()
     for name, value in fields.items():
+        mine = getattr(m, name)
+        if mine != getattr(default, name) and mine != value:  # set by the user: never silently replaced
+            problems.append(f"model.{name} = {mine!r} conflicts with {value!r} from config.json; remove "
+                            f"model.{name} (the model's own config.json sets it)")
         setattr(m, name, value)
     return [f"{key} ({path}): {p}" for p in problems]
 
