@@ -8,8 +8,9 @@ registry later:
 * :mod:`.names` - chipset parameter names <-> HF tensor names;
 * :mod:`.weights` - safetensors weights into a built, parallelised engine (each rank
   reads only the slices it holds);
-* :mod:`.export` - a DCP checkpoint to an HF directory or one torch state-dict file,
-  without launching ranks.
+* export (a DCP checkpoint to an HF directory or one torch state-dict file, without
+  launching ranks) lives in :mod:`chipset.engine.checkpoint.export`, as models never import
+  torch.distributed.
 
 No import of ``transformers`` anywhere: only the ``safetensors`` package is needed.
 """
