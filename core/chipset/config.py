@@ -78,6 +78,32 @@ class ModelConfig:
     """Expert capacity per sequence = ceil(capacity_factor * seq_len * top_k / num_experts); 0 = no dropping."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (Switch Transformers' alpha), added to the loss per MoE layer."""
+    head_dim: int = 0
+    """Width of one attention head; 0 means hidden_size / num_attention_heads."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2); the output projection never has one."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before rotary (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """The logit layer shares the embedding matrix (not with parallel.pp > 1 or parallel.zero = 3)."""
+    rope_type: str = "default"
+    """Rotary frequencies: default, or llama3 (Llama 3.1 scaling with the rope_* keys below)."""
+    rope_factor: float = 8.0
+    """llama3 rotary scaling: factor by which low frequencies are divided."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 rotary scaling: wavelengths above original_max / low_freq_factor are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 rotary scaling: wavelengths below original_max / high_freq_factor are kept."""
+    rope_original_max_position_embeddings: int = 8192
+    """llama3 rotary scaling: the context length the model was pre-trained with."""
+    sliding_window: int = 0
+    """Attention window of the source model (Mistral); train.seq_len must not exceed it. 0 = none."""
+    architecture: str = ""
+    """Hugging Face architecture written on export (e.g. Qwen2ForCausalLM); empty = LlamaForCausalLM."""
+    hf_config: str = ""
+    """A Hugging Face config.json: the architecture keys above are taken from it (random init), docs/hf.md."""
+    init_from: str = ""
+    """A Hugging Face model directory (config.json + safetensors): architecture and weights, docs/hf.md."""
 
 
 @dataclass
@@ -374,6 +400,10 @@ def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConf
     # ... and one given with --set means "from here": stored absolute, so the run directory's
     # config.toml (read again by the ranks and by a rerun) points at the same data.
     _absolute_data_paths(cfg, Path.cwd())
+    if cfg.model.hf_config or cfg.model.init_from:
+        from chipset.models.hf.config import apply_hf_config  # late: models import this module
+
+        problems += apply_hf_config(cfg.model)
     return cfg, problems
 
 
@@ -432,7 +462,11 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         parse_profile_steps(tr.profile_steps)
     except ValueError as exc:
         problems.append(f"train.profile_steps = {tr.profile_steps!r}: {exc}")
-    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+    if m.head_dim < 0 or m.head_dim % 2:
+        problems.append(f"model.head_dim = {m.head_dim!r}: expected an even number, or 0 for hidden_size / heads")
+    elif m.head_dim:
+        pass
+    elif m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         problems.append(
             f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size ({m.hidden_size})"
         )
@@ -521,6 +555,9 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
                 f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
             )
     problems += _moe_problems(m, par)
+    from chipset.models.hf.config import model_problems  # late: models import this module
+
+    problems += model_problems(m, tr.seq_len, par.pp, par.zero)
     return problems
 
 

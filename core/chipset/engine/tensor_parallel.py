@@ -201,22 +201,24 @@ def enter_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T`` with W's output rows split over tp; the output stays split (no bias).
+    """``y = x W^T (+ b)`` with W's output rows (and b) split over tp; the output stays split.
 
     ``enter_region=False``: the input has entered the tp region already (a
     :class:`TPRegionNorm` in front, shared with the other projections reading it).
     """
 
-    def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, enter_region: bool = True):
+    def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, enter_region: bool = True,
+                 full_bias: torch.Tensor | None = None):
         super().__init__()
         self.tp = tp
         self.enter_region = enter_region
         self.weight = _sharded_param(full_weight, 0, tp)
+        self.bias = None if full_bias is None else _sharded_param(full_bias, 0, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_region(x, self.tp)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -278,6 +280,21 @@ class TPRegionNorm(nn.Module):
         if self.tp.sequence_parallel:
             w = copy_to_group(w, self.tp.collective, self.tp.group)
         return enter_region(self._k.rms_norm(x, w, self.eps), self.tp)
+
+
+class TPHeadNorm(nn.Module):
+    """RMSNorm over each head of a head-split tensor (Qwen3's q/k norm): the replicated weight
+    only sees this rank's heads, so its gradient is all-reduced over tp."""
+
+    def __init__(self, norm: nn.Module, tp: TPContext):
+        super().__init__()
+        self.tp = tp
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self._k = norm._k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._k.rms_norm(x, copy_to_group(self.weight, self.tp.collective, self.tp.group), self.eps)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -369,7 +386,7 @@ def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
         return model
 
     def column(lin):  # behind a TPRegionNorm: the norm's output has entered the region
-        return ColumnParallelLinear(lin.weight, tp, enter_region=False)
+        return ColumnParallelLinear(lin.weight, tp, enter_region=False, full_bias=lin.bias)
 
     # Each norm feeds only column-parallel projections (Block.forward, OutputHead.forward),
     # so the region is entered at the norm: 2 entries per block, 1 in the head.
@@ -379,6 +396,8 @@ def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
         a.o_proj = RowParallelLinear(a.o_proj.weight, tp)
         a.n_heads //= tp.size
         a.n_kv //= tp.size
+        if hasattr(a, "q_norm"):  # per-head norms see this rank's heads: weight gradient summed over tp
+            a.q_norm, a.k_norm = TPHeadNorm(a.q_norm, tp), TPHeadNorm(a.k_norm, tp)
         block.input_layernorm = TPRegionNorm(block.input_layernorm, tp)
         m = block.mlp
         if not hasattr(m, "gate_proj"):  # MoE: replicated over tp (engine/moe_parallel.py)
@@ -389,6 +408,8 @@ def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, tp)
     model.head.norm = TPRegionNorm(model.head.norm, tp)
     model.head.lm_head = column(model.head.lm_head)
+    if cfg.tie_word_embeddings:  # both are vocabulary rows split the same way: share the slice
+        model.head.lm_head.weight = model.embed_tokens.weight
     model.loss_fn = _VocabParallelLoss(tp, cfg.vocab_size)
     return model
 

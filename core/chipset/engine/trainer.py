@@ -96,6 +96,10 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
         grad_clip=tr.grad_clip, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
         scaler=scaler, offload_optimizer=par.offload_optimizer,
     )
+    if cfg.model.init_from:  # Hugging Face weights into the shards this rank holds (models/hf/weights.py)
+        from chipset.models.hf.weights import load_into_engine
+
+        load_into_engine(engine, cfg.model.init_from, cfg.model.architecture)
     data = make_dataset(cfg)
     return engine, data, dims
 

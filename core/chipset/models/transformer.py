@@ -28,7 +28,30 @@ from chipset.config import ModelConfig
 from chipset.kernels import KernelRegistry
 from chipset.models.moe import MoE, is_moe_layer
 
-__all__ = ["Transformer", "Block", "OutputHead"]
+__all__ = ["Transformer", "Block", "OutputHead", "head_dim", "rope_inv_freq"]
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    """Width of one attention head: ``cfg.head_dim``, or hidden_size / heads when 0."""
+    return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (float64, ``[head_dim / 2]``), with ``cfg.rope_type`` scaling.
+
+    ``llama3`` (Llama 3.1): wavelengths longer than ``original / low_freq_factor`` are
+    divided by ``factor``, shorter than ``original / high_freq_factor`` kept, and those
+    between interpolated linearly in ``original / wavelength``.
+    """
+    d = head_dim(cfg)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if cfg.rope_type != "llama3":
+        return inv
+    orig = cfg.rope_original_max_position_embeddings
+    lo, hi, factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor
+    wavelen = 2 * torch.pi / inv
+    smooth = ((orig / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv / factor + smooth * inv
 
 
 class RMSNorm(nn.Module):
@@ -47,12 +70,15 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads or cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=False)
+        self.head_dim = head_dim(cfg)
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        if cfg.qk_norm:  # per-head RMSNorm of q and k before rotary (Qwen3)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
         self._k = kernels
         self.recompute_core = False
         self.attend = None  # pluggable attention core (context parallel); None = causal kernel
@@ -68,8 +94,11 @@ class Attention(nn.Module):
         q = self.q_proj(x)
         # Shapes from the projection: a sequence-parallel projection gathers the sequence.
         b, s = q.shape[0], q.shape[1]
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recompute: keep the projections, drop the s x s attention scores.
@@ -130,11 +159,12 @@ class Transformer(nn.Module):
             Block(cfg, kernels, moe=is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)
         )
         self.head = OutputHead(cfg, kernels)
+        if cfg.tie_word_embeddings:  # one Parameter, named embed_tokens.weight
+            self.head.lm_head.weight = self.embed_tokens.weight
         self.recompute = "none"
         self.loss_fn = None  # pluggable (vocab-parallel cross-entropy); None = the kernel
         self.seq_layout = None  # pluggable (context parallel): which tokens this rank holds
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv = rope_inv_freq(cfg)
         ang = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), inv)
         ang = torch.cat((ang, ang), dim=-1)
         self.register_buffer("rope_cos", ang.cos().float(), persistent=False)
