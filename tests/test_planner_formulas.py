@@ -233,3 +233,33 @@ def test_predicted_bubble_is_the_schedule_fraction_of_the_ideal_pipeline_time():
         slot = (p.breakdown["compute"] + p.breakdown["tp"] + p.breakdown["pp"] + p.breakdown["ep"]
                 + p.breakdown["cp_exposed"])
         assert math.isclose(p.breakdown["bubble"], slot * bubble_fraction(lay.pp, p.micro_batches, lay.v))
+
+
+def test_a_tiny_model_is_never_faster_than_its_kernels_can_be_launched():
+    """Issue 20: a 3M-parameter model's roofline is microseconds; the step must still pay one launch
+    latency per kernel of every micro-batch and the profile's host overhead."""
+    from chipset.planner.assumptions import Assumptions
+    from chipset.planner.model import ModelSpec
+    from chipset.planner.time import launch_floor
+
+    a = Assumptions()
+    m = ModelSpec(layers=4, hidden=256, heads=4, ffn_hidden=512, vocab=4096, seq_len=128)
+    lay = Layout(micro_batch=2)
+    p = evaluate(m, lay, TrainSpec(global_batch=8), Cluster(1, 1, DEV))
+    kernels = launch_floor(4, "none", a) * p.micro_batches
+    assert kernels == 4 * 3 * a.kernels_per_block_forward * 4  # 4 micro-batches of 4 blocks
+    assert p.breakdown["roofline"] < p.breakdown["launch_floor"]  # really launch-bound
+    assert p.breakdown["compute"] == pytest.approx(kernels * a.kernel_launch_latency)
+    floor = kernels * a.kernel_launch_latency + a.kernels_per_step * a.kernel_launch_latency
+    assert p.step_time_s >= floor + a.step_host_overhead
+    # a profile's own latency and host overhead replace the defaults
+    slow = dataclasses.replace(DEV, kernel_launch_latency=20e-6, step_host_overhead=5e-3)
+    q = evaluate(m, lay, TrainSpec(global_batch=8), Cluster(1, 1, slow))
+    assert q.breakdown["compute"] == pytest.approx(kernels * 20e-6) and q.breakdown["host"] == 5e-3
+
+
+def test_the_launch_floor_does_not_touch_a_large_model():
+    m = PRESETS["llama2-7b"]
+    p = evaluate(m, Layout(dp=8, zero=1, micro_batch=1), TrainSpec(global_batch=64), Cluster(1, 8, DEV))
+    assert p.breakdown["launch_floor"] < 0.05 * p.breakdown["roofline"]
+    assert p.breakdown["compute"] == pytest.approx(p.breakdown["roofline"])

@@ -45,6 +45,12 @@ class DeviceProperties:
     """Latency of one message within a node, seconds."""
     inter_node_latency: float = 0.0
     """Latency of one message across nodes, seconds."""
+    kernel_launch_latency: float = 0.0
+    """Least time one kernel occupies the device's stream when the host issues kernels one by
+    one (launch plus framework dispatch), seconds; 0.0 lets the planner use its default."""
+    step_host_overhead: float = 0.0
+    """Host time per optimizer step outside the kernels (data, zero_grad, scheduler, logging),
+    seconds; 0.0 lets the planner use its default."""
     compute_capability: tuple[int, int] | None = None
     """Vendor compute capability where meaningful (CUDA ``(9, 0)``); else None."""
     multiprocessor_count: int | None = None

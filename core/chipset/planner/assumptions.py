@@ -27,6 +27,22 @@ class Assumptions:
     """Memory-bound work (norms, activations, softmax, dropout, residuals) moves this many
     times the bytes of the stored activations per block (written in forward, read and
     gradient written in backward); its time is bytes / memory bandwidth."""
+    kernel_launch_latency: float = 8e-6
+    """Seconds one kernel occupies the stream at least when an eager framework issues it:
+    a CUDA-style launch costs about 3-5 us and PyTorch's eager dispatch a few more, so
+    kernels shorter than this leave the device idle. Used when the device profile declares
+    no ``kernel_launch_latency`` of its own."""
+    kernels_per_block_forward: int = 12
+    """Kernels one transformer block launches in forward with fused kernels: two norms, the
+    QKV, output and two or three MLP projections, rotary, attention, the activation and two
+    residual adds. Backward launches twice as many; full recompute repeats the forward."""
+    kernels_per_step: int = 40
+    """Kernels outside the blocks per step: embedding, final norm, logits, loss and their
+    backward, gradient clipping and a multi-tensor (foreach) optimizer update."""
+    step_host_overhead: float = 1e-3
+    """Host seconds per optimizer step outside the kernels (data loading hand-off, zero_grad,
+    learning-rate scheduler, loss synchronisation, logging). Used when the device profile
+    declares no ``step_host_overhead`` of its own."""
     memory_usable_fraction: float = 0.90
     """Fraction of device memory a layout may plan to use; the rest goes to the runtime
     context, workspaces, communication buffers and allocator fragmentation."""

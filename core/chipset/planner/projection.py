@@ -14,6 +14,9 @@ planner's cost model on the profile (one node of ``world size`` devices):
   rank sends 2(n-1)/n of them for an all-reduce, (n-1)/n for a reduce-scatter or all-to-all, (n-1)x for
   an all-gather (its input is one shard) and half of a batched send/receive (the other half arrives).
   n is the degree of the dimension that uses the collective (the largest, if several do).
+- launches: compute is never below the kernels' launch floor and every step pays the profile's host
+  overhead (see :func:`chipset.planner.time.launch_floor`), so a tiny model is not projected faster
+  than its kernels can be issued.
 - overlap: the data-parallel gradient reduction and ZeRO's parameter gathers follow the planner's dp
   overlap rule (:func:`chipset.planner.time.dp_exposed_time`) when no other dimension uses the same
   collective type; everything else (the loss and gradient-norm all-reduces included) is on the
@@ -129,13 +132,13 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
         slot = t_compute / mb + other / mb
         bubble = slot * (lay.pp - 1) / lay.v
         dp_exposed = dp_exposed_time(dp_items, t_compute / mb * fwd_share, t_compute / mb * (1 - fwd_share), mb, a)
-        step = slot * mb + bubble + dp_exposed + base.breakdown["optimizer"]
+        step = slot * mb + bubble + dp_exposed + base.breakdown["optimizer"] + base.breakdown["host"]
         cand = {"step_time_s": step, "comm_s": total, "comm_exposed_s": other + dp_exposed, "bubble_s": bubble}
         if worst is None or cand["step_time_s"] > worst["step_time_s"]:
             worst = cand
     if worst is None:  # one rank, nothing communicated
         bubble = 0.0
-        worst = {"step_time_s": t_compute + base.breakdown["optimizer"], "comm_s": 0.0, "comm_exposed_s": 0.0,
+        worst = {"step_time_s": t_compute + base.breakdown["optimizer"] + base.breakdown["host"], "comm_s": 0.0, "comm_exposed_s": 0.0,
                  "bubble_s": bubble}
     tokens = tr.global_batch * tr.seq_len
     step = worst["step_time_s"]
@@ -145,6 +148,7 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
         "step_time_s": step, "compute_s": t_compute, "comm_s": worst["comm_s"],
         "comm_exposed_s": worst["comm_exposed_s"], "bubble_s": worst["bubble_s"],
         "optimizer_s": base.breakdown["optimizer"], "gemm_efficiency": base.breakdown["gemm_efficiency"],
+        "roofline_s": base.breakdown["roofline"], "launch_floor_s": base.breakdown["launch_floor"], "host_s": base.breakdown["host"],
         "tokens_per_s": tokens / step,
         "mfu": model_flops_per_token(m, tr.seq_len) * tokens / (step * world_size * peak),
     }
@@ -164,7 +168,7 @@ def format_projection(p: dict, measured_step_s: float | None = None, measured_to
         here = f"; measured here on cpu_sim: {measured_step_s:.3g} s/step, {measured_tokens_per_s:.0f} tokens/s"
     return (f"chipset train: projected on {p['devices']} x {p['profile']} ({p['dtype']}): step {_ms(p['step_time_s'])} "
             f"(compute {_ms(p['compute_s'])}, communication {_ms(p['comm_s'])} of which {_ms(p['comm_exposed_s'])} "
-            f"exposed, bubble {_ms(p['bubble_s'])}, optimizer {_ms(p['optimizer_s'])}), "
+            f"exposed, bubble {_ms(p['bubble_s'])}, optimizer {_ms(p['optimizer_s'])}, host {_ms(p['host_s'])}), "
             f"{p['tokens_per_s']:.3g} tokens/s, MFU {p['mfu']:.1%}{here}")
 
 

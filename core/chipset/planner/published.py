@@ -128,6 +128,24 @@ def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assump
     return best
 
 
+# The bounds test_planner_published.py enforces: today's errors, so a change that makes the
+# predictions worse fails. Issue 20's goal (mean <= 10%, no row beyond 20%) is not met yet:
+# the ZeRO-3 rows are 44-59% high (docs/planner.md says why).
+MEAN_ABS_ERROR_BOUND = 0.20
+WORST_ROW_BOUND = 0.60
+
+
+def relative_errors(profiles=None) -> dict[str, float]:
+    """label -> predicted / published TFLOP/s - 1, over the runs whose profile is installed."""
+    profiles = list_profiles() if profiles is None else profiles
+    out = {}
+    for run in RUNS:
+        p = predict(run, profiles)
+        if p is not None:
+            out[run.label] = p.tflops_per_device / run.tflops - 1
+    return out
+
+
 def _err(pred: float, pub: float) -> str:
     return f"{pred / pub - 1:+.0%}"
 

@@ -12,6 +12,9 @@ all-gather the first micro-batch's forward; ZeRO-3's per-micro-batch gathers ove
 micro-batch's forward and backward. Only the excess is exposed.
 Optimizer: the Adam update is memory-bound: it reads and writes P+G+K bytes per local
 (sharded) parameter.
+Launches: no micro-batch is faster than its kernels can be issued (kernels x the profile's
+kernel launch latency), nor the update than its per-step kernels; every step also pays the
+profile's host overhead. Both are negligible for large models and dominate tiny ones.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from chipset.planner.memory import (
 )
 from chipset.planner.model import ModelSpec
 
-__all__ = ["Prediction", "dp_exposed_time", "evaluate", "gemm_efficiency", "bubble_fraction"]
+__all__ = ["Prediction", "dp_exposed_time", "evaluate", "gemm_efficiency", "launch_floor", "bubble_fraction"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,13 @@ def gemm_efficiency(m: ModelSpec, lay: Layout, seq_len: int, a: Assumptions) -> 
     """Fraction of peak the stage's matrix multiplications reach."""
     d = min(m.hidden / lay.tp, lay.micro_batch * seq_len / lay.cp)
     return a.gemm_efficiency * d / (d + a.gemm_half_dim)
+
+
+def launch_floor(blocks: int, recompute: str, a: Assumptions) -> int:
+    """Kernels one micro-batch of a stage launches: forward, twice as many in backward, and
+    the forward again under full recompute (selective recompute re-runs only attention)."""
+    per_block = a.kernels_per_block_forward * (3 + {"none": 0, "selective": 0.1, "full": 1}[recompute])
+    return int(round(blocks * per_block))
 
 
 def bubble_fraction(pp: int, micro_batches: int, v: int = 1) -> float:
@@ -136,7 +146,9 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
         traffic = block_activation_bytes(m, base, s, train) * blocks * a.elementwise_traffic
         traffic *= 4 / 3 if lay.recompute == "full" else 1
         t_mem = traffic / dev.memory_bandwidth
-    t_compute = t_gemm + t_mem
+    launch = dev.kernel_launch_latency or a.kernel_launch_latency
+    t_launch = launch_floor(blocks, lay.recompute, a) * launch
+    t_compute = max(t_gemm + t_mem, t_launch)
     fwd_share = fw.total / (3 * fw.total + extra)  # recompute runs inside backward
     bwd_share = 1 - fwd_share
 
@@ -164,7 +176,9 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
         shard = dense / n + expert / max(1, n // lay.ep) if lay.zero >= 1 else dense + expert
         t_opt = 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes) * shard / dev.memory_bandwidth
 
-    step = t_pipeline + dp_exposed + t_step_comm + t_opt
+    t_opt = max(t_opt, a.kernels_per_step * launch)
+    t_host = dev.step_host_overhead or a.step_host_overhead
+    step = t_pipeline + dp_exposed + t_step_comm + t_opt + t_host
     n_dev = lay.world_size
     tokens = train.global_batch * s
     hw = step_flops(m, train.global_batch, lay.recompute, s)
@@ -176,6 +190,8 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
         mfu=model / step / n_dev / peak,
         breakdown={"compute": t_compute * mb, "gemm_efficiency": eff, "tp": t_tp * mb, "ep": t_ep * mb,
                    "cp_exposed": t_cp * mb, "pp": t_pp * mb, "bubble": bubble, "dp_total": _sum(dp_items),
-                   "dp_exposed": dp_exposed, "step_comm": t_step_comm, "optimizer": t_opt},
+                   "dp_exposed": dp_exposed, "step_comm": t_step_comm, "optimizer": t_opt,
+                   "roofline": (t_gemm + t_mem) * mb, "launch_floor": t_launch * mb,
+                   "host": t_host},
         comm=tuple(items),
     )
