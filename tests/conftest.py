@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +48,46 @@ def run_cli(*args: str, env: dict | None = None, site: Path | None = None, timeo
         [sys.executable, "-m", "chipset.cli.main", *args],
         capture_output=True, text=True, env=e, timeout=timeout,
     )
+
+
+# --------------------------------------------------------------------------------------
+# The `multirank` marker: tests that start several processes
+# --------------------------------------------------------------------------------------
+
+# What starting ranks looks like in this suite's sources: the multirank helper's jobs, the
+# CLI with --nproc, torchrun itself, or torch's multiprocessing spawn.
+_MULTIRANK = re.compile(r"run_jobs\(|\"--nproc\"|torch\.distributed\.run|\btorchrun\b[^_]|"
+                        r"\.spawn\(|start_processes\(|NPROC\b")
+
+
+def _sources(item) -> str:
+    """The test's source, its fixtures' sources, and the module functions they name (to a fixpoint).
+
+    Why a source scan: a multi-rank test may start its ranks in a module-scoped fixture or
+    a helper a few calls down, and the marker must follow it there without a hand-kept list.
+    """
+    mod = item.module
+    funcs = [item.function]
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        funcs += [d.func for d in defs]
+    seen, texts = set(), []
+    while funcs:
+        f = funcs.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        try:
+            text = inspect.getsource(f)
+        except (OSError, TypeError):
+            continue
+        texts.append(text)
+        for name, obj in vars(mod).items():
+            if inspect.isfunction(obj) and obj.__module__ == mod.__name__ and re.search(rf"\b{name}\(", text):
+                funcs.append(obj)
+    return "\n".join(texts)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("multirank") is None and _MULTIRANK.search(_sources(item)):
+            item.add_marker(pytest.mark.multirank)
