@@ -282,10 +282,17 @@ def test_parity_check_rejects_a_wrong_gradient_reduction(runs, variant):
     """
     dp, ref = runs
     wrong = dp["wrong"][variant]
-    with pytest.raises(AssertionError, match="gradient norm at step 0"):
+    with pytest.raises(AssertionError, match="gradient norm at step 0") as caught:
         parity.assert_grad_norms_close(wrong["grad_norms"], ref["ref"]["grad_norms"], n=N_REDUCE, depth=DEPTH)
+    print(caught.value)
     with pytest.raises(AssertionError):
         _assert_run_matches(wrong, ref["ref"])
+    # The correct run of the same layout passes the same check.
+    right = dp[variant.split("_")[0]]
+    _assert_run_matches(right, ref["ref"])
+    rel = abs(right["grad_norms"][0] / ref["ref"]["grad_norms"][0] - 1)
+    print(f"correct run: step-0 gradient norm relative difference {rel:.1e}, "
+          f"allowed {parity.trajectory_rtol(N_REDUCE, DEPTH, 0):.1e}")
 
 
 @pytest.mark.parametrize("variant", ["zero0", "zero1", "zero2", "zero3"])
