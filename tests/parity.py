@@ -57,18 +57,19 @@ def trajectory_rtol(n: int, depth: int, step: int) -> float:
     return (step + 1) * reduction_rtol(n, depth)
 
 
-def _assert_trajectory(what: str, got: list[float], want: list[float], n: int, depth: int) -> None:
+def _assert_trajectory(what: str, got: list[float], want: list[float], n: int, depth: int,
+                       first_step: int = 0) -> None:
     assert len(got) == len(want), f"{what}: {len(got)} steps, reference has {len(want)}"
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+    for step, (g, w) in enumerate(zip(got, want, strict=True), start=first_step):
         tol = trajectory_rtol(n, depth, step)
         rel = abs(g - w) / abs(w)
         assert rel <= tol, (f"{what} at step {step}: {g!r} vs reference {w!r}, relative difference "
                             f"{rel:.2e} > {tol:.2e} allowed (fp32 reductions of <= {n} terms, depth {depth})")
 
 
-def assert_losses_close(got: list[float], want: list[float], *, n: int, depth: int) -> None:
-    """Per-step losses within ``trajectory_rtol``."""
-    _assert_trajectory("loss", got, want, n, depth)
+def assert_losses_close(got: list[float], want: list[float], *, n: int, depth: int, first_step: int = 0) -> None:
+    """Per-step losses within ``trajectory_rtol``; ``got[0]`` is step ``first_step`` (0-based)."""
+    _assert_trajectory("loss", got, want, n, depth, first_step)
 
 
 def assert_grad_norms_close(got: list[float], want: list[float], *, n: int, depth: int) -> None:
