@@ -55,11 +55,12 @@ def run_cli(*args: str, env: dict | None = None, site: Path | None = None, timeo
 # --------------------------------------------------------------------------------------
 
 # What starting ranks looks like in this suite's sources: the multirank helper's jobs, the
-# CLI with --nproc, torchrun itself, torch's multiprocessing spawn, or ranks started by hand
-# with WORLD_SIZE. Tests that start ranks through another module (tests/ cannot see into it)
+# CLI with --nproc, torchrun itself, torch's multiprocessing spawn, ranks started by hand
+# with WORLD_SIZE, or the conformance suite (its collective checks start a world of ranks). Tests that start ranks through another module (tests/ cannot see into it)
 # carry an explicit @pytest.mark.multirank. A false positive only moves a test to the slow tier.
 _MULTIRANK = re.compile(r"run_jobs\(|--nproc|torch\.distributed\.run|\btorchrun\b[^_]|"
-                        r"\.spawn\(|start_processes\(|NPROC\b|WORLD_SIZE=[2-9]")
+                        r"\.spawn\(|start_processes\(|NPROC\b|WORLD_SIZE=[\"']?[2-9]|"
+                        r"\"conformance\", \"--backend\"|chipset conformance")
 
 
 def _sources(item) -> str:
