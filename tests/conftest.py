@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +58,92 @@ def run_cli(*args: str, env: dict | None = None, site: Path | None = None, timeo
         [sys.executable, "-m", "chipset.cli.main", *args],
         capture_output=True, text=True, env=e, timeout=timeout,
     )
+
+
+# --------------------------------------------------------------------------------------
+# The `multirank` marker: tests that start several processes
+# --------------------------------------------------------------------------------------
+
+# What starting ranks looks like in this suite's sources: the multirank helper's jobs, the
+# CLI with --nproc, torchrun itself, torch's multiprocessing spawn, ranks started by hand
+# with WORLD_SIZE, or the conformance suite (its collective checks start a world of ranks). Tests that start ranks through another module (tests/ cannot see into it)
+# carry an explicit @pytest.mark.multirank. A false positive only moves a test to the slow tier.
+_MULTIRANK = re.compile(r"run_jobs\(|--nproc|torch\.distributed\.run|\btorchrun\b[^_]|"
+                        r"\.spawn\(|start_processes\(|NPROC\b|WORLD_SIZE=[\"']?[2-9]|"
+                        r"\"conformance\", \"--backend\"|chipset conformance")
+
+
+def _sources(item) -> str:
+    """The test's source, its fixtures' sources, and the module functions they name (to a fixpoint).
+
+    Why a source scan: a multi-rank test may start its ranks in a module-scoped fixture or
+    a helper a few calls down, and the marker must follow it there without a hand-kept list.
+    """
+    mod = item.module
+    funcs = [item.function]
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        funcs += [d.func for d in defs]
+    seen, texts = set(), []
+    while funcs:
+        f = funcs.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        try:
+            text = inspect.getsource(f)
+        except (OSError, TypeError):
+            continue
+        texts.append(text)
+        for name, obj in vars(mod).items():
+            if inspect.isfunction(obj) and obj.__module__ == mod.__name__ and re.search(rf"\b{name}\(", text):
+                funcs.append(obj)
+    # Parametrized commands (e.g. the docs' console examples) carry their --nproc in a parameter.
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        texts.append(repr(callspec.params))
+    return "\n".join(texts)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("multirank") is None and _MULTIRANK.search(_sources(item)):
+            item.add_marker(pytest.mark.multirank)
+
+
+# A guard so the fast tier provably starts no ranks: while an unmarked test runs (its
+# fixtures included), launching torchrun, the CLI with --nproc > 1, or a process with
+# WORLD_SIZE > 1 fails that test with what to do.
+_current: dict = {"item": None}
+
+
+def _starts_ranks(args, env) -> bool:
+    cmd = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    if any(a == "torch.distributed.run" or a.endswith("torchrun") for a in cmd):
+        return True
+    for flag, value in zip(cmd, cmd[1:], strict=False):
+        if flag in ("--nproc", "--nproc-per-node", "--nproc_per_node") and value.isdigit() and int(value) > 1:
+            return True
+    return bool(env) and str(env.get("WORLD_SIZE", "1")).isdigit() and int(env.get("WORLD_SIZE", "1")) > 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current["item"] = item
+    yield
+    _current["item"] = None
+
+
+def pytest_configure(config):
+    orig = subprocess.Popen.__init__
+    if getattr(orig, "_multirank_guard", False):
+        return
+
+    def guarded(self, args, *a, **kw):
+        item = _current["item"]
+        if item is not None and item.get_closest_marker("multirank") is None and _starts_ranks(args, kw.get("env")):
+            raise RuntimeError(f"{item.nodeid} starts several ranks ({args!r}) but is not marked multirank: "
+                               "add @pytest.mark.multirank (the fast tier, -m 'not multirank', must start none)")
+        orig(self, args, *a, **kw)
+
+    guarded._multirank_guard = True
+    subprocess.Popen.__init__ = guarded

@@ -41,6 +41,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return cv.measure(cv.DEFAULT, tmp_path_factory.mktemp("comm"), steps=2)
 
 
+@pytest.mark.multirank  # cv.measure starts one torchrun job per world size
 @pytest.mark.parametrize("name", cv.DEFAULT)
 def test_predicted_bytes_equal_the_simulators_per_collective_every_rank_and_step(runs, name):
     records = runs[name]
