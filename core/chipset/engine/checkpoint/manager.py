@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import threading
 import time
@@ -178,7 +179,11 @@ class Checkpointer:
         e = self.engine
         state = json.loads((path / store.STATE).read_text())
         reader = store.safe_reader(path)
-        md = reader.read_metadata()
+        try:
+            md = reader.read_metadata()
+        except pickle.UnpicklingError as exc:  # a crafted or foreign .metadata: refuse, run nothing
+            raise ConfigError(f"checkpoint {path} is refused: {exc}. Resume from a checkpoint this "
+                              "run wrote, or start fresh with --resume none.") from None
         saved = {k.removeprefix("model."): tuple(v.size) for k, v in md.state_dict_metadata.items()
                  if k.startswith("model.")}
         problems = shape_mismatches(saved, logical_shapes(e))
