@@ -8,7 +8,10 @@ shape and a bad ``--resume`` path are refused before anything is written (exit 2
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +94,85 @@ def test_a_resume_path_without_a_checkpoint_is_refused_before_launch(tmp_path):
     assert r.returncode == 2
     assert "--resume" in r.stderr and "no checkpoint there" in r.stderr
     assert not run.exists()
+
+
+# --- a crafted .metadata must never run code (issue 14) -------------------------------------
+
+def _global(module: str, name: str) -> bytes:
+    """Protocol-4 STACK_GLOBAL: the unpickler resolves ``name`` as a dotted attribute path."""
+    enc = [s.encode() for s in (module, name)]
+    return b"".join(b"\x8c" + bytes([len(e)]) + e for e in enc) + b"\x93"
+
+
+def _call(fn: bytes, arg: str) -> bytes:
+    a = arg.encode()
+    return b"\x80\x04" + fn + b"\x8c" + bytes([len(a)]) + a + b"\x85R."  # fn((arg,)) then STOP
+
+
+def gadgets(marker: Path) -> dict[str, bytes]:
+    cmd = f"touch {marker}"
+    code = f"__import__('os').system({cmd!r})"
+    getattr_gadget = (b"\x80\x04" + _global("builtins", "getattr") + _global("builtins", "__import__")
+                      + b"\x8c\x02os\x85R" + b"\x8c\x06system\x86R" + b"\x8c" + bytes([len(cmd)])
+                      + cmd.encode() + b"\x85R.")
+    return {
+        "dotted os.system under the DCP metadata module":
+            _call(_global("torch.distributed.checkpoint.metadata", "os.system"), cmd),
+        "dotted os.system under the DCP filesystem module":
+            _call(_global("torch.distributed.checkpoint.filesystem", "os.system"), cmd),
+        "__reduce__ to os.system": _call(_global("os", "system"), cmd),
+        "__reduce__ to subprocess": _call(_global("subprocess", "getoutput"), cmd),
+        "builtins.getattr": getattr_gadget,
+        "builtins.eval": _call(_global("builtins", "eval"), code),
+    }
+
+
+def _plant(run: Path, data: bytes) -> Path:
+    """Put ``data`` as the newest checkpoint's .metadata and re-hash the manifest, as an attacker would."""
+    newest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    (newest / ".metadata").write_bytes(data)
+    mf = newest / "manifest.json"
+    manifest = json.loads(mf.read_text())
+    manifest["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    mf.write_text(json.dumps(manifest))
+    return newest
+
+
+def test_gadget_pickles_are_refused_by_the_metadata_reader(tmp_path):
+    from chipset.engine.checkpoint import store
+
+    marker = tmp_path / "pwned"
+    for what, data in gadgets(marker).items():
+        (tmp_path / ".metadata").write_bytes(data)
+        with pytest.raises(pickle.UnpicklingError, match="allow-list"):
+            store.safe_reader(tmp_path).read_metadata()
+        assert not marker.exists(), what
+    # the gadgets do work when unpickled without the allow-list: the test detects the attack
+    pickle.loads(gadgets(marker)["dotted os.system under the DCP metadata module"])
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("what", ["dotted os.system under the DCP metadata module", "__reduce__ to os.system",
+                                  "builtins.getattr"])
+def test_a_crafted_checkpoint_is_refused_with_resume_path_and_runs_nothing(reference, tmp_path, what):
+    src = tmp_path / "src"
+    shutil.copytree(reference, src)
+    marker = tmp_path / "pwned"
+    ck = _plant(src, gadgets(marker)[what])
+    run = tmp_path / "run"
+    r = _cli(*BASE, "--resume", str(ck), "--run-dir", str(run))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "is refused" in r.stderr and "allow-list" in r.stderr and "Traceback" not in r.stderr
+    assert not marker.exists()
+
+
+def test_a_crafted_checkpoint_is_refused_with_resume_auto_and_runs_nothing(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    (run / "summary.json").unlink(missing_ok=True)
+    marker = tmp_path / "pwned"
+    _plant(run, gadgets(marker)["dotted os.system under the DCP filesystem module"])
+    r = _cli(*BASE, "--set", "train.steps=8", "--run-dir", str(run))  # --resume auto (the default)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "is refused" in r.stderr and "os.system" in r.stderr and "Traceback" not in r.stderr
+    assert not marker.exists()

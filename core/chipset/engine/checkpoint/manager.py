@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -204,7 +205,11 @@ class Checkpointer:
         state = json.loads((path / store.STATE).read_text())
         check_compatible(path, state.get("config"), self.cfg.to_dict())
         reader = store.safe_reader(path)
-        md = reader.read_metadata()
+        try:
+            md = reader.read_metadata()
+        except pickle.UnpicklingError as exc:  # a crafted or foreign .metadata: refuse, run nothing
+            raise ConfigError(f"checkpoint {path} is refused: {exc}. Resume from a checkpoint this "
+                              "run wrote, or start fresh with --resume none.") from None
         saved = {k.removeprefix("model."): tuple(v.size) for k, v in md.state_dict_metadata.items()
                  if k.startswith("model.")}
         problems = shape_mismatches(saved, logical_shapes(e))

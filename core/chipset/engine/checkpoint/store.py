@@ -195,26 +195,35 @@ def remove_partials(run_dir: str | Path) -> list[Path]:
 
 # --- reading DCP metadata without executing pickled code ----------------------------------
 
+# Exactly the classes a DCP ``.metadata`` pickle needs (torch 2.13): the metadata dataclasses,
+# the storage-info record, tensor sizes/dtypes and a few builtin containers.  Names are matched
+# whole; a dotted name (protocol 4 resolves ``a.b`` as an attribute path, e.g. ``os.system``
+# reached through an allowed module) is always refused.
 _ALLOWED = {
-    "torch.distributed.checkpoint.metadata": None,  # any name: plain dataclasses and enums
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
+    "torch.serialization": {"_get_layout"},  # maps a layout's name to torch.strided etc.
     "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
     "collections": {"OrderedDict"},
     "builtins": {"set", "frozenset", "slice"},
 }
 
 
 class _SafeUnpickler(pickle.Unpickler):
+    """Why: ``.metadata`` comes from disk and a crafted one must never run code on any rank."""
+
     def find_class(self, module: str, name: str):
         import torch
 
-        allowed = _ALLOWED.get(module, set())
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if allowed is None or name in allowed:
-            return super().find_class(module, name)
+        if "." not in name:
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            if name in _ALLOWED.get(module, ()):
+                return super().find_class(module, name)
         raise pickle.UnpicklingError(
             f"checkpoint metadata refers to {module}.{name}, which is not on chipset's allow-list; "
             "refusing to execute it (the file is not a chipset/DCP checkpoint or was tampered with)"
