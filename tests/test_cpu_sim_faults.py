@@ -72,7 +72,7 @@ def test_fault_dir_comes_from_the_env_or_the_torchelastic_run_id(monkeypatch, tm
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default id names no job
     assert fault_dir() is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
-    assert fault_dir().name == "chipset-sim-faults-job42"
+    assert fault_dir().name == f"chipset-sim-faults-{os.getuid()}-job42"
     monkeypatch.setenv("CHIPSET_SIM_FAULT_DIR", str(tmp_path))
     assert fault_dir() == tmp_path
 

@@ -6,12 +6,18 @@ import datetime as _dt
 import errno
 import ipaddress
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
-__all__ = ["default_run_dir", "torchrun_command", "rendezvous_conf", "launch"]
+__all__ = ["default_run_dir", "torchrun_command", "rendezvous_conf", "launch", "JOB_TMPDIR_ENV"]
+
+JOB_TMPDIR_ENV = "CHIPSET_JOB_TMPDIR"
+"""A private folder (mode 0700) every rank of a ``chipset train`` job shares; removed when the job ends."""
 
 
 def default_run_dir(root: str | Path = "runs") -> Path:
@@ -37,10 +43,11 @@ def torchrun_command(config_path: Path, run_dir: Path, *, nproc: int, nnodes: in
     ``rdzv_conf`` (see :func:`rendezvous_conf`); ``local_addr`` is the address the other
     nodes reach this one at.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "chipset.engine.agent", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}"]
-    if str(nnodes) == "1" and rdzv_endpoint is None:
-        cmd.append("--standalone")
+    if single_node(nnodes, rdzv_endpoint):
+        cmd += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1",
+                f"--rdzv-id={rdzv_id or uuid.uuid4().hex}"]
     else:
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={rdzv_endpoint or 'localhost:29500'}"]
@@ -53,6 +60,22 @@ def torchrun_command(config_path: Path, run_dir: Path, *, nproc: int, nnodes: in
     cmd += ["-m", "chipset.engine.worker", "--config", str(config_path), "--run-dir", str(run_dir),
             "--resume", resume]
     return cmd
+
+
+def single_node(nnodes: int | str, rdzv_endpoint: str | None) -> bool:
+    """A job on this machine alone: its stores listen on loopback (chipset.engine.agent)."""
+    return str(nnodes) == "1" and rdzv_endpoint is None
+
+
+def launch_env(cmd: list[str], backend_name: str) -> dict[str, str]:
+    """The environment the agent and the ranks start with."""
+    env = dict(os.environ)
+    env["CHIPSET_BACKEND"] = backend_name
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONSAFEPATH"] = "1"  # Python >= 3.11: no current directory on the ranks' import path
+    if "--rdzv-endpoint=127.0.0.1:0" in cmd:
+        env["CHIPSET_STORES_LOOPBACK"] = "1"
+    return env
 
 
 def rendezvous_conf(endpoint: str | None, conf: str = "") -> str:
@@ -109,8 +132,13 @@ def _bind_result(host: str, port: int) -> bool | None:
 
 def launch(cmd: list[str], backend_name: str) -> int:
     """Run the torchrun command with ``CHIPSET_BACKEND`` pinned to the resolved backend."""
-    env = dict(os.environ)
-    env["CHIPSET_BACKEND"] = backend_name
-    env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(cmd, env=env)
+    env = launch_env(cmd, backend_name)
+    # A private scratch folder for the job's ranks (e.g. the simulator's fault markers):
+    # unpredictable, mode 0700, removed when the job ends, whatever way it ends.
+    scratch = tempfile.mkdtemp(prefix="chipset-job-")
+    env[JOB_TMPDIR_ENV] = scratch
+    try:
+        proc = subprocess.run(cmd, env=env)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return proc.returncode

@@ -6,10 +6,17 @@ put its name in ``CHIPSET_BACKEND``, so every rank loads the same one.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import traceback
+
+# ``python -m`` put the current directory first on the import path; a module lying there
+# (say typing_extensions.py) must not run inside a rank. (Python >= 3.11 ranks start with
+# PYTHONSAFEPATH=1 from the launcher, so this only matters on 3.10.)
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
+    del sys.path[0]
+
+import argparse  # noqa: E402
+import traceback  # noqa: E402
 
 from chipset.errors import ChipsetError, CollectiveError
 
@@ -25,6 +32,9 @@ def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int
     cfg = load_config(config_path)
     b = backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # The backend's chipset_launch_env hook (e.g. visible devices) for this local rank, applied
+    # before the rank touches a device.
+    os.environ.update(b.launch_env(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     b.device.set_device(local_rank)
     b.collective.init_process_group()
     try:

@@ -17,9 +17,11 @@ Counting: ``step`` is what the engine passes to ``Collective.notify_step`` (0-ba
 
 Kills happen once per job. A restarted rank must not die again, so a kill is skipped
 when ``TORCHELASTIC_RESTART_COUNT`` is above 0, and when its marker file exists in the
-fault directory: ``CHIPSET_SIM_FAULT_DIR`` if set, else
-``<tmp>/chipset-sim-faults-<TORCHELASTIC_RUN_ID>`` when torchrun gave a run id other
-than its default ``none``. Without either, no marker is written.
+fault directory: ``CHIPSET_SIM_FAULT_DIR`` if set; else, in a job started by ``chipset
+train``, ``sim-faults`` inside the job's private scratch folder (``CHIPSET_JOB_TMPDIR``,
+mode 0700, removed when the job ends); else, under a plain torchrun that gave a run id
+other than its default ``none``, ``<tmp>/chipset-sim-faults-<uid>-<run id>``, made mode
+0700 and refused if another user owns it. Without any of these, no marker is written.
 
 The withholding rank of a ``hang`` sleeps for the collective timeout plus 10 s (so its
 peers time out first) and then raises CollectiveError saying the hang was injected:
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -132,10 +135,27 @@ def fault_dir() -> Path | None:
     explicit = os.environ.get(FAULT_DIR_ENV, "").strip()
     if explicit:
         return Path(explicit)
+    job = os.environ.get("CHIPSET_JOB_TMPDIR", "").strip()  # chipset train's private, cleaned folder
+    if job:
+        return Path(job) / "sim-faults"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
     if run_id and run_id != "none":
-        return Path(tempfile.gettempdir()) / f"chipset-sim-faults-{run_id}"
+        return Path(tempfile.gettempdir()) / f"chipset-sim-faults-{os.getuid()}-{run_id}"
     return None
+
+
+def _private(path: Path) -> Path:
+    """``path`` as a folder only this user can use: made 0700, refused if someone else owns it
+    or it is a link (a predictable name under a shared /tmp could be planted by another user)."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"fault marker folder {path} is not a private folder of this user "
+                          f"(mode {oct(st.st_mode & 0o777)}, owner uid {st.st_uid}); set {FAULT_DIR_ENV} to one")
+    return path
 
 
 class FaultPlan:
@@ -182,7 +202,10 @@ class FaultPlan:
             marker = d / f.marker_name
             if marker.exists():
                 return
-            d.mkdir(parents=True, exist_ok=True)
+            if d.parent == Path(tempfile.gettempdir()):
+                _private(d)
+            else:
+                d.mkdir(parents=True, exist_ok=True)
             marker.write_text(f"{f.spec} fired in pid {os.getpid()} at {time.time():.3f}\n")
         if node:
             agent = _torchrun_agent()
@@ -216,15 +239,15 @@ def _torchrun_agent() -> int:
 def _children(pid: int) -> list[int]:
     """Processes whose parent is ``pid`` (read from /proc: Linux only, like the simulator's users)."""
     out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
         try:
-            text = stat.read_text()
+            text = stat_file.read_text()
         except OSError:
             continue
         # Field 4 is the parent pid; the command name (field 2) may hold spaces, so split after ')'.
         fields = text.rpartition(")")[2].split()
         if len(fields) > 1 and fields[1] == str(pid):
-            out.append(int(stat.parent.name))
+            out.append(int(stat_file.parent.name))
     return out
 
 
