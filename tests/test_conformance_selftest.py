@@ -100,6 +100,15 @@ CASES = [
 ]
 
 
+# What the verdict must say, where the wording is the point (a hang is named, not "exited with -9").
+MESSAGES = {
+    "hang_timeout": "collective all_reduce on rank 0 did not raise CollectiveTimeoutError within 3 s",
+    "swallow_timeout": "completed instead of timing out",
+    "stale_collective": "call 2",
+    "no_output_splits": "output splits",
+}
+
+
 def test_every_broken_backend_has_a_case_naming_the_check_that_fails_it():
     defects = broken_backends.defects()
     assert len(defects) >= 25
@@ -119,9 +128,13 @@ def test_broken_backend_fails_in_the_right_group(broken_site, tmp_path, variant,
     outcome = _outcomes(data)
     for name in must_fail:
         assert outcome.get(name) == "failed", f"{name}: {outcome.get(name)}"
+    if variant in MESSAGES and group == "collectives":
+        reason = next(t["reason"] for t in data["tests"] if t["id"].endswith("::" + must_fail[0]))
+        assert MESSAGES[variant] in reason, reason
     for name in must_pass:
         assert outcome.get(name) == "passed", f"{name}: {outcome.get(name)}"
     assert "chipset conformance: " + variant in proc.stdout  # the printed matrix
+    assert f"  {group}: " in proc.stdout.split("failures by group", 1)[-1]  # the grouped summary
 
 
 def test_backend_with_fewer_capabilities_gets_skips_with_reasons_not_failures(broken_site, tmp_path):
