@@ -27,11 +27,20 @@ def install(site: Path) -> Path:
     return site
 
 
-def _variants() -> tuple[str, ...]:
+def _literal(name: str):
     import ast
 
     tree = ast.parse((HERE / "chipset_broken" / "__init__.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "VARIANTS":
-            return tuple(ast.literal_eval(node.value))
-    raise RuntimeError("VARIANTS not found in chipset_broken/__init__.py")
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name:
+            return ast.literal_eval(node.value)
+    raise RuntimeError(f"{name} not found in chipset_broken/__init__.py")
+
+
+def _variants() -> tuple[str, ...]:
+    return tuple(_literal("VARIANTS"))
+
+
+def defects() -> dict[str, str]:
+    """Each broken backend (not ``few_caps``, which is correct) and its one defect."""
+    return dict(_literal("DEFECTS"))

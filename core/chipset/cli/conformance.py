@@ -9,6 +9,7 @@ Equivalent plain pytest invocation (what this command runs)::
 from __future__ import annotations
 
 import os
+import sys
 
 from chipset.discovery.select import select
 
@@ -29,7 +30,16 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import pytest
+    try:
+        import pytest
+    except ModuleNotFoundError:
+        # The suite is a pytest plugin; pytest is an extra, not a dependency of training.
+        print(
+            "chipset conformance: the conformance suite needs pytest, which is not installed in this "
+            f"environment ({sys.executable}). Install the extra: pip install 'chipset[conformance]'",
+            file=sys.stderr,
+        )
+        return 2
 
     from chipset.conformance import pytest_args
 

@@ -1,8 +1,11 @@
 """The collectives battery: every check runs inside one multi-rank session (see _world).
 
 Each check is a function ``fn(ctx)`` run on every rank, raising AssertionError on a
-wrong result. Values are small integers, exact in every dtype, so results are compared
-exactly. The check list is static (test ids are known at collection); whether a check
+wrong result. Values are drawn from the check's own seed (:func:`values`): different per
+check, per call and per session (``CHIPSET_CONFORMANCE_SEED`` pins it), so a backend that
+returns a cached earlier result of the same shape fails; floating values span exponents
+that only the declared dtype holds (beyond float16's range, below its precision) with
+mantissas whose sums are exact, so results are still compared exactly. The check list is static (test ids are known at collection); whether a check
 runs is decided on each rank from the declared Capabilities, identically everywhere.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +32,9 @@ OPS = (
 ASYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 TIMEOUT_S = 3.0
 """Collective timeout of the group the timeout check uses."""
+TIMEOUT_GRACE_S = 5.0
+"""How long past TIMEOUT_S the timeout may take to surface before the check fails (a
+watchdog in the rank then reports it by name instead of waiting for the session deadline)."""
 
 
 @dataclass
@@ -37,6 +44,8 @@ class Ctx:
     dev: torch.device
     rank: int
     world: int
+    seed: int = 0
+    """This check's seed: the session seed mixed with the check's id (set per check)."""
 
 
 @dataclass(frozen=True)
@@ -46,27 +55,74 @@ class Check:
     capability: str
     dtype: str | None = None
     min_world: int = 2
+    watchdog_s: float | None = None
+    """Seconds after which a rank still inside this check reports it as hung (None: the
+    session's collective timeout plus a margin)."""
+    hang_message: str = ""
+    """The verdict the watchdog writes, ``{rank}`` and ``{seconds}`` filled in."""
 
 
 def _numel(size: str, dt: torch.dtype) -> int:
     return BIG_BYTES // dt.itemsize if size == "4MiB" else int(size)
 
 
-def _base(n: int, dt: torch.dtype, offset: int = 0) -> torch.Tensor:
-    return ((torch.arange(n) % 7) + offset).to(dt)
+# Per float dtype: (largest mantissa magnitude, exponents drawn per element). WORLD ranks'
+# mantissas sum exactly in the dtype's precision, so sums and maxima compare exactly; the
+# exponents put values outside float16's range and below its precision for bfloat16, and
+# need float16's 11 bits (no bfloat16 holds them) for float16.
+_FLOAT_VALUES = {
+    torch.bfloat16: (64, (-40, -3, 0, 20)),
+    torch.float16: (511, (-20, -4, 0, 4)),
+    torch.float32: (1 << 20, (-100, -10, 0, 60)),
+    torch.float64: (1 << 40, (-300, 0, 300)),
+}
+INT_MAX = 1 << 40
+"""Integers are drawn from [0, 2**40): an int32 transport cannot carry them."""
 
 
-def _expect(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+def _gen(*key: int) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) & 0x7FFFFFFF)
+
+
+def values(seed: int, rep: int, n: int, dt: torch.dtype, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input of repetition ``rep`` of the check seeded ``seed`` (CPU tensor).
+
+    Every rank can compute every other rank's values, so each derives the expected result;
+    the element exponents are shared by all ranks (so sums stay exact), the mantissas are not.
+    """
+    if not dt.is_floating_point:
+        return torch.randint(0, INT_MAX, (n,), generator=_gen(seed, rep, rank), dtype=torch.int64).to(dt)
+    mmax, exps = _FLOAT_VALUES[dt]
+    e = torch.tensor(exps, dtype=torch.float64)[torch.randint(0, len(exps), (n,), generator=_gen(seed, rep))]
+    m = torch.randint(-mmax, mmax + 1, (n,), generator=_gen(seed, rep, rank), dtype=torch.int64)
+    return (m.to(torch.float64) * torch.pow(2.0, e)).to(dt)
+
+
+def _all(seed: int, rep: int, n: int, dt: torch.dtype, w: int) -> torch.Tensor:
+    """Every rank's values stacked, in float64 (exact for every float dtype) or int64."""
+    wide = torch.float64 if dt.is_floating_point else torch.int64
+    return torch.stack([values(seed, rep, n, dt, j).to(wide) for j in range(w)])
+
+
+def _expect(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 0.0, atol: float = 0.0) -> None:
     got = got.cpu()
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, expected {want.dtype}"
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()[0].tolist()
-        i = tuple(bad)
+    if rtol or atol:
+        wrong = ~torch.isclose(got.double(), want.double(), rtol=rtol, atol=atol)
+    else:
+        wrong = got != want
+    if wrong.any():
+        i = tuple(wrong.nonzero()[0].tolist())
         raise AssertionError(
-            f"{what}: {int((got != want).sum())} of {want.numel()} elements wrong; first at {i}: "
+            f"{what}: {int(wrong.sum())} of {want.numel()} elements wrong; first at {i}: "
             f"got {got[i].item()}, expected {want[i].item()}"
         )
+
+
+def _reps(size: str) -> int:
+    # Two calls of the same shape with different values: a cached earlier result fails the second.
+    return 1 if size == "4MiB" else 2
 
 
 def _op_check(op: str, dtype: str, size: str) -> Callable[[Ctx], None]:
@@ -75,51 +131,57 @@ def _op_check(op: str, dtype: str, size: str) -> Callable[[Ctx], None]:
     def run(ctx: Ctx) -> None:
         c, r, w, dev = ctx.collective, ctx.rank, ctx.world, ctx.dev
         n = _numel(size, dt)
-        label = f"rank {r}: {op} {dtype} x{n}"
+        for rep in range(_reps(size)):
+            _op_once(ctx, c, r, w, dev, n, rep, f"rank {r}: {op} {dtype} x{n} (seed {ctx.seed}, call {rep + 1})")
+
+    def _op_once(ctx, c, r, w, dev, n, rep, label):
+        mine = values(ctx.seed, rep, n, dt, r)
         if op.startswith("all_reduce"):
             red = op.removeprefix("all_reduce_")
-            x = (_base(n, dt) + r).to(dev)
+            x = mine.clone().to(dev)
             c.all_reduce(x, red)
-            b = _base(n, torch.float64)
-            total = w * b + w * (w - 1) / 2
+            every = _all(ctx.seed, rep, n, dt, w)
             if red == "sum":
-                want = total
+                _expect(x, every.sum(0).to(dt), label)
             elif red == "max":
-                want = b + (w - 1)
+                _expect(x, every.max(0).values.to(dt), label)
             elif dt.is_floating_point:
-                want = total / w
+                fi = torch.finfo(dt)
+                # one rounding of the exact mean, plus the division's own
+                _expect(x, (every.sum(0) / w).to(dt), label, rtol=2 * fi.eps, atol=fi.smallest_normal * fi.eps)
             else:
-                want = torch.div(total.to(torch.int64), w, rounding_mode="trunc")
-            _expect(x, want.to(dt), label)
+                _expect(x, torch.div(every.sum(0), w, rounding_mode="trunc").to(dt), label)
         elif op == "all_gather":
             out = torch.empty(n * w, dtype=dt, device=dev)
-            c.all_gather(out, (_base(n, dt) + r).to(dev))
-            _expect(out, torch.cat([_base(n, dt) + j for j in range(w)]), label)
+            c.all_gather(out, mine.to(dev))
+            _expect(out, _all(ctx.seed, rep, n, dt, w).reshape(-1).to(dt), label)
         elif op == "reduce_scatter":
             out = torch.empty(n, dtype=dt, device=dev)
-            c.reduce_scatter(out, (_base(n * w, dt) + r).to(dev))
-            want = w * _base(n * w, torch.float64)[r * n:(r + 1) * n] + w * (w - 1) / 2
+            c.reduce_scatter(out, values(ctx.seed, rep, n * w, dt, r).to(dev))
+            want = _all(ctx.seed, rep, n * w, dt, w).sum(0)[r * n:(r + 1) * n]
             _expect(out, want.to(dt), label)
         elif op == "broadcast":
-            x = (_base(n, dt) + r).to(dev)
+            x = mine.clone().to(dev)
             c.broadcast(x, src=w - 1)
-            _expect(x, _base(n, dt) + (w - 1), label)
+            _expect(x, values(ctx.seed, rep, n, dt, w - 1), label)
         elif op == "all_to_all":
-            inp = torch.cat([_base(n, dt) + 10 * r + j for j in range(w)]).to(dev)
+            # block j of rank r's input goes to rank j
+            inp = values(ctx.seed, rep, n * w, dt, r)
             out = torch.empty(n * w, dtype=dt, device=dev)
-            c.all_to_all(out, inp)
-            _expect(out, torch.cat([_base(n, dt) + 10 * j + r for j in range(w)]), label)
+            c.all_to_all(out, inp.to(dev))
+            want = torch.cat([values(ctx.seed, rep, n * w, dt, j)[r * n:(r + 1) * n] for j in range(w)])
+            _expect(out, want, label)
         elif op == "send_recv":
             if r == 0:
-                c.send((_base(n, dt) + 1).to(dev), dst=1)
+                c.send(mine.to(dev), dst=1)
                 back = torch.empty(n, dtype=dt, device=dev)
                 c.recv(back, src=1)
-                _expect(back, _base(n, dt) + 2, label)
+                _expect(back, values(ctx.seed, rep, n, dt, 1), label)
             elif r == 1:
                 got = torch.empty(n, dtype=dt, device=dev)
                 c.recv(got, src=0)
-                _expect(got, _base(n, dt) + 1, label)
-                c.send((_base(n, dt) + 2).to(dev), dst=0)
+                _expect(got, values(ctx.seed, rep, n, dt, 0), label)
+                c.send(mine.to(dev), dst=0)
         else:  # pragma: no cover
             raise AssertionError(f"unknown op {op}")
 
@@ -128,33 +190,32 @@ def _op_check(op: str, dtype: str, size: str) -> Callable[[Ctx], None]:
 
 def _async_check(op: str) -> Callable[[Ctx], None]:
     def run(ctx: Ctx) -> None:
-        c, r, w, dev = ctx.collective, ctx.rank, ctx.world, ctx.dev
+        c, r, w, dev, sd = ctx.collective, ctx.rank, ctx.world, ctx.dev, ctx.seed
         n, dt = 37, torch.float32
         if op == "all_reduce":
-            x = (_base(n, dt) + r).to(dev)
-            h = c.all_reduce(x, "sum", async_op=True)
-            out, want = x, w * _base(n, dt) + w * (w - 1) / 2
+            out = values(sd, 0, n, dt, r).to(dev)
+            h = c.all_reduce(out, "sum", async_op=True)
+            want = _all(sd, 0, n, dt, w).sum(0).to(dt)
         elif op == "all_gather":
             out = torch.empty(n * w, dtype=dt, device=dev)
-            h = c.all_gather(out, (_base(n, dt) + r).to(dev), async_op=True)
-            want = torch.cat([_base(n, dt) + j for j in range(w)])
+            h = c.all_gather(out, values(sd, 0, n, dt, r).to(dev), async_op=True)
+            want = _all(sd, 0, n, dt, w).reshape(-1).to(dt)
         elif op == "reduce_scatter":
             out = torch.empty(n, dtype=dt, device=dev)
-            h = c.reduce_scatter(out, (_base(n * w, dt) + r).to(dev), async_op=True)
-            want = w * _base(n * w, dt)[r * n:(r + 1) * n] + w * (w - 1) / 2
+            h = c.reduce_scatter(out, values(sd, 0, n * w, dt, r).to(dev), async_op=True)
+            want = _all(sd, 0, n * w, dt, w).sum(0)[r * n:(r + 1) * n].to(dt)
         elif op == "broadcast":
-            out = (_base(n, dt) + r).to(dev)
+            out = values(sd, 0, n, dt, r).to(dev)
             h = c.broadcast(out, src=0, async_op=True)
-            want = _base(n, dt)
+            want = values(sd, 0, n, dt, 0)
         else:
-            inp = torch.cat([_base(n, dt) + 10 * r + j for j in range(w)]).to(dev)
             out = torch.empty(n * w, dtype=dt, device=dev)
-            h = c.all_to_all(out, inp, async_op=True)
-            want = torch.cat([_base(n, dt) + 10 * j + r for j in range(w)])
+            h = c.all_to_all(out, values(sd, 0, n * w, dt, r).to(dev), async_op=True)
+            want = torch.cat([values(sd, 0, n * w, dt, j)[r * n:(r + 1) * n] for j in range(w)])
         assert h is not None and hasattr(h, "wait"), f"async {op} returned {h!r}, expected a handle"
         h.wait()
         ctx.device.synchronize()
-        _expect(out, want, f"rank {r}: async {op}")
+        _expect(out, want, f"rank {r}: async {op} (seed {sd})")
         # Completion may be reported a little after wait() returns (a callback thread,
         # a device stream); it must be reported eventually.
         deadline = time.monotonic() + 5
@@ -165,17 +226,31 @@ def _async_check(op: str) -> Callable[[Ctx], None]:
     return run
 
 
+def split_size(src: int, dst: int) -> int:
+    """Elements rank ``src`` sends rank ``dst`` in the uneven all_to_all: asymmetric, so a
+    backend that lays out its output by the input split sizes gets it wrong."""
+    return 1 + src + 2 * dst
+
+
 def _uneven_all_to_all(dtype: str) -> Callable[[Ctx], None]:
     dt = DTYPES[dtype]
 
     def run(ctx: Ctx) -> None:
-        c, r, w, dev = ctx.collective, ctx.rank, ctx.world, ctx.dev
-        splits = [r + j + 1 for j in range(w)]  # rank r sends r+j+1 elements to rank j
-        inp = torch.cat([torch.full((r + j + 1,), 10 * r + j) for j in range(w)]).to(dt).to(dev)
-        out = torch.empty(sum(splits), dtype=dt, device=dev)
-        c.all_to_all(out, inp, output_split_sizes=splits, input_split_sizes=splits)
-        want = torch.cat([torch.full((j + r + 1,), 10 * j + r) for j in range(w)]).to(dt)
-        _expect(out, want, f"rank {r}: uneven all_to_all {dtype}")
+        c, r, w, dev, sd = ctx.collective, ctx.rank, ctx.world, ctx.dev, ctx.seed
+        for rep in range(2):
+            send = [split_size(r, j) for j in range(w)]
+            recv = [split_size(j, r) for j in range(w)]
+
+            def payload(src: int, dst: int, rep=rep) -> torch.Tensor:
+                sizes = [split_size(src, k) for k in range(w)]
+                return values(sd, rep, sum(sizes), dt, src)[sum(sizes[:dst]):sum(sizes[:dst + 1])]
+
+            inp = torch.cat([payload(r, j) for j in range(w)]).to(dev)
+            out = torch.empty(sum(recv), dtype=dt, device=dev)
+            c.all_to_all(out, inp, output_split_sizes=recv, input_split_sizes=send)
+            want = torch.cat([payload(j, r) for j in range(w)])
+            _expect(out, want, f"rank {r}: uneven all_to_all {dtype} (input splits {send}, output splits {recv}, "
+                    f"seed {sd}, call {rep + 1})")
 
     return run
 
@@ -213,12 +288,12 @@ def _batch_p2p_ring(ctx: Ctx) -> None:
     c, r, w, dev = ctx.collective, ctx.rank, ctx.world, ctx.dev
     got = torch.empty(9, device=dev)
     handles = c.batch_p2p([
-        P2POp("send", (_base(9, torch.float32) + r).to(dev), (r + 1) % w),
+        P2POp("send", values(ctx.seed, 0, 9, torch.float32, r).to(dev), (r + 1) % w),
         P2POp("recv", got, (r - 1) % w),
     ])
     for h in handles:
         h.wait()
-    _expect(got, _base(9, torch.float32) + (r - 1) % w, f"rank {r}: batch_p2p ring")
+    _expect(got, values(ctx.seed, 0, 9, torch.float32, (r - 1) % w), f"rank {r}: batch_p2p ring")
 
 
 def _barrier(ctx: Ctx) -> None:
@@ -254,7 +329,10 @@ def _timeout(ctx: Ctx) -> None:
         c.all_reduce(torch.ones(8, device=dev), group=g)
     except CollectiveTimeoutError:
         took = time.monotonic() - t0
-        assert took <= TIMEOUT_S + 30, f"the timeout surfaced after {took:.1f} s, more than {TIMEOUT_S} s + 30 s"
+        assert took <= TIMEOUT_S + TIMEOUT_GRACE_S, (
+            f"collective all_reduce on rank {r} raised CollectiveTimeoutError after {took:.1f} s, "
+            f"more than the declared {TIMEOUT_S} s + {TIMEOUT_GRACE_S} s"
+        )
         return
     except Exception as exc:
         raise AssertionError(
@@ -276,7 +354,10 @@ def battery() -> list[Check]:
     out += [
         Check("batch_p2p_ring", _batch_p2p_ring, "batch_p2p", "float32"),
         Check("barrier_waits_for_all", _barrier, "barrier"),
-        Check("timeout_raises_collective_timeout_error", _timeout, "all_reduce", "float32"),
+        Check("timeout_raises_collective_timeout_error", _timeout, "all_reduce", "float32",
+              watchdog_s=TIMEOUT_S + TIMEOUT_GRACE_S,
+              hang_message="collective all_reduce on rank {rank} did not raise CollectiveTimeoutError "
+                           f"within {TIMEOUT_S:g} s (+{TIMEOUT_GRACE_S:g} s grace): still blocked after {{seconds:g}} s"),
     ]
     return out
 

@@ -53,6 +53,16 @@ class _Report:
             tr.write_line(f"{g:<14}{row['passed']:>8}{row['failed']:>8}{row['skipped']:>9}")
         s = d["summary"]
         tr.write_line(f"{'total':<14}{s['passed']:>8}{s['failed']:>8}{s['skipped']:>9}   errors: {s['errors']}")
+        failed = [t for t in d["tests"] if t["outcome"] in ("failed", "error")]
+        if failed:
+            # One line per failing interface: how many, and the first failing assertion.
+            tr.write_line("failures by group (first failing assertion):")
+            for g in d["groups"]:
+                mine = [t for t in failed if t["group"] == g]
+                if mine:
+                    first = mine[0]
+                    why = (first["reason"] or first["outcome"]).splitlines()[0][:300]
+                    tr.write_line(f"  {g}: {len(mine)} failed; first {first['id'].split('::', 1)[-1]}: {why}")
         skipped = [t for t in d["tests"] if t["outcome"] == "skipped"]
         if skipped:
             reasons = Counter((t["group"], t["reason"]) for t in skipped)

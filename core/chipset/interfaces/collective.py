@@ -114,9 +114,15 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight async collective; ``wait()`` raises chipset errors on failure."""
+    """An in-flight async collective; ``wait()`` raises chipset errors on failure.
+
+    A handle whose ``wait()`` returned is complete, whatever the work object says: gloo's
+    asynchronous reduce_scatter never reports completion after ``wait()`` on torch 2.13, and
+    a backend inheriting the gloo ops must not have to patch around it.
+    """
 
     _account: Callable[[float], None] | None = None
+    _waited = False
 
     def __init__(self, work: Any, describe: str, translate: Callable[[BaseException, str], BaseException],
                  account: Callable[[float], None] | None = None):
@@ -137,9 +143,10 @@ class Handle:
         finally:
             if self._account is not None:
                 self._account(time.perf_counter() - t0)
+        self._waited = True
 
     def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
+        return self._work is None or self._waited or self._work.is_completed()
 
 
 class Collective:

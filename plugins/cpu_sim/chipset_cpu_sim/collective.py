@@ -38,20 +38,6 @@ class OpStats:
     seconds: float = 0.0
 
 
-class _SimHandle(Handle):
-    """gloo's async reduce_scatter work never reports completion on torch 2.13 even after
-    ``wait()``; a handle that has been waited on successfully is complete by definition."""
-
-    _waited = False
-
-    def wait(self) -> None:
-        super().wait()
-        self._waited = True
-
-    def is_completed(self) -> bool:
-        return self._waited or super().is_completed()
-
-
 class _ThenHandle(Handle):
     """An async handle that runs a finishing step (the emulation's division) after ``wait``."""
 
@@ -108,10 +94,7 @@ class SimCollective(Collective):
             self.faults.before_collective(self._global_rank(), index, describe, collective_timeout().total_seconds())
         t0 = time.perf_counter()
         try:
-            h = super()._run(op, group, tensors, fn, async_op, raw)
-            if isinstance(h, Handle):
-                h = _SimHandle(h._work, h._describe, h._translate, account=h._account)
-            return h
+            return super()._run(op, group, tensors, fn, async_op, raw)
         finally:
             s = self.stats[(op, group.name)]
             s.calls += 1

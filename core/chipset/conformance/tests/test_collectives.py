@@ -13,7 +13,7 @@ from chipset.conformance._world import run_world
 
 
 @pytest.fixture(scope="module")
-def session(backend_name, caps, backend):
+def session(request, backend_name, caps, backend):
     if not caps.multi_process:
         pytest.skip("backend does not declare capability multi_process")
     world = WORLD
@@ -25,7 +25,10 @@ def session(backend_name, caps, backend):
                 f"needs 2 devices for a multi-rank session (ranks cannot share a device on this backend), "
                 f"found {backend.device.device_count()}"
             )
-    return run_world(backend_name, world)
+    # Only the checks this run selected (``-k``) are run by the ranks.
+    selected = [i.callspec.params["check"] for i in request.session.items
+                if i.originalname == "test_collective" and hasattr(i, "callspec")]
+    return run_world(backend_name, world, only=selected)
 
 
 @pytest.mark.parametrize("check", CHECK_IDS)

@@ -76,3 +76,23 @@ def test_properties_match_a_declared_profile_of_the_same_name(backend, backend_n
     assert p.total_memory == ref.total_memory
     assert dict(p.peak_flops) == dict(ref.peak_flops)
     assert p.memory_bandwidth == ref.memory_bandwidth
+
+
+def test_visible_devices_variable_limits_the_device_count(backend, backend_name):
+    """The backend's ``visible_devices_env`` must restrict what a fresh process sees (launchers
+    and the engine set it per rank)."""
+    import os
+    import subprocess
+    import sys
+
+    var = backend.device.visible_devices_env
+    assert var, "Device.visible_devices_env is empty: declare the variable that restricts visible devices"
+    n = backend.device.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 visible devices to show a restriction, found {n}")
+    env = dict(os.environ, **{var: "1"}, CHIPSET_BACKEND=backend_name)
+    code = "import chipset; print(chipset.backend().device.device_count())"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = int(proc.stdout.strip().splitlines()[-1])
+    assert seen == 1, f"with {var}=1 a new process sees {seen} device(s), expected 1 (without it: {n})"

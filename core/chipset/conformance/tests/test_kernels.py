@@ -120,3 +120,67 @@ def test_fused_adamw_matches_reference(backend, caps, dev, dtype):
 def test_every_reference_kernel_is_dispatchable(backend):
     for name in REFERENCE_KERNELS:
         assert backend.kernels.has_kernel(name), name
+
+
+def _variant_inputs(case: str, dt: torch.dtype, dev) -> tuple[str, list, dict]:
+    """(kernel, args, kwargs) of one argument variant: every documented parameter at a
+    non-default value, edge shapes and non-contiguous inputs."""
+    g = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dt).to(dev)
+
+    if case == "rms_norm-eps":  # small activations: eps=0.5 dominates mean(x^2)
+        return "rms_norm", [r(4, 64, scale=0.1), r(64)], {"eps": 0.5}
+    if case == "rms_norm-no_weight-one_row-odd_dim":
+        return "rms_norm", [r(1, 7), None], {"eps": 1e-3}
+    if case == "rms_norm-non_contiguous":
+        return "rms_norm", [r(64, 6).t(), r(64)], {}
+    if case == "layer_norm-eps":
+        return "layer_norm", [r(4, 64, scale=0.1), r(64), r(64)], {"eps": 0.5}
+    if case == "layer_norm-no_affine-non_contiguous":
+        return "layer_norm", [r(64, 6).t(), None, None], {"eps": 1e-2}
+    if case == "rotary_embedding-non_contiguous":
+        ang = torch.randn(8, 16, generator=g)
+        return "rotary_embedding", [r(2, 8, 4, 16).transpose(1, 2), ang.cos().to(dt).to(dev), ang.sin().to(dt).to(dev)], {}
+    if case == "swiglu-non_contiguous-odd":
+        return "swiglu", [r(5, 33)[:, ::2], r(17, 5).t()], {}
+    if case == "sdpa-scale-bool_mask":
+        mask = torch.rand(1, 1, 8, 8, generator=g) > 0.3
+        mask[..., 0] = True
+        return "scaled_dot_product_attention", [r(1, 2, 8, 16), r(1, 2, 8, 16), r(1, 2, 8, 16)], {"mask": mask.to(dev), "scale": 0.3}
+    if case == "sdpa-gqa-causal-fewer_queries":
+        return "scaled_dot_product_attention", [r(1, 4, 3, 16), r(1, 2, 8, 16), r(1, 2, 8, 16)], {"causal": True}
+    if case == "sdpa-additive_mask":
+        return "scaled_dot_product_attention", [r(2, 2, 5, 8), r(2, 2, 5, 8), r(2, 2, 5, 8)], {"mask": r(1, 1, 5, 5)}
+    if case == "cross_entropy-ignore_index-sum":
+        target = torch.randint(0, 32, (8,), generator=g)
+        target[::3] = 5
+        return "cross_entropy", [r(8, 32), target.to(dev)], {"ignore_index": 5, "reduction": "sum"}
+    if case == "cross_entropy-none-default_ignore":
+        target = torch.randint(0, 32, (8,), generator=g)
+        target[1] = -100
+        return "cross_entropy", [r(8, 32), target.to(dev)], {"reduction": "none"}
+    raise KeyError(case)
+
+
+VARIANTS = [
+    "rms_norm-eps", "rms_norm-no_weight-one_row-odd_dim", "rms_norm-non_contiguous", "layer_norm-eps",
+    "layer_norm-no_affine-non_contiguous", "rotary_embedding-non_contiguous", "swiglu-non_contiguous-odd",
+    "sdpa-scale-bool_mask", "sdpa-gqa-causal-fewer_queries", "sdpa-additive_mask",
+    "cross_entropy-ignore_index-sum", "cross_entropy-none-default_ignore",
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", VARIANTS)
+def test_argument_variants_match_reference(backend, caps, dev, case, dtype):
+    """Dispatch honours every argument (a kernel that ignores ``eps`` or a mask fails here)."""
+    _require(caps, dtype)
+    dt = FLOATS[dtype]
+    name, args, kwargs = _variant_inputs(case, dt, dev)
+    got = backend.kernels.select(name, *args, **kwargs)(*args, **kwargs)
+    want = backend.kernels.reference(name)(*args, **kwargs)
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        f"{case}: got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}")
+    _compare([got.detach()], [want.detach()], name, dtype, caps, f"forward ({case})")
