@@ -400,7 +400,8 @@ def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConf
     # ... and one given with --set means "from here": stored absolute, so the run directory's
     # config.toml (read again by the ranks and by a rerun) points at the same data.
     _absolute_data_paths(cfg, Path.cwd())
-    if cfg.model.hf_config or cfg.model.init_from:
+    hf_paths = [p for p in (cfg.model.hf_config, cfg.model.init_from) if p]
+    if hf_paths and all(isinstance(p, str) and p.isprintable() for p in hf_paths):  # else validation refuses
         from chipset.models.hf.config import apply_hf_config  # late: models import this module
 
         problems += apply_hf_config(cfg.model)
