@@ -1,6 +1,6 @@
 """Communication per step per collective, and where each group's ranks sit.
 
-Volumes are bytes one rank sends, ring algorithms (DESIGN.md): all-reduce 2(n-1)/n·S,
+Volumes are bytes one rank sends, ring algorithms (docs/formulas.md): all-reduce 2(n-1)/n·S,
 reduce-scatter and all-gather (n-1)/n·S each, all-to-all (n-1)/n·S, point-to-point S.
 Time of one call is latency·steps + bytes / bandwidth, with 2(n-1) latency steps for a
 ring all-reduce, n-1 for reduce-scatter, all-gather and all-to-all, 1 for a send.

@@ -1,4 +1,4 @@
-"""Compute time of one micro-batch on one stage, kernel by kernel (docs/formulas.md, planner).
+"""Compute time of one micro-batch on one stage, kernel by kernel (see docs/planner.md, "Time").
 
 Every matrix multiply is costed by a roofline of its own shape (M tokens, N outputs, K
 inputs): time = max(2MNK / (peak · eff), 2(MK + KN + MN) bytes / bandwidth), with
