@@ -77,3 +77,19 @@ def test_engine_config_adapter_maps_hugging_face_names():
     m = from_engine_model_config(Cfg(), seq_len=64)
     assert (m.vocab, m.hidden, m.layers, m.heads, m.kv, m.ffn, m.seq_len) == (128, 32, 2, 4, 4, 64, 64)
     assert m.num_params() == 2 * (4 * 32 * 32 + 3 * 32 * 64 + 2 * 32) + 2 * 128 * 32 + 32
+
+
+def test_a_chipset_train_config_is_a_planner_model_file(tmp_path):
+    """Hugging Face key names are aliases; the [train] seq_len is the planned length."""
+    from pathlib import Path
+
+    from chipset.planner.model import load_model_toml
+
+    root = Path(__file__).resolve().parents[1]
+    m = load_model_toml(root / "examples" / "llama-1b.toml")
+    assert (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab, m.seq_len) == (
+        16, 2048, 32, 8, 8192, 128256, 4096)
+    bad = tmp_path / "m.toml"
+    bad.write_text("[model]\nhidden_size = 2048\nnum_attention_heads = 32\nhead_dim = 128\n")
+    with pytest.raises(ConfigError, match="head_dim = 128 must equal hidden / heads"):
+        load_model_toml(bad)

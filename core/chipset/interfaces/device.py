@@ -51,6 +51,12 @@ class DeviceProperties:
     step_host_overhead: float = 0.0
     """Host time per optimizer step outside the kernels (data, zero_grad, scheduler, logging),
     seconds; 0.0 lets the planner use its default."""
+    matmul_efficiency: float = 0.0
+    """Fraction of the dense peak that large, well-shaped matrix multiplies sustain (cuBLAS-
+    class kernels at the clocks the part holds under load); 0.0 lets the planner use its default."""
+    attention_efficiency: float = 0.0
+    """Fraction of the dense peak a fused (flash) attention kernel sustains over forward and
+    backward; 0.0 lets the planner use its default."""
     compute_capability: tuple[int, int] | None = None
     """Vendor compute capability where meaningful (CUDA ``(9, 0)``); else None."""
     multiprocessor_count: int | None = None

@@ -15,18 +15,22 @@ __all__ = ["Assumptions"]
 class Assumptions:
     """Knobs of the efficiency and memory model."""
 
-    gemm_efficiency: float = 0.70
-    """Fraction of dense peak FLOP/s that large matrix multiplications sustain end to end
-    (kernel efficiency times launch gaps): large bf16 GEMMs reach 70-85% of peak on
-    current GPUs; we take the low end because the model has no other per-kernel overhead."""
-    gemm_half_dim: int = 128
-    """Per-device GEMM width at which efficiency halves: the efficiency is
-    gemm_efficiency * d / (d + gemm_half_dim), d = min(hidden/tp, tokens per micro-batch).
-    Models the loss of tile utilisation when tp slices matrices thin."""
-    elementwise_traffic: float = 3.0
-    """Memory-bound work (norms, activations, softmax, dropout, residuals) moves this many
-    times the bytes of the stored activations per block (written in forward, read and
-    gradient written in backward); its time is bytes / memory bandwidth."""
+    gemm_efficiency: float = 0.75
+    """Fraction of dense peak FLOP/s that large, well-shaped matrix multiplications sustain,
+    used when the device profile declares no ``matmul_efficiency``: public cuBLAS bf16
+    benchmarks reach 70-90% of the datasheet peak for large squares. Each GEMM then gets
+    gemm_efficiency · d / (d + gemm_half_dim), d its smallest dimension (kernels.py)."""
+    gemm_half_dim: int = 64
+    """Smallest GEMM dimension at which efficiency halves: skinny GEMMs (thin tp slices,
+    few tokens per expert, head_dim-wide attention products) leave tiles and waves part
+    empty. 64 puts a 128-wide GEMM at 2/3 and a 4096-wide one at 98% of the large-GEMM rate."""
+    attention_efficiency: float = 0.45
+    """Fraction of dense peak a fused flash-attention kernel sustains over forward and
+    backward when the profile declares none (FlashAttention-2 reports 50-70% on A100 and
+    about 35-40% on H100, Dao 2023; Shah et al. 2024)."""
+    memory_efficiency: float = 0.85
+    """Fraction of the datasheet memory bandwidth that streaming (elementwise, norm,
+    optimizer) kernels achieve: STREAM-like copies reach 80-90% of HBM peak."""
     kernel_launch_latency: float = 8e-6
     """Seconds one kernel occupies the stream at least when an eager framework issues it:
     a CUDA-style launch costs about 3-5 us and PyTorch's eager dispatch a few more, so
@@ -50,6 +54,11 @@ class Assumptions:
     """Overlap data-parallel gradient reduction with the last micro-batch's backward and
     the parameter all-gather with the first micro-batch's forward (Megatron
     overlap-grad-reduce / overlap-param-gather, FSDP prefetch)."""
+    overlap_contention: float = 0.3
+    """Extra time, as a fraction of the overlapped span, when a collective runs beside compute:
+    communication kernels occupy multiprocessors and memory bandwidth the GEMMs would use
+    (measured overlap slowdowns of 10-40% are reported for NCCL beside GEMMs, e.g. Wang et
+    al. 2023 "Overlap communication with dependent computation", Jangda et al. 2022)."""
     cp_overlap: bool = True
     """Ring attention overlaps its K/V exchange with attention compute."""
     max_micro_batch: int = 16

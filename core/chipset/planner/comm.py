@@ -1,6 +1,6 @@
 """Communication per step per collective, and where each group's ranks sit.
 
-Volumes are bytes one rank sends, ring algorithms (DESIGN.md): all-reduce 2(n-1)/n·S,
+Volumes are bytes one rank sends, ring algorithms (docs/formulas.md): all-reduce 2(n-1)/n·S,
 reduce-scatter and all-gather (n-1)/n·S each, all-to-all (n-1)/n·S, point-to-point S.
 Time of one call is latency·steps + bytes / bandwidth, with 2(n-1) latency steps for a
 ring all-reduce, n-1 for reduce-scatter, all-gather and all-to-all, 1 for a send.
@@ -120,9 +120,17 @@ def _item(cl: Cluster, lay: Layout, dim: str, op: str, what: str, n: int, size: 
                     time_s=t, phase=phase, buffer=float(size))
 
 
+ZERO3_REUSE_PARAMS = 1e9
+"""Parameters a ZeRO-3 implementation keeps gathered between a block's recomputed forward
+and its backward (DeepSpeed's ``stage3_max_reuse_distance`` default). A block larger than
+this under full recompute is gathered three times per micro-batch (forward, recompute,
+backward) instead of twice."""
+
+
 def data_parallel_items(lay: Layout, train: TrainSpec, cl: Cluster, dense: float, expert: float,
-                        mb: int) -> list[CommItem]:
-    """The ZeRO-stage collectives for ``dense`` parameters over dp*cp ranks and ``expert`` over dp*cp/ep."""
+                        mb: int, regather: bool = False) -> list[CommItem]:
+    """The ZeRO-stage collectives for ``dense`` parameters over dp*cp ranks and ``expert`` over
+    dp*cp/ep; ``regather``: ZeRO-3 gathers again for the recomputed forward."""
     P, G = train.param_bytes, train.grad_bytes
     out: list[CommItem | None] = []
     for psi, n, what in ((dense, lay.dp * lay.cp, ""), (expert, lay.dp * lay.cp // lay.ep, " (experts)")):
@@ -137,6 +145,9 @@ def data_parallel_items(lay: Layout, train: TrainSpec, cl: Cluster, dense: float
         else:
             out.append(_item(cl, lay, "dp", "all_gather", "parameters (forward)" + what, n, P * psi, mb, "param_micro"))
             out.append(_item(cl, lay, "dp", "all_gather", "parameters (backward)" + what, n, P * psi, mb, "grad_micro"))
+            if regather:
+                out.append(_item(cl, lay, "dp", "all_gather", "parameters (recompute)" + what, n, P * psi, mb,
+                                 "grad_micro"))
             out.append(_item(cl, lay, "dp", "reduce_scatter", "gradients" + what, n, G * psi, mb, "grad_micro"))
     return [i for i in out if i is not None]
 
@@ -153,7 +164,9 @@ def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     if stage is not None and stage not in stages:
         raise ValueError(f"stage {stage!r}: expected one of {', '.join(stages)} for pp={lay.pp}")
     dense = max(stages.values()) if stage is None else stages[stage]
-    out: list[CommItem | None] = list(data_parallel_items(lay, train, cl, dense, expert, mb))
+    block_params = max(m.layer_params(False), m.layer_params(True) if m.is_moe else 0)
+    regather = lay.zero >= 3 and lay.recompute == "full" and block_params > ZERO3_REUSE_PARAMS
+    out: list[CommItem | None] = list(data_parallel_items(lay, train, cl, dense, expert, mb, regather))
 
     # --- tensor parallel ----------------------------------------------------------------
     act = P * b * s * h

@@ -1,6 +1,6 @@
 """Per-device memory of one layout: model states by ZeRO stage, activations by recompute policy.
 
-Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3 and 5; DESIGN.md), mixed-precision
+Model states (Rajbhandari et al. 2020, "ZeRO", Sec. 3 and 5; docs/formulas.md), mixed-precision
 Adam with P = 2 bytes of parameters, G = 2 of gradients, K = 12 of optimizer state per
 parameter, sharded over N = dp*cp ranks (dp*cp/ep for expert parameters):
 stage 0 (P+G+K)Ψ = 16Ψ; stage 1 (P+G)Ψ + KΨ/N; stage 2 PΨ + (G+K)Ψ/N; stage 3 (P+G+K)Ψ/N.

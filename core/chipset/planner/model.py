@@ -250,8 +250,38 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     raise ConfigError(f"model.{key}: expected {typ.__name__}, found {value!r}")
 
 
+HF_ALIASES = {
+    "hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
+    "num_key_value_heads": "kv_heads", "intermediate_size": "ffn_hidden", "vocab_size": "vocab",
+    "max_position_embeddings": "seq_len", "tie_word_embeddings": "tied_embeddings",
+    "num_experts_per_tok": "top_k",
+}
+"""Hugging Face / ``chipset train`` key names accepted for the planner's own."""
+HF_IGNORED = frozenset({"rope_theta", "rms_norm_eps", "norm_eps", "initializer_range", "rope_scaling"})
+"""Keys of a ``chipset train`` [model] table that do not change the cost model."""
+
+
+def _unalias(values: dict[str, Any], origin: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    head_dim = values.get("head_dim")
+    for k, v in values.items():
+        if k in HF_IGNORED or k == "head_dim":
+            continue
+        key = HF_ALIASES.get(k, k)
+        if key in out and k != key:
+            raise ConfigError(f"{origin}: both {k!r} and {key!r} given; keep one")
+        out[key] = v
+    if head_dim is not None:
+        hidden, heads = out.get("hidden"), out.get("heads")
+        if not hidden or not heads or int(head_dim) * int(heads) != int(hidden):
+            raise ConfigError(f"{origin}: head_dim = {head_dim} must equal hidden / heads "
+                              f"(found hidden {hidden}, heads {heads}); the planner models head_dim = hidden / heads")
+    return out
+
+
 def _update(spec: ModelSpec, values: dict[str, Any], origin: str) -> ModelSpec:
     types = _field_types()
+    values = _unalias(values, origin)
     unknown = sorted(set(values) - set(types))
     if unknown:
         raise ConfigError(
@@ -280,6 +310,10 @@ def load_model_toml(path: str | Path, base: ModelSpec | None = None) -> ModelSpe
     spec = base or ModelSpec(name=p.stem)
     if "preset" in table:
         spec = get_preset(str(table.pop("preset")))
+    train = data.get("train")
+    if isinstance(train, dict) and "seq_len" in train and "seq_len" not in table:
+        table["seq_len"] = train["seq_len"]  # a chipset train config: plan at its sequence length
+        table.pop("max_position_embeddings", None)
     return _update(spec, table, str(p))
 
 

@@ -19,7 +19,6 @@ profile's host overhead. Both are negligible for large models and dominate tiny 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from chipset.errors import ConfigError
@@ -27,10 +26,10 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import CommItem, communication
 from chipset.planner.flops import forward_flops_per_token, model_flops_per_token, step_flops
+from chipset.planner.kernels import stage_compute
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import (
     MemoryBreakdown,
-    block_activation_bytes,
     memory_per_device,
     params_per_device,
     stage_layers,
@@ -80,10 +79,16 @@ class Prediction:
         }
 
 
-def gemm_efficiency(m: ModelSpec, lay: Layout, seq_len: int, a: Assumptions) -> float:
-    """Fraction of peak the stage's matrix multiplications reach."""
-    d = min(m.hidden / lay.tp, lay.micro_batch * seq_len / lay.cp)
-    return a.gemm_efficiency * d / (d + a.gemm_half_dim)
+def gemm_efficiency(m: ModelSpec, lay: Layout, seq_len: int, a: Assumptions,
+                    train: TrainSpec | None = None, dev=None) -> float:
+    """Fraction of peak the stage's projection, MLP and logit GEMMs reach together (the
+    FLOP-weighted result of each GEMM's own roofline, kernels.py)."""
+    train = train or TrainSpec()
+    peak = dev.peak_flops_for(train.dtype) if dev is not None else 1e15
+    bw = dev.memory_bandwidth if dev is not None else 0.0
+    e_max = (dev.matmul_efficiency if dev is not None else 0.0) or a.gemm_efficiency
+    sc = stage_compute(m, lay, seq_len, train, 1, peak, bw, a, e_max, a.attention_efficiency)
+    return sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
 
 
 def launch_floor(blocks: int, recompute: str, a: Assumptions) -> int:
@@ -102,17 +107,37 @@ def _sum(items: list[CommItem], *, dim: str | None = None, phase: str | None = N
     return sum(i.time_s for i in items if (dim is None or i.dim == dim) and (phase is None or i.phase == phase))
 
 
-def dp_exposed_time(dp_items: list[CommItem], w_f: float, w_b: float, mb: int, a: Assumptions) -> float:
+def overlapped(comm: float, work: float, contention: float) -> float:
+    """Seconds ``comm`` and ``work`` take when they run concurrently: the longer of the two,
+    plus ``contention`` times the overlapped span (the collective's kernels take multiprocessors
+    and memory bandwidth from the compute running beside them, and vice versa)."""
+    return max(comm, work) + contention * min(comm, work)
+
+
+def dp_exposed_time(dp_items: list[CommItem], w_f: float, w_b: float, mb: int, a: Assumptions,
+                    blocks: float = 0.0) -> float:
     """Data-parallel time not hidden: end-of-step traffic against one micro-batch's backward
-    (gradients) or forward (parameters); per-micro-batch traffic against every micro-batch's."""
+    (gradients) or forward (parameters); per-micro-batch traffic (ZeRO-3's gathers and
+    reduce-scatters) against every micro-batch's. Hidden traffic still slows the compute beside
+    it (``Assumptions.overlap_contention``); ZeRO-3 cannot prefetch the first block's
+    parameters of each pass behind anything: 1/``blocks`` of each per-micro-batch gather is exposed."""
     grad = _sum(dp_items, phase="grad")
     param = _sum(dp_items, phase="param")
     grad_micro = _sum(dp_items, phase="grad_micro") / mb
     param_micro = _sum(dp_items, phase="param_micro") / mb
     if not a.dp_overlap:
         return grad + param + mb * (grad_micro + param_micro)
-    return (max(0.0, grad - w_b) + max(0.0, param - w_f)
-            + mb * (max(0.0, grad_micro - w_b) + max(0.0, param_micro - w_f)))
+    c = a.overlap_contention
+
+    def exposed(comm: float, work: float, fill: float = 0.0) -> float:
+        if comm <= 0:
+            return 0.0
+        head = comm * fill  # gathered before any compute can start
+        return head + overlapped(comm - head, work, c) - work
+
+    fill = 1 / blocks if blocks >= 1 else 0.0
+    return (exposed(grad, w_b) + exposed(param, w_f)
+            + mb * (exposed(grad_micro, w_b, fill) + exposed(param_micro, w_f, fill)))
 
 
 def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
@@ -134,18 +159,11 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     blocks = stage_layers(m, lay)
     fw = forward_flops_per_token(m, s)
     extra = {"none": 0, "selective": fw.attention_core, "full": fw.blocks}[lay.recompute]
-    per_token_block = (3 * fw.blocks + extra) / m.layers
-    tokens_mb = lay.micro_batch * s
-    stage_flops = tokens_mb * blocks * per_token_block + (3 * fw.logits * tokens_mb)
-    stage_flops /= lay.tp * lay.cp
-    eff = gemm_efficiency(m, lay, s, a)
-    t_gemm = stage_flops / (peak * eff)
-    t_mem = 0.0
-    if dev.memory_bandwidth > 0:
-        base = dataclasses.replace(lay, recompute="none")
-        traffic = block_activation_bytes(m, base, s, train) * blocks * a.elementwise_traffic
-        traffic *= 4 / 3 if lay.recompute == "full" else 1
-        t_mem = traffic / dev.memory_bandwidth
+    e_max = dev.matmul_efficiency or a.gemm_efficiency
+    attn_eff = dev.attention_efficiency or a.attention_efficiency
+    sc = stage_compute(m, lay, s, train, blocks, peak, dev.memory_bandwidth, a, e_max, attn_eff)
+    eff = sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
+    t_gemm, t_mem = sc.gemm_s + sc.attention_s, sc.memory_s
     launch = dev.kernel_launch_latency or a.kernel_launch_latency
     t_launch = launch_floor(blocks, lay.recompute, a) * launch
     t_compute = max(t_gemm + t_mem, t_launch)
@@ -158,14 +176,13 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     t_pp = _sum(items, dim="pp", phase="micro") / mb
     t_cp = _sum(items, dim="cp") / mb
     if a.cp_overlap:
-        core = fw.attention_core / m.layers * 3 * tokens_mb * blocks / (lay.tp * lay.cp) / (peak * eff)
-        t_cp = max(0.0, t_cp - core)
+        t_cp = max(0.0, t_cp - sc.attention_s)
     t_slot = t_compute + t_tp + t_ep + t_pp + t_cp
     bubble = t_slot * (lay.pp - 1) / lay.v
     t_pipeline = t_slot * mb + bubble
 
     dp_items = [i for i in items if i.dim == "dp"]
-    dp_exposed = dp_exposed_time(dp_items, t_compute * fwd_share, t_compute * bwd_share, mb, a)
+    dp_exposed = dp_exposed_time(dp_items, t_compute * fwd_share, t_compute * bwd_share, mb, a, blocks)
     t_step_comm = _sum(items, phase="step")
 
     t_opt = 0.0

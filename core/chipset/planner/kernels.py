@@ -1,0 +1,143 @@
+"""Compute time of one micro-batch on one stage, kernel by kernel (see docs/planner.md, "Time").
+
+Every matrix multiply is costed by a roofline of its own shape (M tokens, N outputs, K
+inputs): time = max(2MNK / (peak · eff), 2(MK + KN + MN) bytes / bandwidth), with
+eff = e_max · d / (d + d_half), d = min(M, N, K). The curve is the tile-quantisation
+shape of public GEMM benchmarks (NVIDIA's "Matrix Multiplication Background" guide:
+throughput rises with each dimension until the tiles and waves fill the device; cuBLAS
+bf16 on A100/H100 reaches 80-90%/70-80% of the dense datasheet peak for large squares, and
+falls off once a dimension drops to a few hundred). Backward runs the data-gradient and
+weight-gradient GEMMs, whose dimensions are the forward's permuted, so they cost twice the
+forward at the same efficiency.
+
+Attention's core (QK^T and AV, 4·s·h FLOPs per token forward) is either a fused
+flash-attention kernel at the profile's attention efficiency (backward executes 2.5× the
+forward FLOPs, Dao 2023, Sec. 3.2), or batched GEMMs of width head_dim plus a materialised
+s×s score matrix whose softmax/dropout traffic is memory-bound.
+
+Memory-bound kernels (norms, residual adds, dropout, rotary, activation) move their
+actual bytes at the achievable fraction of memory bandwidth: forward reads inputs and
+writes outputs; backward reads the gradient and the saved input and writes the input
+gradient (twice the forward bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chipset.planner.assumptions import Assumptions
+from chipset.planner.layout import Layout, TrainSpec
+from chipset.planner.model import ModelSpec
+
+__all__ = ["StageCompute", "gemm_time", "matmul_shapes", "stage_compute"]
+
+
+@dataclass(frozen=True)
+class StageCompute:
+    """Seconds one micro-batch of one stage spends, by kernel class (recompute included)."""
+
+    gemm_s: float
+    """Projection, MLP and logit GEMMs."""
+    attention_s: float
+    """Attention core: flash kernel, or score GEMMs plus softmax traffic."""
+    memory_s: float
+    """Norms, residuals, dropout, rotary and activation kernels."""
+    gemm_flops: float
+    """FLOPs of the GEMMs above (for the effective efficiency)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.memory_s
+
+
+def _eff(d: float, e_max: float, half: float) -> float:
+    return e_max * d / (d + half)
+
+
+def gemm_time(M: float, N: float, K: float, peak: float, bandwidth: float, e_max: float, half: float,
+              elem_bytes: float = 2.0) -> float:
+    """Seconds of one (M x K)·(K x N) multiply: the slower of its FLOP and byte rooflines."""
+    if min(M, N, K) <= 0:
+        return 0.0
+    t = 2 * M * N * K / (peak * _eff(min(M, N, K), e_max, half))
+    if bandwidth > 0:
+        t = max(t, elem_bytes * (M * K + K * N + M * N) / bandwidth)
+    return t
+
+
+def matmul_shapes(m: ModelSpec, lay: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
+    """(M, N, K, count) of one block's forward GEMMs on one device (dense and MoE blocks
+    weighted by their share of layers)."""
+    h, t, f = m.hidden, lay.tp, m.ffn
+    up = 2 * f if m.mlp == "swiglu" else f
+    out = [(tokens, (h + 2 * m.kv_dim) / t, h, 1.0), (tokens, h, h / t, 1.0)]
+    dense = m.dense_layers / m.layers
+    if dense > 0:
+        out += [(tokens, up / t, h, dense), (tokens, h, f / t, dense)]
+    if m.is_moe:
+        moe = 1 - dense
+        per_expert = lay.ep * tokens * m.top_k / m.num_experts  # tokens each local expert sees
+        experts = m.num_experts / lay.ep
+        out += [(per_expert, up / t, h, moe * experts), (per_expert, h, f / t, moe * experts),
+                (tokens, m.num_experts, h, moe)]
+    return out
+
+
+def _memory_bytes_per_token(m: ModelSpec, lay: Layout, e: float) -> float:
+    """Forward bytes of one block's memory-bound kernels per token on one device."""
+    h, t = m.hidden, lay.tp
+    rep = t if lay.sp else 1  # outside the tp region each rank sees all tokens unless sequence-parallel
+    b = 2 * (2 * e * h) / rep  # two norms: read, write
+    b += 2 * (3 * e * h) / rep  # two residual adds: read two, write one
+    if m.dropout:
+        b += 2 * (2 * e * h + h) / rep  # read, write, 1-byte mask
+    if m.position == "rope":
+        b += 2 * e * (h + m.kv_dim) / t  # rotate q and k in place
+    f_local = m.ffn / t * (m.top_k if m.is_moe else 1)
+    b += (3 if m.mlp == "swiglu" else 2) * e * f_local  # activation (gate·up -> out, or read/write)
+    return b
+
+
+def stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blocks: float,
+                  peak: float, bandwidth: float, a: Assumptions, e_max: float, attn_eff: float,
+                  with_logits: bool = True) -> StageCompute:
+    """Compute seconds of one micro-batch of a stage of ``blocks`` blocks (see module doc)."""
+    e = train.param_bytes
+    s_local = seq_len / lay.cp
+    tokens = lay.micro_batch * s_local
+    half = a.gemm_half_dim
+    mem_bw = bandwidth * a.memory_efficiency if bandwidth > 0 else 0.0
+    # passes of the block's forward executed: forward, backward (2x), recompute
+    full = 1.0 if lay.recompute == "full" else 0.0
+    fwd_passes = 3 + full
+    gemm = gemm_flops = 0.0
+    for M, N, K, count in matmul_shapes(m, lay, tokens):
+        gemm += count * fwd_passes * gemm_time(M, N, K, peak, bandwidth, e_max, half, e)
+        gemm_flops += count * fwd_passes * 2 * M * N * K
+    gemm *= blocks
+    gemm_flops *= blocks
+    if with_logits:
+        V = m.vocab / lay.tp
+        gemm += 3 * gemm_time(tokens, V, m.hidden, peak, bandwidth, e_max, half, e)
+        gemm_flops += 3 * 2 * tokens * V * m.hidden
+
+    heads = m.heads / lay.tp
+    core_fwd = 4 * tokens * seq_len * m.hidden / lay.tp  # QK^T and AV, full s x s as flops.py counts
+    recompute_core = 1.0 if lay.recompute in ("full", "selective") else 0.0
+    if m.flash_attention:
+        attention = core_fwd * (1 + 2.5 + recompute_core) / (peak * attn_eff)
+    else:
+        per_head = lay.micro_batch * heads
+        one = 2 * gemm_time(s_local, seq_len, m.head_dim, peak, bandwidth, e_max, half, e) * per_head
+        attention = one * (3 + recompute_core)
+        if mem_bw > 0:
+            scores = lay.micro_batch * heads * s_local * seq_len
+            # scores written, softmax read+write, (dropout read+write+mask), AV reads probs
+            fwd_bytes = scores * (e + 2 * e + (2 * e + 1 if m.dropout else 0) + e)
+            attention += fwd_bytes * (1 + 2 + recompute_core) / mem_bw
+    attention *= blocks
+
+    memory = 0.0
+    if mem_bw > 0:
+        memory = _memory_bytes_per_token(m, lay, e) * tokens * blocks * (1 + 2 + full) / mem_bw
+    return StageCompute(gemm, attention, memory, gemm_flops)
