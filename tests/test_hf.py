@@ -402,7 +402,7 @@ def test_a_run_from_scratch_exports_as_llama_and_a_top1_moe_is_refused(tmp_path,
                      f"train.seq_len={SEQ}", *extra, "--run-dir", str(tmp_path / name))
         assert r.returncode == 0, r.stderr
     r = _chipset("export", str(tmp_path / "moe"), "--out", str(tmp_path / "moe-hf"))
-    assert r.returncode == 2 and "top_k = 1" in r.stderr, r.stderr
+    assert r.returncode == 2 and "num_experts_per_tok = 1" in r.stderr, r.stderr
     assert not (tmp_path / "moe-hf").exists()
     for fmt in ("hf", "torch"):
         r = _chipset("export", str(tmp_path / "dense"), "--format", fmt, "--out", str(tmp_path / f"dense-{fmt}"))

@@ -250,8 +250,16 @@ def _coerce(key: str, value: Any, typ: type) -> Any:
     raise ConfigError(f"model.{key}: expected {typ.__name__}, found {value!r}")
 
 
+HF_NAMES = {"num_experts_per_tok": "top_k"}
+"""``chipset train``'s (Hugging Face's) name -> the planner's field, so ``--set model.*`` takes either."""
+
+
 def _update(spec: ModelSpec, values: dict[str, Any], origin: str) -> ModelSpec:
     types = _field_types()
+    both = [f"{hf} and {short}" for hf, short in HF_NAMES.items() if hf in values and short in values]
+    if both:
+        raise ConfigError(f"{origin}: {', '.join(both)} name the same key; give it once")
+    values = {HF_NAMES.get(k, k): v for k, v in values.items()}
     unknown = sorted(set(values) - set(types))
     if unknown:
         raise ConfigError(
@@ -300,7 +308,8 @@ def from_engine_model_config(cfg: Any, seq_len: int, name: str = "engine") -> Mo
     Field mapping: vocab_size -> vocab, hidden_size -> hidden, num_hidden_layers -> layers,
     num_attention_heads -> heads, num_key_value_heads -> kv_heads (0: same as heads),
     intermediate_size -> ffn_hidden; tie_word_embeddings -> tied_embeddings and
-    num_experts / top_k (engine) or num_experts_per_tok (Hugging Face) / moe_every when present. The engine's model is the
+    num_experts / num_experts_per_tok (engine and Hugging Face; top_k in configs before 0.2) / moe_every
+    when present. The engine's model is the
     reference family (SwiGLU, RMSNorm, RoPE, no biases, no dropout), so those fields keep
     their defaults. Read by attribute, so the planner never imports the engine's config.
     """
@@ -308,6 +317,6 @@ def from_engine_model_config(cfg: Any, seq_len: int, name: str = "engine") -> Mo
     return ModelSpec(
         name=name, layers=g("num_hidden_layers"), hidden=g("hidden_size"), heads=g("num_attention_heads"),
         kv_heads=g("num_key_value_heads") or 0, ffn_hidden=g("intermediate_size"), vocab=g("vocab_size"),
-        seq_len=seq_len, num_experts=g("num_experts") or 0, top_k=g("top_k", 0) or g("num_experts_per_tok", 1) or 1,
+        seq_len=seq_len, num_experts=g("num_experts") or 0, top_k=g("num_experts_per_tok", 0) or g("top_k", 1) or 1,
         moe_every=g("moe_every", 1) or 1, tied_embeddings=bool(g("tie_word_embeddings", False)),
     ).validate()
