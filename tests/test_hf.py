@@ -341,6 +341,23 @@ def test_unsupported_configs_are_refused_before_launch(families, tmp_path, patch
     assert not (tmp_path / "run").exists()
 
 
+def test_qwen2_moe_is_refused_with_its_architecture(tmp_path):
+    """Qwen2-MoE's shared expert and unrenormalised top-k gates have no chipset equivalent
+    (docs/hf.md): its config is refused before launch, naming the architecture."""
+    transformers = pytest.importorskip("transformers")
+    from chipset.config import load_config
+    from chipset.errors import ConfigError
+
+    cfg = transformers.Qwen2MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      shared_expert_intermediate_size=64)
+    cfg.architectures = ["Qwen2MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.hf_config={tmp_path / 'config.json'}"])
+    assert err.value.exit_code == 2
+    assert "architectures = ['Qwen2MoeForCausalLM']: unsupported; supported: LlamaForCausalLM" in str(err.value)
+
+
 def test_a_key_the_model_directory_sets_is_not_silently_replaced(families):
     from chipset.config import load_config
     from chipset.errors import ConfigError
