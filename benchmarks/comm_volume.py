@@ -30,7 +30,7 @@ from pathlib import Path
 MODEL = ["model.vocab_size=127", "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=4",
          "model.num_key_value_heads=2", "model.intermediate_size=64", "train.global_batch=8", "train.seq_len=16",
          "parallel.micro_batches=2", "train.dtype=\"float32\""]
-MOE = ["model.num_experts=4", "model.top_k=2"]
+MOE = ["model.num_experts=4", "model.num_experts_per_tok=2"]
 
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "dp2-z0": (2, ["parallel.zero=0"]),

@@ -38,7 +38,7 @@ BASE = {
     "train": {"steps": STEPS, "global_batch": 8, "seed": 7, "grad_clip": 0.5, "keep_checkpoints": 0},
     "parallel": {"bucket_mb": 0.02, "micro_batches": 2},
 }
-MOE = {"num_experts": 4, "top_k": 2, "intermediate_size": 48}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}
 # mode -> [(run, overrides, resume from (run, step) or None)], run in this order.
 JOBS = {
     "w4": [

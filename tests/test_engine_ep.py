@@ -31,12 +31,12 @@ HERE = Path(__file__).resolve()
 STEPS = 10
 BASE = {
     "model": {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 48, "num_experts": 4, "top_k": 2,
-              "capacity_factor": 1.0, "aux_loss_coef": 0.01},
+              "num_key_value_heads": 2, "intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+              "capacity_factor": 1.0, "router_aux_loss_coef": 0.01},
     "train": {"steps": STEPS, "global_batch": 8, "seq_len": 16, "lr": 1e-2, "grad_clip": 0.5, "seed": 11},
     "parallel": {"bucket_mb": 0.02},
 }
-SIGMOID = {"model": {"router": "sigmoid", "top_k": 1, "capacity_factor": 0.0, "moe_every": 2}}
+SIGMOID = {"model": {"router": "sigmoid", "num_experts_per_tok": 1, "capacity_factor": 0.0, "moe_every": 2}}
 # mode -> {variant: overrides}; "ref" runs in one process and holds the references.
 JOBS = {
     "w2": {
@@ -131,7 +131,7 @@ def test_moe_layer_equals_a_per_token_loop():
     from chipset.models.moe import MoE
 
     k = chipset.backend().kernels
-    cfg = ModelConfig(hidden_size=8, intermediate_size=12, num_experts=4, top_k=2, capacity_factor=0.6)
+    cfg = ModelConfig(hidden_size=8, intermediate_size=12, num_experts=4, num_experts_per_tok=2, capacity_factor=0.6)
     torch.manual_seed(0)
     layer = MoE(cfg, k)
     for p in layer.parameters():
@@ -160,7 +160,8 @@ def test_moe_config_errors_say_what_to_do():
         ({"parallel": {"ep": 2}}, "parallel.ep = 2 needs a mixture-of-experts model"),
         ({"model": {"num_experts": 3}, "parallel": {"ep": 2}}, "parallel.ep (2) must divide model.num_experts (3)"),
         ({"model": {"num_experts": 4}, "parallel": {"ep": 4}}, "parallel.ep (4) must divide parallel.dp (2)"),
-        ({"model": {"num_experts": 4, "top_k": 5}}, "model.top_k (5) must be <= model.num_experts (4)"),
+        ({"model": {"num_experts": 4, "num_experts_per_tok": 5}},
+         "model.num_experts_per_tok (5) must be <= model.num_experts (4)"),
         ({"model": {"num_experts": 4, "router": "relu"}}, "model.router = 'relu': expected one of softmax, sigmoid"),
         ({"model": {"num_experts": 4, "capacity_factor": -1.0}}, "model.capacity_factor = -1.0"),
     ]
@@ -177,7 +178,7 @@ def test_planner_reads_the_engines_moe_keys():
     from chipset.models import Transformer
     from chipset.planner.model import from_engine_model_config
 
-    cfg = ModelConfig(num_hidden_layers=4, num_experts=4, top_k=2, moe_every=2)
+    cfg = ModelConfig(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_every=2)
     spec = from_engine_model_config(cfg, seq_len=16)
     assert (spec.num_experts, spec.top_k, spec.moe_layers) == (4, 2, 2)
     # The planner counts the engine's MoE model exactly: all parameters, and those in experts.

@@ -3,7 +3,8 @@
 Each supported family is built by transformers from a tiny random config, every weight
 randomised (norm weights and biases too, so a mis-mapped norm or bias shows), and saved
 with ``save_pretrained``. chipset loads the directory through ``model.init_from`` under
-one process, tp2, pp2 and dp2 x ZeRO-3 (each rank reading only its slices); the engine's
+one process, tp2, pp2 and dp2 x ZeRO-3, and Qwen3 also under tp2 with sequence parallelism
+and cp2 (each rank reading only its slices); the engine's
 gathered parameters must equal the file's bit for bit, and chipset's logits must equal
 transformers' own. Then ``chipset train`` fine-tunes a few steps (1 rank and tp2),
 ``chipset export`` writes HF and torch folders, and transformers reloads the export with no
@@ -54,7 +55,10 @@ MOE = ("mixtral", "qwen3_moe")
 BIG = ("LlamaConfig", dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, intermediate_size=1536, max_position_embeddings=64))
 LAYOUTS = {"one": (1, []), "tp2": (2, ["parallel.tp=2"]), "pp2": (2, ["parallel.pp=2"]),
-           "zero3": (2, ["parallel.zero=3"])}
+           "zero3": (2, ["parallel.zero=3"]),
+           "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]), "cp2": (2, ["parallel.cp=2"])}
+SP_CP = ("tp2_sp", "cp2")
+SP_CP_FAMILIES = ("qwen3",)  # one dense family: sp and cp shard activations, not weights differently
 SEQ = 16
 RTOL = 1e-5
 
@@ -154,7 +158,7 @@ def _job(mode: str, out: str) -> None:
     world = b.collective.world_size()
     root = Path(out).parent / "families"
     results: dict = {}
-    for fam in FAMILIES:
+    for fam in SP_CP_FAMILIES if mode in SP_CP else FAMILIES:
         if mode in ("pp2", "zero3") and fam == "llama3_tied":
             continue  # tied embeddings are refused with pp > 1 and ZeRO-3 (test below)
         ep = ["parallel.ep=2"] if mode == "zero3" and fam in MOE else []  # experts sharded over the dp ranks
@@ -207,6 +211,12 @@ def loaded(families):
     return multirank.run_jobs(HERE, jobs, families.parent, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def loaded_sp_cp(families):
+    multirank.require(2)
+    return multirank.run_jobs(HERE, [{mode: 2 for mode in SP_CP}], families.parent, timeout=600)
+
+
 def _model_cfg(fam_dir: Path) -> dict:
     import dataclasses
 
@@ -233,6 +243,20 @@ def test_sharded_load_equals_the_file(families, loaded, tokens, fam, layout):
     if fam not in loaded[layout]:
         pytest.skip("tied embeddings are refused with pp > 1 and ZeRO-3")
     params = loaded[layout][fam]
+    assert_params_equal_file(params, families / fam, fam)
+    got = chipset_logits(_model_cfg(families / fam), params, tokens)
+    d = rel_diff(got, hf_logits(families / fam, tokens))
+    print(f"logits {fam} {layout}: max rel diff {d:.2e}")
+    assert d < RTOL
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", SP_CP)
+@pytest.mark.parametrize("fam", SP_CP_FAMILIES)
+def test_sequence_and_context_parallel_load_equals_the_file(families, loaded_sp_cp, tokens, fam, layout):
+    """tp2 with sequence parallelism and cp2: each rank read only its slices (tp) or the whole
+    tensors it replicates (cp); gathered, they are the file's tensors exactly."""
+    params = loaded_sp_cp[layout][fam]
     assert_params_equal_file(params, families / fam, fam)
     got = chipset_logits(_model_cfg(families / fam), params, tokens)
     d = rel_diff(got, hf_logits(families / fam, tokens))
@@ -315,6 +339,23 @@ def test_unsupported_configs_are_refused_before_launch(families, tmp_path, patch
     assert r.returncode == 2, r.stderr
     assert expect in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_qwen2_moe_is_refused_with_its_architecture(tmp_path):
+    """Qwen2-MoE's shared expert and unrenormalised top-k gates have no chipset equivalent
+    (docs/hf.md): its config is refused before launch, naming the architecture."""
+    transformers = pytest.importorskip("transformers")
+    from chipset.config import load_config
+    from chipset.errors import ConfigError
+
+    cfg = transformers.Qwen2MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                      shared_expert_intermediate_size=64)
+    cfg.architectures = ["Qwen2MoeForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.hf_config={tmp_path / 'config.json'}"])
+    assert err.value.exit_code == 2
+    assert "architectures = ['Qwen2MoeForCausalLM']: unsupported; supported: LlamaForCausalLM" in str(err.value)
 
 
 def test_a_key_the_model_directory_sets_is_not_silently_replaced(families):
@@ -402,7 +443,7 @@ def test_a_run_from_scratch_exports_as_llama_and_a_top1_moe_is_refused(tmp_path,
                      f"train.seq_len={SEQ}", *extra, "--run-dir", str(tmp_path / name))
         assert r.returncode == 0, r.stderr
     r = _chipset("export", str(tmp_path / "moe"), "--out", str(tmp_path / "moe-hf"))
-    assert r.returncode == 2 and "top_k = 1" in r.stderr, r.stderr
+    assert r.returncode == 2 and "num_experts_per_tok = 1" in r.stderr, r.stderr
     assert not (tmp_path / "moe-hf").exists()
     for fmt in ("hf", "torch"):
         r = _chipset("export", str(tmp_path / "dense"), "--format", fmt, "--out", str(tmp_path / f"dense-{fmt}"))

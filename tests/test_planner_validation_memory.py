@@ -36,7 +36,7 @@ BASE = {
               "num_key_value_heads": 2, "intermediate_size": 688, "max_position_embeddings": 128},
     "train": {"steps": 2, "global_batch": 8, "seq_len": 128, "seed": 3},
 }
-MOE = {"num_experts": 4, "top_k": 2}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2}
 JOBS = {
     1: {
         "1 process": {},

@@ -12,6 +12,7 @@ package on Python 3.10.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any, get_type_hints
 
 from chipset.errors import ConfigError
 from chipset.preflight import read_text_file, value_problems
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ModelConfig",
@@ -68,15 +71,15 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weights."""
     num_experts: int = 0
     """Experts per MoE layer; 0 or 1 means a dense model (planner spec name)."""
-    top_k: int = 1
+    num_experts_per_tok: int = 1
     """Experts each token is routed to in a MoE layer."""
     moe_every: int = 1
     """Every n-th block is MoE (block i, 0-based, when (i+1) % moe_every == 0); the others keep the dense MLP."""
     router: str = "softmax"
-    """MoE gating: softmax (over all experts) or sigmoid (per expert); top-k gates renormalised when top_k > 1."""
+    """MoE gating: softmax (over all experts) or sigmoid (per expert); top-k gates renormalised when num_experts_per_tok > 1."""
     capacity_factor: float = 0.0
-    """Expert capacity per sequence = ceil(capacity_factor * seq_len * top_k / num_experts); 0 = no dropping."""
-    aux_loss_coef: float = 0.01
+    """Expert capacity per sequence = ceil(capacity_factor * seq_len * num_experts_per_tok / num_experts); 0 = no dropping."""
+    router_aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (Switch Transformers' alpha), added to the loss per MoE layer."""
     head_dim: int = 0
     """Width of one attention head; 0 means hidden_size / num_attention_heads."""
@@ -259,6 +262,26 @@ class RunConfig:
 
 SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
 
+KEY_ALIASES = {
+    "model.top_k": "model.num_experts_per_tok",
+    "model.aux_loss_coef": "model.router_aux_loss_coef",
+}
+"""Old chipset key -> its Hugging Face name. The old names are still read (config files, ``--set``,
+a run directory's saved config) with a deprecation warning, for one release after 0.1."""
+
+
+def canonical_key(full: str) -> str:
+    """``section.key`` under its current name (an alias maps to the key it stands for)."""
+    return KEY_ALIASES.get(full, full)
+
+
+def _alias_clashes(section: str, body: dict[str, Any]) -> list[str]:
+    """One key given under both its old and its new name in the same table: which one wins is a guess."""
+    return [f"{old} and {new} both given ({body[old.split('.', 1)[1]]!r} and {body[new.split('.', 1)[1]]!r}): "
+            f"{old} is the deprecated name of {new}; keep only {new}"
+            for old, new in KEY_ALIASES.items()
+            if old.startswith(section + ".") and old.split(".", 1)[1] in body and new.split(".", 1)[1] in body]
+
 
 def _field_types(obj: Any) -> dict[str, type]:
     return get_type_hints(type(obj))
@@ -305,8 +328,17 @@ def _apply(cfg: RunConfig, raw: dict[str, Any], where: str, problems: list[str])
             continue
         target = getattr(cfg, section)
         types = _field_types(target)
+        clashes = _alias_clashes(section, body)
+        problems += clashes
+        if clashes:
+            continue
         for key, value in body.items():
             full = f"{section}.{key}"
+            if full in KEY_ALIASES:
+                full = KEY_ALIASES[full]
+                log.warning("%s: %s.%s is deprecated and will be removed in the next release; use %s "
+                            "(the Hugging Face name)", where, section, key, full)
+                key = full.split(".", 1)[1]
             if key not in types:
                 problems.append(
                     f"{full}: unknown key (value {value!r}){_did_you_mean(key, types)}; "
@@ -634,13 +666,15 @@ def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
     moe = m.num_experts > 1
     if m.num_experts < 0:
         problems.append(f"model.num_experts = {m.num_experts!r}: expected 0 (dense) or a number of experts")
-    if m.top_k < 1 or m.moe_every < 1:
-        problems.append(f"model.top_k ({m.top_k}) and model.moe_every ({m.moe_every}) must be >= 1")
-    elif moe and m.top_k > m.num_experts:
-        problems.append(f"model.top_k ({m.top_k}) must be <= model.num_experts ({m.num_experts})")
+    if m.num_experts_per_tok < 1 or m.moe_every < 1:
+        problems.append(f"model.num_experts_per_tok ({m.num_experts_per_tok}) and model.moe_every "
+                        f"({m.moe_every}) must be >= 1")
+    elif moe and m.num_experts_per_tok > m.num_experts:
+        problems.append(f"model.num_experts_per_tok ({m.num_experts_per_tok}) must be <= model.num_experts "
+                        f"({m.num_experts})")
     if m.router not in ROUTERS:
         problems.append(f"model.router = {m.router!r}: expected one of {', '.join(ROUTERS)}")
-    for name in ("capacity_factor", "aux_loss_coef"):
+    for name in ("capacity_factor", "router_aux_loss_coef"):
         v = getattr(m, name)
         if not (v >= 0 and math.isfinite(v)):
             problems.append(f"model.{name} = {v!r}: expected a finite number >= 0")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from chipset.config import canonical_key
 from chipset.errors import ConfigError
 
 __all__ = ["SAFE_KEYS", "SAFE_SECTIONS", "config_differences", "check_compatible"]
@@ -32,7 +33,10 @@ SAFE_KEYS = frozenset({
 
 
 def _flat(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {f"{sec}.{k}": v for sec, keys in cfg.items() if isinstance(keys, dict) for k, v in keys.items()}
+    """``section.key -> value``, old key names (config.KEY_ALIASES) under their current name, so a
+    checkpoint saved before a rename is compared key by key like any other."""
+    return {canonical_key(f"{sec}.{k}"): v for sec, keys in cfg.items() if isinstance(keys, dict)
+            for k, v in keys.items()}
 
 
 def safe(key: str) -> bool:

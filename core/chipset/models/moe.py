@@ -36,7 +36,7 @@ of T tokens::
 where p is the softmax probability (softmax router) or the sigmoid scores normalised
 to sum to 1 per token (sigmoid router), and f counts the top-k choices before capacity
 dropping. A perfectly balanced router gives 1. The layer's aux loss is the mean over the
-batch's sequences; the model adds ``aux_loss_coef * sum over MoE layers`` to the loss.
+batch's sequences; the model adds ``router_aux_loss_coef * sum over MoE layers`` to the loss.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelRegistry):
         super().__init__()
         self.num_experts = cfg.num_experts
-        self.top_k = cfg.top_k
+        self.top_k = cfg.num_experts_per_tok
         self.router_kind = cfg.router
         self.capacity_factor = cfg.capacity_factor
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)

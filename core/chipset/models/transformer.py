@@ -213,6 +213,6 @@ class Transformer(nn.Module):
         loss_fn = self.loss_fn or self._k.cross_entropy
         loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         moe = [m for m in self.modules() if isinstance(m, MoE)]
-        if aux and moe and self.cfg.aux_loss_coef:  # MoE load-balancing loss (models/moe.py)
-            loss = loss + self.cfg.aux_loss_coef * torch.stack([m.aux_loss for m in moe]).sum()
+        if aux and moe and self.cfg.router_aux_loss_coef:  # MoE load-balancing loss (models/moe.py)
+            loss = loss + self.cfg.router_aux_loss_coef * torch.stack([m.aux_loss for m in moe]).sum()
         return loss

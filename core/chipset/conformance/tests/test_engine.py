@@ -44,7 +44,7 @@ BASE = {
               "dtype": "float32", "log_every": 1000},
     "parallel": {"bucket_mb": 0.02},
 }
-MOE = {"model": {"num_experts": 4, "top_k": 2}}
+MOE = {"model": {"num_experts": 4, "num_experts_per_tok": 2}}
 
 # run -> (overrides, its one-device reference, collectives it needs besides ALWAYS: measured on cpu_sim)
 RUNS: dict[str, tuple[dict, str, tuple[str, ...]]] = {

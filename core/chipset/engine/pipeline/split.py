@@ -142,7 +142,7 @@ class StageModel(nn.Module):
         if any(s.head for s in specs):
             self.head = model.head
         self.seq_layout = model.seq_layout  # context parallel: this rank's tokens of each sequence
-        self.aux_loss_coef = model.cfg.aux_loss_coef
+        self.aux_loss_coef = model.cfg.router_aux_loss_coef
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
@@ -180,7 +180,7 @@ class StageModel(nn.Module):
         return x
 
     def aux_loss(self, chunk: int) -> torch.Tensor | None:
-        """``aux_loss_coef`` x the summed load-balancing losses of chunk ``chunk``'s MoE layers after
+        """``router_aux_loss_coef`` x the summed load-balancing losses of chunk ``chunk``'s MoE layers after
         its forward (``Transformer.loss`` adds every layer's); None when it holds none."""
         moe = [m for i in self.specs[chunk].layers if isinstance(m := self.layers[str(i)].mlp, MoE)]
         if not moe or not self.aux_loss_coef:

@@ -151,11 +151,12 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 def _moe(hf: dict, family: str, out: dict, problems: list[str]) -> None:
-    """Mixtral / Qwen3-MoE: softmax router, top-k renormalised (chipset's MoE with top_k >= 2), no shared expert."""
+    """Mixtral / Qwen3-MoE: softmax router, top-k renormalised (chipset's MoE with
+    num_experts_per_tok >= 2), no shared expert."""
     n = hf.get("num_local_experts", hf.get("num_experts"))
     k = hf.get("num_experts_per_tok", 2)
-    out.update(num_experts=n, top_k=k, router="softmax", capacity_factor=0.0, moe_every=1,
-               aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    out.update(num_experts=n, num_experts_per_tok=k, router="softmax", capacity_factor=0.0, moe_every=1,
+               router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
     if not isinstance(n, int) or n < 2:
         problems.append(f"num_local_experts / num_experts = {n!r}: expected an integer >= 2")
     if not isinstance(k, int) or k < 2:
@@ -243,9 +244,9 @@ def model_problems(m: ModelConfig, seq_len: int, pp: int, zero: int) -> list[str
         problems.append(f"model.architecture = {m.architecture!r}: expected one of "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (or empty)")
     family = SUPPORTED_ARCHITECTURES.get(m.architecture)
-    if family in MOE_FAMILIES and not (m.num_experts > 1 and m.top_k >= 2 and m.router == "softmax"):
-        problems.append(f"model.architecture = {m.architecture!r} needs num_experts > 1, top_k >= 2 and router = "
-                        f"softmax (found {m.num_experts}, {m.top_k}, {m.router!r})")
+    if family in MOE_FAMILIES and not (m.num_experts > 1 and m.num_experts_per_tok >= 2 and m.router == "softmax"):
+        problems.append(f"model.architecture = {m.architecture!r} needs num_experts > 1, num_experts_per_tok >= 2 "
+                        f"and router = softmax (found {m.num_experts}, {m.num_experts_per_tok}, {m.router!r})")
     return problems
 
 
@@ -263,10 +264,12 @@ def to_hf_config(m: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` of ``m`` for transformers (raises ValueError for what HF cannot express)."""
     arch, family = _family_of(m)
     moe = family in MOE_FAMILIES
-    if moe != (m.num_experts > 1) or (moe and not (m.top_k >= 2 and m.router == "softmax" and m.moe_every == 1)):
-        raise ValueError(f"model.num_experts = {m.num_experts}, top_k = {m.top_k}, router = {m.router!r}, moe_every = "
-                         f"{m.moe_every} as {arch}: Hugging Face's MoE families need num_experts > 1, top_k >= 2, a "
-                         "softmax router and every block MoE (dense families: num_experts 0); use --format torch")
+    hf_moe = m.num_experts_per_tok >= 2 and m.router == "softmax" and m.moe_every == 1
+    if moe != (m.num_experts > 1) or (moe and not hf_moe):
+        raise ValueError(f"model.num_experts = {m.num_experts}, num_experts_per_tok = {m.num_experts_per_tok}, "
+                         f"router = {m.router!r}, moe_every = {m.moe_every} as {arch}: Hugging Face's MoE families "
+                         "need num_experts > 1, num_experts_per_tok >= 2, a softmax router and every block MoE "
+                         "(dense families: num_experts 0); use --format torch")
     if m.qk_norm != (family in ("qwen3", "qwen3_moe")) or m.attention_bias != (family == "qwen2"):
         raise ValueError(f"model.architecture = {arch!r} with qk_norm = {m.qk_norm} and attention_bias = "
                          f"{m.attention_bias}: no Hugging Face family has this combination")
@@ -297,10 +300,11 @@ def to_hf_config(m: ModelConfig) -> dict[str, Any]:
         if family in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = False
     if family == "mixtral":
-        out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.top_k, router_jitter_noise=0.0,
-                   router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
+        out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   router_jitter_noise=0.0, router_aux_loss_coef=m.router_aux_loss_coef, output_router_logits=False)
     elif family == "qwen3_moe":
-        out.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef,
+        out.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                   router_aux_loss_coef=m.router_aux_loss_coef,
                    moe_intermediate_size=m.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
                    norm_topk_prob=True, output_router_logits=False)
     return out
