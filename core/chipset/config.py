@@ -189,6 +189,8 @@ class TrainConfig:
     """float16 dynamic scaling: the floor of the scale."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (whole blocks)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (regional compilation) using the compile backend the backend plugin declares; refused (exit 2) where it declares none."""
     eval_every: int = 0
     """Evaluate on held-out data every N steps and after the last step (0 = never); see data.eval_path / data.eval_fraction."""
     eval_steps: int = 10

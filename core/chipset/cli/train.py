@@ -140,6 +140,7 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int) -> None:
     must parse, and the planner's per-rank memory estimate must fit the backend's devices (and the
     host's available memory where the devices are host memory), so absurd sizes exit 2 in seconds.
     """
+    from chipset.engine.compile import check_compile
     from chipset.errors import ConfigError
     from chipset.interfaces.collective import collective_timeout
     from chipset.preflight import check_job_memory, check_writable_dir
@@ -149,6 +150,7 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int) -> None:
         raise ConfigError(f"data.path = {cfg.data.path!r}: no such file or directory; give a text file or a "
                           "folder of them (or leave data.path empty for the Python standard library's sources)")
     collective_timeout()
+    check_compile(cfg.train.compile, b.name, b.record.descriptor)
     caps = b.capabilities
     total = b.device.properties(0).total_memory if caps.memory_capacity_enforced else None
     check_job_memory(cfg, world, local_ranks, total, b.device.torch_device(0).type == "cpu",

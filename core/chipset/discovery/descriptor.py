@@ -43,3 +43,7 @@ class BackendDescriptor:
     """Optional: True when this process has initialised the backend's device (driver/runtime
     context created). The conformance suite calls it right after ``probe()`` in a fresh
     process to prove the probe is fork-safe. Must not itself initialise anything."""
+    compile_backend: str | None = None
+    """The ``torch.compile`` backend (e.g. ``"inductor"``) that ``train.compile = true`` uses on
+    this backend's devices; None = compilation unsupported, and such runs are refused before
+    launch. A simulator whose accounting must see every eager op declares None."""

@@ -20,6 +20,7 @@ import torch
 
 from chipset.config import RunConfig
 from chipset.engine import schedule
+from chipset.engine.compile import apply_compile, check_compile, compile_backend_of
 from chipset.engine.context_parallel import ContextParallel, apply_cp
 from chipset.engine.data import SyntheticTokens, TextBytes, make_dataset
 from chipset.engine.data_parallel import DataParallel
@@ -82,6 +83,9 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
     if dims.ep_enabled:
         apply_ep(model, dims=dims, collective=col)
     apply_recompute(model, mode=tr.recompute)
+    compile_backend = check_compile(tr.compile, backend.name, backend.record.descriptor)
+    if compile_backend is not None:  # per block, before the engine wraps the model (engine/compile.py)
+        apply_compile(model, compile_backend)
     if tr.dtype == "float16":
         scaler = LossScaler(
             scale=tr.loss_scale or tr.initial_loss_scale, dynamic=tr.loss_scale == 0,
@@ -231,6 +235,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         "layout": dims.layout(),
         "dtype": tr.dtype,
         "recompute": tr.recompute,
+        "compile": compile_backend_of(backend.record.descriptor) if tr.compile else None,
         "backend": backend.name,
         "peak_memory_bytes": [int(x) for x in peaks.tolist()],
         "skipped_steps": engine.scaler.skipped_steps,

@@ -36,5 +36,6 @@ descriptor = BackendDescriptor(
     simulator=False,
     kernels=("scaled_dot_product_attention", "fused_adamw", "rms_norm", "swiglu", "cross_entropy"),
     device_initialized=_device_initialized,
+    compile_backend="inductor",  # torch's own CPU code generator (needs a C++ compiler)
     description="The host CPU for real: torch CPU kernels (SDPA, fused AdamW), gloo, process memory.",
 )

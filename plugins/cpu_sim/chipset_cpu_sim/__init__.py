@@ -38,5 +38,6 @@ descriptor = BackendDescriptor(
     simulator=True,
     profiles=_profiles,
     device_initialized=_device_initialized,
+    compile_backend=None,  # the per-op memory accounting must see every eager op
     description="Simulated accelerators on the CPU: memory accounting, real gloo collectives.",
 )

@@ -73,4 +73,5 @@ descriptor = BackendDescriptor(
     description="NVIDIA GPUs through torch.cuda and NCCL.",
     kernels=KERNELS,
     profiles=_profiles,
+    compile_backend="inductor",
 )

@@ -186,14 +186,28 @@ class PipelineEngine:
         self.timings = []
         batch: list[tuple[Instruction, torch.Tensor]] = []
 
+        # Sends in flight: (handle, tensor). A send is waited one flush later (or at the end of
+        # the step), not right away: on gloo a send completes only once the peer has posted the
+        # matching receive, so waiting at once stalled this stage on the peer's compute.
+        # Receives are waited at once (their data is used next). Keeping the tensor referenced
+        # keeps its storage alive until the send is done; numerics are unchanged.
+        sends: list[tuple[object, torch.Tensor]] = []
+
         def flush() -> None:
             if not batch:
                 return
             peers = self.pp_group.ranks
             handles = self.collective.batch_p2p(
                 [P2POp("send" if ins.op.is_send else "recv", t, peers[ins.peer]) for ins, t in batch])
-            for h in handles:
+            new_sends = []
+            for h, (ins, t) in zip(handles, batch, strict=True):
+                if ins.op.is_send:
+                    new_sends.append((h, t))
+                else:
+                    h.wait()
+            for h, _ in sends:
                 h.wait()
+            sends[:] = new_sends
             for ins, t in batch:
                 key = (ins.chunk, ins.mb)
                 if ins.op is Op.RECV_ACT:
@@ -257,6 +271,9 @@ class PipelineEngine:
             self.timings.append((ins, t0, time.perf_counter()))
             stage_range.__exit__(None, None, None)
         flush()
+        for h, _ in sends:
+            h.wait()
+        sends.clear()
         if e.zero == 3:
             for b in e.buckets:  # any unit still gathered (gradient arrival releases most)
                 b.release()

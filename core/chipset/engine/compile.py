@@ -1,0 +1,55 @@
+"""Regional compilation: ``train.compile = true`` compiles each transformer block on its own.
+
+Compiling per block rather than the whole model keeps compile time to one block's graph
+(the blocks share code, so the later ones reuse the first one's generated kernels), and
+leaves everything between blocks eager: the engine's hooks (ZeRO-3 gathers, pipeline
+stage boundaries, recompute's checkpoint) run as before. Only ``forward`` is compiled, so
+parameters, their names and the state dict are unchanged.
+
+The compile backend comes from the backend plugin's descriptor (``compile_backend``); a
+plugin that declares none (a simulator whose accounting must see every eager op, or a
+plugin that has not been validated under ``torch.compile``) is refused before launch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from chipset.errors import ConfigError
+
+__all__ = ["apply_compile", "check_compile", "compile_backend_of"]
+
+log = logging.getLogger(__name__)
+
+
+def compile_backend_of(descriptor) -> str | None:
+    """The descriptor's ``compile_backend`` (None for descriptors that predate the field)."""
+    return getattr(descriptor, "compile_backend", None)
+
+
+def check_compile(enabled: bool, backend_name: str, descriptor) -> str | None:
+    """The compile backend to use, None when ``enabled`` is false; ConfigError (exit 2) when the backend has none."""
+    if not enabled:
+        return None
+    cb = compile_backend_of(descriptor)
+    if cb is None:
+        raise ConfigError(
+            f"train.compile = true: backend {backend_name!r} declares no torch.compile backend "
+            "(its descriptor's compile_backend is None), so its blocks cannot be compiled; set "
+            "train.compile = false, or select a backend that declares one (cpu and cuda use inductor)"
+        )
+    return cb
+
+
+def apply_compile(model: nn.Module, compile_backend: str) -> int:
+    """Compile the ``forward`` of every block in ``model.layers``; returns how many."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise ConfigError(f"train.compile = true: {type(model).__name__} has no .layers of blocks to compile")
+    for block in layers:
+        block.forward = torch.compile(block.forward, backend=compile_backend)
+    log.info("train.compile: %d blocks compiled with torch.compile backend %r", len(layers), compile_backend)
+    return len(layers)
