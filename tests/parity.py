@@ -135,3 +135,50 @@ def model_reduction_size(cfg: dict) -> int:
     """Longest single reduction in the tests' runs: tokens per step, vocab, hidden or intermediate."""
     m, tr = cfg["model"], cfg["train"]
     return max(tr["global_batch"] * tr["seq_len"], m["vocab_size"], m["hidden_size"], m["intermediate_size"])
+
+
+# --------------------------------------------------------------------------------------
+# Mixture of experts: top-k routing is a discontinuity
+# --------------------------------------------------------------------------------------
+#
+# The bounds above assume the two runs follow the same smooth computation. A MoE router
+# picks each token's top-k experts: if two router logits are closer than the runs'
+# rounding difference, one run may pick another expert (or, with capacity dropping, admit
+# tokens in another order), and from then on the runs legitimately differ by far more
+# than rounding. So the MoE parity tests measure, in the single-process reference, each
+# step's smallest routing margin (``router_margin``) and apply the tight trajectory bounds
+# only on the steps where a flip is impossible (``unflippable_steps``); step 0 must be one
+# of them (asserted, so the test's seed is a checked choice, not luck). The parameter
+# bound (``adam_param_bound``) holds whatever the gradients were, flips included.
+
+
+def router_margin(x: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, top_k: int) -> float:
+    """Smallest gap between neighbouring logits among each token's top k+1, relative to its scale.
+
+    A flip needs two of a token's first k+1 logits to swap order: the k-th and (k+1)-th
+    decide the chosen set, the first k decide the admission order under capacity (first
+    choices before second choices). ``logits = x @ weight.T`` over the last dim; the
+    rounding of a dot product is relative to ``sum_j |x_j| |w_ij|`` (not to the logit, which
+    may cancel), so each token's gaps are divided by the largest such sum over its experts.
+    Softmax and sigmoid are monotonic, so gaps of logits decide the order of scores too.
+    """
+    lg = logits.detach().double().reshape(-1, logits.shape[-1])
+    scale = (x.detach().double().abs().reshape(-1, x.shape[-1]) @ weight.detach().double().abs().T).amax(-1)
+    top = lg.sort(dim=-1, descending=True).values[:, : top_k + 1]
+    gaps = (top[:, :-1] - top[:, 1:]).amin(-1)
+    return float((gaps / scale.clamp_min(torch.finfo(torch.float64).tiny)).min())
+
+
+def unflippable_steps(margins: list[float], *, n: int, depth: int) -> int:
+    """How many leading steps no correct parallel run can route differently from the reference.
+
+    At step s the two runs' router logits differ by at most ``trajectory_rtol(n, depth, s)``
+    times their scale (step 0: identical weights, only the forward's reduction order; then
+    the same first-order argument as the losses), so a gap changes by at most twice that.
+    A margin above 2 * trajectory_rtol means the same top-k, in the same order, in both.
+    ``margins[s]`` is the smallest ``router_margin`` of any MoE layer at step s.
+    """
+    for s, m in enumerate(margins):
+        if m <= 2 * trajectory_rtol(n, depth, s):
+            return s
+    return len(margins)
