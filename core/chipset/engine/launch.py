@@ -7,7 +7,6 @@ import errno
 import ipaddress
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -112,5 +111,7 @@ def launch(cmd: list[str], backend_name: str) -> int:
     env = dict(os.environ)
     env["CHIPSET_BACKEND"] = backend_name
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(cmd, env=env)
-    return proc.returncode
+    from chipset.engine.signals import run_forwarding
+
+    rc, signum = run_forwarding(cmd, env)  # SIGINT/SIGTERM go to the ranks (engine/signals.py)
+    return 128 + signum if signum else rc
