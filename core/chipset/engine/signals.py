@@ -49,9 +49,33 @@ class Interrupted(ChipsetError):
         super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}")
 
 
+_agreed = threading.Event()
+
+
 def _note(signum, frame) -> None:
     global _received
-    _received = _received or signum
+    if not _received:
+        _received = signum
+        threading.Thread(target=_grace, args=(signum,), name="chipset-stop-grace", daemon=True).start()
+
+
+def _grace(signum: int) -> None:
+    """End this rank if it does not reach the end of its step soon after the signal.
+
+    Why: torchrun's agent also sends SIGTERM to the surviving ranks when one rank failed; a
+    survivor blocked in a collective with a dead or hung peer would otherwise wait for the
+    agent's SIGKILL. ``CHIPSET_STOP_GRACE_S`` (default 15) bounds it; the checkpoint save
+    after the ranks agreed is not bounded.
+    """
+    try:
+        grace = float(os.environ.get("CHIPSET_STOP_GRACE_S", "15"))
+    except ValueError:
+        grace = 15.0
+    if not _agreed.wait(grace):
+        rank = os.environ.get("RANK", "0")
+        print(f"chipset: rank {rank} did not reach the end of its step within {grace:g} s of "
+              f"{signal.Signals(signum).name}; exiting", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
 
 def install() -> None:
@@ -80,6 +104,7 @@ def stop_point(col, device, step: int, ckpt) -> None:
         flag = int(t.item())
     if not flag:
         return
+    _agreed.set()
     path = None
     if ckpt is not None and ckpt.every > 0:
         from chipset.engine.checkpoint import store
