@@ -196,7 +196,8 @@ def run_forwarding(cmd: list[str], env: dict) -> tuple[int, int]:
             except OSError:
                 pass
 
-    old = {s: signal.signal(s, forward) for s in _SIGNALS}
+    main = threading.current_thread() is threading.main_thread()  # handlers: main thread only
+    old = {s: signal.signal(s, forward) for s in _SIGNALS} if main else {}
     try:
         rc = proc.wait()
     finally:
