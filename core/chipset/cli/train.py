@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 from chipset.errors import UsageError
@@ -110,13 +112,18 @@ def run(args) -> int:
 
 
 def _launch(args, cfg, b, world, min_nodes, max_nodes, run_dir: Path, config_path: Path) -> int:
+    from chipset.engine import signals
     from chipset.engine.checkpoint.launcher import clear_hang_logs, report_failure
     from chipset.engine.launch import launch, rendezvous_conf, torchrun_command
 
     if world == 1 and args.max_restarts == 0:
         from chipset.engine.worker import run_rank
 
-        rc = run_rank(str(config_path), str(run_dir), resume=args.resume)
+        try:
+            rc = run_rank(str(config_path), str(run_dir), resume=args.resume)
+        except signals.Interrupted as exc:
+            print(signals.resume_hint(exc), file=sys.stderr, flush=True)
+            return exc.exit_code
         return _project(args.project, cfg, world, run_dir) if rc == 0 and args.project else rc
     nnodes = str(min_nodes) if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
     cmd = torchrun_command(config_path, run_dir, nproc=args.nproc, nnodes=nnodes, node_rank=args.node_rank,
@@ -124,7 +131,12 @@ def _launch(args, cfg, b, world, min_nodes, max_nodes, run_dir: Path, config_pat
                            rdzv_conf=rendezvous_conf(args.rdzv_endpoint, args.rdzv_conf),
                            max_restarts=args.max_restarts, resume=args.resume)
     clear_hang_logs(run_dir)
+    signals.take_stop(run_dir)  # a stale one from an earlier job
     rc = launch(cmd, b.name)
+    stop = signals.take_stop(run_dir)
+    if stop is not None or rc in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        print(signals.resume_hint(stop, rc - 128), file=sys.stderr, flush=True)
+        return stop.exit_code if stop is not None else rc
     if rc != 0:
         print(f"chipset train: torchrun exited with status {rc}; see the rank output above", flush=True)
         report_failure(run_dir)

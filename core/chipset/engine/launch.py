@@ -8,7 +8,6 @@ import ipaddress
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -137,8 +136,10 @@ def launch(cmd: list[str], backend_name: str) -> int:
     # unpredictable, mode 0700, removed when the job ends, whatever way it ends.
     scratch = tempfile.mkdtemp(prefix="chipset-job-")
     env[JOB_TMPDIR_ENV] = scratch
+    from chipset.engine.signals import run_forwarding
+
     try:
-        proc = subprocess.run(cmd, env=env)
+        rc, signum = run_forwarding(cmd, env)  # SIGINT/SIGTERM go to the ranks (engine/signals.py)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return proc.returncode
+    return 128 + signum if signum else rc

@@ -34,6 +34,7 @@ from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
 from chipset.engine.progress import Progress, fmt_bytes
 from chipset.engine.recompute import apply_recompute
 from chipset.engine.rundir import atomic_write_text, finite_json, strict_dumps
+from chipset.engine.signals import stop_point
 from chipset.engine.tensor_parallel import TPContext, apply_tp
 from chipset.errors import ChipsetError
 from chipset.models import Transformer
@@ -212,6 +213,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             if ckpt is not None and ckpt.due(step + 1):
                 ckpt.save(step + 1)
             progress.step(rec, stats["skipped"])
+            stop_point(col, device, step + 1, ckpt)  # SIGINT/SIGTERM: every rank stops here (engine/signals.py)
         if ckpt is not None:
             ckpt.finish()  # an asynchronous save completes (or raises) before the summary
     finally:

@@ -25,10 +25,12 @@ __all__ = ["run_rank", "main"]
 
 def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int:
     from chipset.config import load_config
+    from chipset.engine import signals
     from chipset.engine.elastic import fit_world
     from chipset.engine.trainer import train
     from chipset.loader import backend
 
+    signals.install()  # SIGINT/SIGTERM: stop at the end of a step on every rank (engine/signals.py)
     cfg = load_config(config_path)
     b = backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -59,10 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--resume", default="none", help="auto, none or a checkpoint path (docs/fault-tolerance.md)")
+    from chipset.engine import signals
+
+    signals.install()
+    signals.die_with_parent()  # a SIGKILLed torchrun agent takes its ranks with it
     args = p.parse_args(argv)
     rank = os.environ.get("RANK", "0")
     try:
         return run_rank(args.config, args.run_dir, args.resume)
+    except signals.Interrupted as exc:  # every rank stopped together; the launcher reports it
+        if rank == "0" and args.run_dir is not None:
+            signals.write_stop(args.run_dir, exc)
+        return 0
     except ChipsetError as exc:
         print(f"chipset: error (rank {rank}): {exc}", file=sys.stderr)
         return exc.exit_code

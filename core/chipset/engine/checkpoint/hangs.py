@@ -91,9 +91,16 @@ def diagnose(run_dir: str | Path) -> dict | None:
         lines.append(f"collective {item['op']} #{item['seq']} on group {item['group']} (ranks {item['ranks']}): "
                      f"rank(s) {item['waiting']} timed out waiting; rank(s) that did not arrive: {missing}")
         lines += [f"  rank {m['rank']}: {m['why']}" for m in item["missing"]]
+    # A rank in the job that wrote no log died without raising (SIGKILL, a crash): it failed first,
+    # and the ranks that did write one only lost it.
+    world = {int(r) for log in logs.values() for e in log.get("recent_ops") or [] for r in e.get("ranks", [])}
+    died = sorted(world - set(logs))
     if not stuck:
-        lines.append("no rank reported a collective timeout; failing ranks: "
-                     + ", ".join(f"{r} ({logs[r].get('error', '').splitlines()[0][:160]})" for r in sorted(logs)))
-    report = {"collectives": list(stuck.values()), "lines": lines}
+        if died:
+            lines.append(f"rank(s) {', '.join(map(str, died))} died without reporting an error (killed by a "
+                         "signal or crashed; see its output above): the first failure")
+        lines.append(("then " if died else "no rank reported a collective timeout; ") + "failing ranks: "
+                     + ", ".join(f"{r} ({(logs[r].get('error') or '?').splitlines()[0][:160]})" for r in sorted(logs)))
+    report = {"collectives": list(stuck.values()), "died": died, "lines": lines}
     (d / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -97,6 +97,30 @@ def resolve_resume(run_dir: Path, mode: str, run_id: str | None = None) -> tuple
                       f"{store.MANIFEST}, or a run directory holding checkpoints/); or use auto / none")
 
 
+def _unpickling(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether ``exc`` (or what it wraps) is torch.load refusing the bytes it was given."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, pickle.UnpicklingError) or "weights_only" in str(exc):
+        return True
+    inner = list(getattr(exc, "failures", {}).values()) if isinstance(getattr(exc, "failures", None), dict) else []
+    inner = [x[0] if isinstance(x, tuple) else x for x in inner]
+    return any(_unpickling(x, depth + 1) for x in [exc.__cause__, exc.__context__, *inner]
+               if isinstance(x, BaseException))
+
+
+def _foreign_shard(path: Path, state: dict) -> ConfigError:
+    """A shard whose bytes are not the tensors ``.metadata`` records: say so, without torch's advice
+    to load it unsafely (that advice would run code from the file)."""
+    shards = sorted(p.name for p in path.glob("*.distcp"))
+    return ConfigError(
+        f"checkpoint {path}: shard file(s) {', '.join(shards) or '(none)'} do not hold the tensors its .metadata "
+        f"records (expected the layout {state.get('layout')} in {state.get('dtype')} at world size "
+        f"{state.get('world_size')}; found bytes that do not decode as those tensors). A shard was replaced by "
+        "one from another save (another layout, dtype or run). Restore this checkpoint's own files, resume "
+        "another checkpoint with --resume PATH, or start fresh with --resume none.")
+
+
 class Checkpointer:
     """Checkpoints of one run directory for one engine; collective: every rank calls each method."""
 
@@ -236,7 +260,12 @@ class Checkpointer:
                 chunks[key] = [([0] * len(size), size, rng[what])]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load({}, storage_reader=reader, planner=read_planner(chunks))
+            try:
+                dcp.load({}, storage_reader=reader, planner=read_planner(chunks))
+            except BaseException as exc:  # torch's CheckpointException is a BaseException
+                if _unpickling(exc):
+                    raise _foreign_shard(path, state) from None
+                raise
         with torch.no_grad():
             for piece, host in copies:
                 piece.tensor.copy_(host.reshape(-1))
