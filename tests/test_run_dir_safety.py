@@ -73,7 +73,7 @@ def _copy(finished: Path, tmp_path: Path) -> Path:
 def test_a_second_train_on_a_locked_run_dir_exits_2_naming_the_holder(tmp_path):
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "chipset.cli.main", "train", "--set", "train.steps=100000",
-                              "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              "--set", "train.checkpoint_every=0", "--run-dir", str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=_env(), start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -146,7 +146,8 @@ def test_resume_none_over_another_runs_checkpoints_is_refused_unless_discarded(f
     new_id = rundir.read_run_id(run)
     assert new_id != old_id
     cks = store.list_checkpoints(run)
-    assert [c.step for c in cks] == [3] and store.run_id_of(cks[0].path) == new_id
+    assert [c.step for c in cks] == [4, 3]  # every 3 steps and after the last one
+    assert {store.run_id_of(c.path) for c in cks} == {new_id}
     state = json.loads((cks[0].path / store.STATE).read_text())
     assert state["run_id"] == new_id
 
@@ -191,7 +192,7 @@ def test_rerunning_a_finished_command_keeps_its_summary(finished, tmp_path):
     before = _snapshot(run)
     r = _cli(*BASE, "--run-dir", str(run))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "this run already finished" in r.stdout and "Traceback" not in r.stderr
+    assert f"run in {run} already finished at step 4" in r.stdout and "Traceback" not in r.stderr
     after = _snapshot(run)
     assert after["summary.json"] == before["summary.json"]
     assert after["metrics.jsonl"] == before["metrics.jsonl"]

@@ -14,7 +14,9 @@ from chipset.cli.main import main
 from chipset.config import load_config
 from chipset.engine.launch import torchrun_command
 
-SMALL = ["--set", "train.steps=3", "--set", "train.global_batch=4"]
+# No checkpoints: these runs test training end to end, and a save (on by default) costs seconds
+# per run on a loaded machine (test_resume_defaults.py covers the default).
+SMALL = ["--set", "train.steps=3", "--set", "train.global_batch=4", "--set", "train.checkpoint_every=0"]
 
 
 def _cli(*args: str, cwd=None, timeout: float = 180):

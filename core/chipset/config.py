@@ -197,8 +197,10 @@ class TrainConfig:
     """Batches of train.global_batch sequences per evaluation."""
     log_every: int = 1
     """Print a progress line every N steps on rank 0."""
-    checkpoint_every: int = 0
-    """Write a checkpoint to RUN_DIR/checkpoints every N steps (0 = never); see docs/fault-tolerance.md."""
+    checkpoint_every: int = 500
+    """Write a checkpoint to RUN_DIR/checkpoints every N steps and after the last step (0 = never).
+
+    On by default so a crash loses at most N steps; see docs/fault-tolerance.md for why 500."""
     keep_checkpoints: int = 3
     """Keep only the newest N complete checkpoints (0 = keep all)."""
     async_checkpoint: bool = False

@@ -41,9 +41,10 @@ def add_parser(sub) -> None:
     p.add_argument("--profile-steps", default=None, metavar="FIRST:LAST",
                    help="record a torch.profiler Chrome trace of steps FIRST..LAST (1-based) per rank into "
                    "RUN_DIR/traces (same as --set train.profile_steps=FIRST:LAST)")
-    p.add_argument("--resume", default="auto", metavar="auto|none|PATH",
-                   help="auto (default): continue from the run directory's newest complete checkpoint, if any; "
-                   "none: start fresh; PATH: a checkpoint folder or another run directory (docs/fault-tolerance.md)")
+    p.add_argument("--resume", nargs="?", const="auto", default="auto", metavar="auto|none|PATH",
+                   help="auto (default; also a bare --resume): continue from the run directory's newest complete "
+                   "checkpoint, if any, or report that its run already finished; none: start fresh; PATH: a "
+                   "checkpoint folder or another run directory (docs/fault-tolerance.md)")
     p.add_argument("--discard-checkpoints", action="store_true",
                    help="delete checkpoints of an earlier run found in --run-dir before starting a new run there "
                    "(without it, chipset refuses to start a new run over them; docs/fault-tolerance.md)")
@@ -65,9 +66,18 @@ def run(args) -> int:
     from chipset.engine.checkpoint.launcher import check_resume, parse_nnodes
     from chipset.engine.elastic import check_node_range
     from chipset.engine.launch import default_run_dir
-    from chipset.engine.rundir import RunLock, atomic_write_text, read_run_id
+    from chipset.engine.rundir import (
+        RunLock,
+        atomic_write_text,
+        finished_message,
+        finished_step,
+        read_run_id,
+    )
     from chipset.loader import backend
 
+    if args.resume.endswith(".toml") and args.config is None and Path(args.resume).is_file():
+        raise UsageError(f"--resume {args.resume}: that is a config file, not a checkpoint (a bare --resume takes "
+                         f"the next word as its value); put the config first: chipset train {args.resume} --resume")
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     if args.nproc < 1 or args.max_restarts < 0:
         raise UsageError(f"--nproc ({args.nproc}) must be >= 1 and --max-restarts ({args.max_restarts}) >= 0")
@@ -104,6 +114,9 @@ def run(args) -> int:
     # One job per run directory; the nodes of one multi-node job share it.
     single_node = str(args.nnodes) == "1" and args.rdzv_endpoint is None
     with RunLock(run_dir, shared=not single_node):
+        if args.resume == "auto" and (done := finished_step(run_dir, cfg.train.steps)) is not None:
+            print(finished_message(run_dir, done), flush=True)  # exit 0: rerunning a finished command is fine
+            return 0
         adopt_run(run_dir, args.resume, discard=args.discard_checkpoints)
         config_path = run_dir / "config.toml"
         atomic_write_text(config_path, to_toml(cfg))

@@ -25,7 +25,7 @@ from chipset.errors import ChipsetError, UsageError
 
 __all__ = ["LOCK", "RUN", "DiskFullError", "RunDirLocked", "RunLock", "atomic_write_text", "read_run_id",
            "write_run_id", "ensure_run_id", "new_run_id", "finite_json", "strict_dumps", "disk_full",
-           "find_enospc"]
+           "find_enospc", "finished_step", "finished_message"]
 
 log = logging.getLogger(__name__)
 
@@ -216,3 +216,28 @@ def write_run_id(run_dir: str | Path, run_id: str | None = None) -> str:
 def ensure_run_id(run_dir: str | Path) -> str:
     """The run directory's run id, creating one when there is none yet (the in-process API path)."""
     return read_run_id(run_dir) or write_run_id(run_dir)
+
+
+# --- a finished run ------------------------------------------------------------------------------
+def finished_step(run_dir: str | Path, steps: int) -> int | None:
+    """The step the run directory's current run finished at, when that is >= ``steps``; else None.
+
+    Read from ``summary.json`` (written only when a run completes) and accepted only when its
+    ``run_id`` is the one in ``run.json``: a summary of an earlier run, or from before run ids,
+    says nothing about the current one.
+    """
+    run_id = read_run_id(run_dir)
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if run_id is None or not isinstance(summary, dict) or summary.get("run_id") != run_id:
+        return None
+    done = summary.get("steps")
+    return done if isinstance(done, int) and not isinstance(done, bool) and done >= steps else None
+
+
+def finished_message(run_dir: str | Path, step: int) -> str:
+    """What ``chipset train --resume auto`` prints for a run that has nothing left to do (exit 0)."""
+    return (f"chipset train: run in {run_dir} already finished at step {step}; raise train.steps to continue, "
+            "or use a new --run-dir (nothing was trained; summary.json and metrics.jsonl are kept)")

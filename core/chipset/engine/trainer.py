@@ -33,7 +33,13 @@ from chipset.engine.pipeline import build_pipeline
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
 from chipset.engine.progress import Progress, fmt_bytes
 from chipset.engine.recompute import apply_recompute
-from chipset.engine.rundir import atomic_write_text, finite_json, strict_dumps
+from chipset.engine.rundir import (
+    atomic_write_text,
+    finished_message,
+    finite_json,
+    read_run_id,
+    strict_dumps,
+)
 from chipset.engine.signals import stop_point
 from chipset.engine.tensor_parallel import TPContext, apply_tp
 from chipset.errors import ChipsetError
@@ -148,9 +154,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     # Run-directory safety (docs/fault-tolerance.md, "Run directories"): a finished run is not redone.
     finished = start > 0 and start >= tr.steps
     if finished and rank == 0:
-        print(f"chipset train: this run already finished: its checkpoint is at step {start} and train.steps is "
-              f"{tr.steps}; summary.json is kept. Raise train.steps to train further, or start a new run with "
-              "--resume none in another --run-dir", file=out, flush=True)
+        print(finished_message(run_dir, start), file=out, flush=True)
     nonfinite = _NonFinite(tr.max_nonfinite_steps)
     if run_dir is not None and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -247,6 +251,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         **(last_eval or {}),
         **(ckpt.summary() if ckpt is not None else {}),
         **({"elastic": elastic.to_dict()} if elastic is not None else {}),
+        **({"run_id": read_run_id(run_dir)} if run_dir is not None and rank == 0 else {}),  # finished_step
     }
     res.summary = summary
     if keep_params:

@@ -1,7 +1,7 @@
 """Saving and resuming one training run: :class:`Checkpointer`.
 
 Used by :func:`chipset.engine.trainer.train`: ``start = ckpt.resume(mode)`` before the
-first step, ``ckpt.save(step)`` every ``train.checkpoint_every`` steps, ``ckpt.finish()``
+first step, ``ckpt.save(step)`` every ``train.checkpoint_every`` steps and after the last, ``ckpt.finish()``
 at the end (waits for an asynchronous save). Every rank calls every method (they are
 collective).
 
@@ -282,8 +282,12 @@ class Checkpointer:
 
     # --- save ---------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        """Whether a checkpoint is due after ``step`` completed steps."""
-        return self.every > 0 and step % self.every == 0
+        """Whether a checkpoint is due after ``step`` completed steps.
+
+        Also after the last step: a finished run can then be extended (raise ``train.steps``) and
+        a rerun of its command is recognised as finished instead of training again.
+        """
+        return self.every > 0 and (step % self.every == 0 or step == self.cfg.train.steps)
 
     def save(self, step: int) -> None:
         """Checkpoint the state after ``step`` completed steps (returns early when asynchronous)."""
