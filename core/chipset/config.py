@@ -46,6 +46,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 class ModelConfig:
     """The decoder-only transformer. Keys are named as in Hugging Face model configs."""
 
+    family: str = "transformer"
+    """Model family (docs/models.md): transformer (built in), a name from ``chipset models``, or
+    package.module:factory for a model in your own code."""
     vocab_size: int = 128
     """Number of token ids (embedding rows and logits)."""
     hidden_size: int = 32
