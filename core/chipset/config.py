@@ -49,6 +49,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 class ModelConfig:
     """The decoder-only transformer. Keys are named as in Hugging Face model configs."""
 
+    family: str = "transformer"
+    """Model family (docs/models.md): transformer (built in), a name from ``chipset models``, or
+    package.module:factory for a model in your own code."""
     vocab_size: int = 128
     """Number of token ids (embedding rows and logits)."""
     hidden_size: int = 32
@@ -479,6 +482,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
                      problems: list[str]) -> list[str]:
     """The range and cross-field rules of :func:`validate`."""
     m, par, tr, da = cfg.model, cfg.parallel, cfg.train, cfg.data
+    builtin = m.family in ("", "transformer")  # the rules on model.* below describe the built-in decoder
 
     def positive(section: str, obj: Any, *names: str) -> None:
         for n in names:
@@ -524,7 +528,8 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"parallel.zero = {par.zero!r}: expected a ZeRO stage 0, 1, 2 or 3")
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
-    problems += _tp_cp_problems(m, par, tr)
+    if builtin:  # other families check their own layout (chipset.models.family)
+        problems += _tp_cp_problems(m, par, tr)
     # The schedule is built to check it: only for degrees the rules below do not refuse anyway
     # (pp beyond the world, more micro-batches than sequences).
     if 1 < par.pp <= (world_size or par.pp) and par.micro_batches <= max(tr.global_batch, 1):
@@ -591,10 +596,12 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
                 f"train.global_batch ({tr.global_batch}) must be divisible by dp*micro_batches "
                 f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
             )
-    problems += _moe_problems(m, par)
+    if builtin:  # other families check their own layout (chipset.models.family)
+        problems += _moe_problems(m, par)
     from chipset.models.hf.config import model_problems  # late: models import this module
 
-    problems += model_problems(m, tr.seq_len, par.pp, par.zero)
+    if builtin:  # other families check their own layout (chipset.models.family)
+        problems += model_problems(m, tr.seq_len, par.pp, par.zero)
     return problems
 
 

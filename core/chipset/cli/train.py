@@ -88,6 +88,7 @@ def run(args) -> int:
     # Resolve the backend once, here; every rank gets its name.
     b = backend()
     cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes)
+    family = _check_family(cfg)  # an unknown family or a layout it does not support: exit 2 now
     if args.project is not None:  # an unknown profile: exit 2 before anything is written
         from chipset.planner.projection import resolve_profile
 
@@ -107,7 +108,7 @@ def run(args) -> int:
             f"sees on this node; lower --nproc or make more devices visible ({b.device.visible_devices_env})"
         )
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir()
-    _preflight(cfg, b, run_dir, world, args.nproc)  # bad folder, data, timeout or sizes: exit 2, nothing written
+    _preflight(cfg, b, run_dir, world, args.nproc, family)  # bad folder, data, timeout or sizes: exit 2, nothing written
     # A bad --resume, a different model or an incompatible config: exit 2, nothing written.
     check_resume(run_dir, args.resume, cfg, b, read_run_id(run_dir) if args.resume == "auto" else None)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +159,20 @@ def _launch(args, cfg, b, world, min_nodes, max_nodes, run_dir: Path, config_pat
     return rc
 
 
-def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int) -> None:
+def _check_family(cfg):
+    """The model family of ``cfg``; ConfigError (exit 2) when it cannot run this layout."""
+    from chipset.errors import ConfigError
+    from chipset.models.family import layout_problems
+    from chipset.models.registry import resolve_family
+
+    family = resolve_family(cfg.model.family)
+    problems = layout_problems(family, cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return family
+
+
+def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int, family=None) -> None:
     """What would otherwise fail inside every rank (or after the run directory exists): check it here.
 
     The run directory must be a writable folder, ``data.path`` must exist, ``CHIPSET_COLLECTIVE_TIMEOUT``
@@ -176,6 +190,10 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int) -> None:
                           "folder of them (or leave data.path empty for the Python standard library's sources)")
     collective_timeout()
     check_compile(cfg.train.compile, b.name, b.record.descriptor)
+    from chipset.models.family import TransformerFamily
+
+    if family is not None and not isinstance(family, TransformerFamily):
+        return  # the planner's memory model describes the built-in transformer only
     caps = b.capabilities
     total = b.device.properties(0).total_memory if caps.memory_capacity_enforced else None
     check_job_memory(cfg, world, local_ranks, total, b.device.torch_device(0).type == "cpu",

@@ -47,6 +47,7 @@ __all__ = [
     "enter_region",
     "vocab_parallel_cross_entropy",
     "apply_tp",
+    "apply_plan",
     "check_tp_divides",
     "gather_full_parameters",
     "is_tp_sharded",
@@ -222,19 +223,23 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``y = x W^T`` with W's input columns split over tp; partial outputs are summed over tp."""
+    """``y = x W^T (+ b)`` with W's input columns split over tp; partial outputs are summed over
+    tp, then the (replicated) bias is added once."""
 
-    def __init__(self, full_weight: torch.Tensor, tp: TPContext):
+    def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, full_bias: torch.Tensor | None = None):
         super().__init__()
         self.tp = tp
         self.weight = _sharded_param(full_weight, 1, tp)
+        self.bias = None if full_bias is None else nn.Parameter(full_bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.tp
         y = F.linear(x, self.weight)
         if t.sequence_parallel:
-            return reduce_scatter_along_grad(y, _SEQ, t.collective, t.group)
-        return reduce_from_group(y, t.collective, t.group)
+            y = reduce_scatter_along_grad(y, _SEQ, t.collective, t.group)
+        else:
+            y = reduce_from_group(y, t.collective, t.group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -411,6 +416,33 @@ def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
     if cfg.tie_word_embeddings:  # both are vocabulary rows split the same way: share the slice
         model.head.lm_head.weight = model.embed_tokens.weight
     model.loss_fn = _VocabParallelLoss(tp, cfg.vocab_size)
+    return model
+
+
+def apply_plan(model: nn.Module, plan: dict[str, str], *, tp: TPContext) -> nn.Module:
+    """Split the ``nn.Linear`` modules a family's ``tp_plan`` names (chipset.models.family), in place.
+
+    ``colwise``: :class:`ColumnParallelLinear` (its input enters the tp region);
+    ``rowwise``: :class:`RowParallelLinear` (outputs summed over tp, bias added after the sum);
+    ``replicated``: left as is. Parameter names stay the same.
+    """
+    from chipset.models.family import plan_matches
+
+    if tp.size == 1:
+        return model
+    for name, style in plan_matches(model, plan).items():
+        if style == "replicated":
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        lin = getattr(parent, leaf)
+        if type(lin) is not nn.Linear:
+            raise ConfigError(f"tp_plan: {name} is {type(lin).__name__}; only nn.Linear can be {style}")
+        if style == "colwise":
+            new = ColumnParallelLinear(lin.weight, tp, full_bias=lin.bias)
+        else:
+            new = RowParallelLinear(lin.weight, tp, full_bias=lin.bias)
+        setattr(parent, leaf, new)
     return model
 
 

@@ -41,9 +41,11 @@ from chipset.engine.rundir import (
     strict_dumps,
 )
 from chipset.engine.signals import stop_point
-from chipset.engine.tensor_parallel import TPContext, apply_tp
-from chipset.errors import ChipsetError
+from chipset.engine.tensor_parallel import TPContext, apply_plan, apply_tp
+from chipset.errors import ChipsetError, ConfigError
 from chipset.models import Transformer
+from chipset.models.family import TransformerFamily, bind, layout_problems
+from chipset.models.registry import resolve_family
 
 __all__ = ["TrainResult", "build", "train", "params_digest"]
 
@@ -78,8 +80,15 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
                         world_size=world)
     dtype = DTYPE_BY_NAME[tr.dtype]
     backend.device.check_dtype(dtype)
-    model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
-    if dims.tp_enabled:
+    family = resolve_family(cfg.model.family)
+    problems = layout_problems(family, cfg)
+    if problems:  # the launcher refused these already; a worker started by hand refuses too
+        raise ConfigError("; ".join(problems))
+    if isinstance(family, TransformerFamily):
+        model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
+    else:
+        model = _build_family(family, cfg, backend, dims, par)
+    if dims.tp_enabled and isinstance(family, TransformerFamily):
         tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
         apply_tp(model, tp=tp)
         apply_tp_moe(model, tp=tp)
@@ -111,8 +120,22 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
         from chipset.models.hf.weights import load_into_engine
 
         load_into_engine(engine, cfg.model.init_from, cfg.model.architecture)
-    data = make_dataset(cfg)
+    data = make_dataset(cfg) if isinstance(family, TransformerFamily) else family.data(cfg)
     return engine, data, dims
+
+
+def _build_family(family, cfg: RunConfig, backend, dims: ParallelDims, par) -> torch.nn.Module:
+    """A model of another family: built with the run's seed (same weights on every rank), given
+    the family's units() and loss(), and split by its tp_plan when tp > 1."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        model = family.build(cfg)
+    bind(family, model)
+    if dims.tp_enabled:
+        tp = TPContext(backend.collective, dims.group("tp", backend.collective),
+                       sequence_parallel=par.sequence_parallel)
+        apply_plan(model, family.tp_plan, tp=tp)
+    return model
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:

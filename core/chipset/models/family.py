@@ -1,0 +1,197 @@
+"""The model-family contract: what the engine needs from a model, and nothing more.
+
+A *family* is an object with the attributes and methods of :class:`ModelFamily`. The engine
+builds the model through it, shards it for the layout of ``parallel.*`` and trains it; no
+engine code names a family's modules. The built-in decoder is the family ``transformer``
+(:class:`TransformerFamily`); others come from the entry-point group ``chipset.models`` or from
+``model.family = "package.module:factory"`` (docs/models.md). A factory is called with no
+arguments and returns a family (an instance of a :class:`ModelFamily` subclass, usually).
+
+Why a family object and not methods on the module: a user's ``nn.Module`` stays what it is
+(its parameter names are the checkpoint's names), and the family adds what the engine needs
+beside it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LAYOUTS", "ModelFamily", "TransformerFamily", "layout_problems", "bind"]
+
+LAYOUTS = ("dp", "zero1", "zero2", "zero3", "tp", "sp", "pp", "ep", "cp")
+"""Names a family lists in :attr:`ModelFamily.layouts`: data parallelism (ZeRO 0 is plain
+dp), ZeRO stages 1-3, tensor, sequence, pipeline, expert and context parallelism."""
+
+PLAN_STYLES = ("colwise", "rowwise", "replicated")
+
+
+class ModelFamily:
+    """Base class of a model family; override what your model needs.
+
+    Subclasses set :attr:`name` and implement :meth:`build`; the defaults of the other
+    methods fit a module that maps a batch of inputs to class logits.
+    """
+
+    name: str = "custom"
+    """Shown by ``chipset models`` and in errors."""
+
+    layouts: frozenset[str] = frozenset({"dp", "zero1", "zero2", "zero3"})
+    """Layouts this family supports (names from :data:`LAYOUTS`). Any other degree > 1 (or
+    ZeRO stage) in ``parallel.*`` is refused before launch with exit 2."""
+
+    tp_plan: dict[str, str] = {}
+    """Tensor-parallel plan: module-name pattern (``fnmatch``, e.g. ``"mlp.*.fc1"``) to
+    ``colwise`` (output features split over tp; input enters the tp region), ``rowwise``
+    (input features split, outputs summed over tp, bias added once after the sum) or
+    ``replicated``. Only ``nn.Linear`` modules can be split. A ``colwise`` layer must be
+    followed (through element-wise ops only) by the ``rowwise`` layer that consumes its
+    split output, as in Megatron-LM's MLP. Needed when ``"tp"`` is in :attr:`layouts`."""
+
+    def build(self, cfg) -> nn.Module:
+        """The model for ``cfg`` (a :class:`chipset.config.RunConfig`), float32, on the CPU.
+
+        The engine seeds torch's generator with ``train.seed`` before calling, so every rank
+        builds the same weights. Before launch it calls ``build`` inside
+        ``torch.device("meta")`` to check the layout without allocating: build must not read
+        parameter values (create them only).
+        """
+        raise NotImplementedError(f"model family {self.name!r} does not implement build(cfg)")
+
+    def units(self, model: nn.Module) -> list[nn.Module]:
+        """Submodules gathered one at a time under ZeRO-3; together they must hold every
+        parameter exactly once. (Recompute and pipeline splitting by unit are not yet applied to
+        families other than the built-in transformer: train.recompute must be none.) Default:
+        ``model.units()`` if the module has it, else its top-level children with parameters."""
+        own = getattr(type(model), "units", None)
+        if callable(own):
+            return list(own(model))
+        return [m for m in model.children() if any(True for _ in m.parameters())]
+
+    def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Scalar mean loss of one micro-batch. Default: ``model.loss`` if the module has it,
+        else cross-entropy of ``model(inputs)`` (logits, classes last) against ``targets``."""
+        own = getattr(type(model), "loss", None)
+        if callable(own):
+            return own(model, inputs, targets)
+        logits = model(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    def data(self, cfg):
+        """The training data: an object with ``batch(step, dp_rank, dp, micro, micro_batches,
+        device=None) -> (inputs, targets)`` returning this rank's share of the global batch
+        (``train.global_batch // dp // micro_batches`` samples), the same for a given step on
+        every layout. Default: token sequences (``data.*``, docs/data.md)."""
+        from chipset.engine.data import make_dataset
+
+        return make_dataset(cfg)
+
+    def flops_per_sample(self, cfg) -> float:
+        """Training FLOPs (forward + backward) of one sample, for MFU and the planner.
+        Default: 6 x parameters, the dense rule of thumb, counted on the meta device."""
+        with torch.device("meta"):
+            model = self.build(cfg)
+        return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+def bind(family: ModelFamily, model: nn.Module) -> nn.Module:
+    """Give ``model`` the ``units()`` and ``loss()`` the engine calls, from ``family``.
+
+    Plain instance attributes: parameter names and the module's class stay unchanged."""
+    object.__setattr__(model, "units", lambda: family.units(model))
+    object.__setattr__(model, "loss", lambda inputs, targets: family.loss(model, inputs, targets))
+    return model
+
+
+def requested_layouts(cfg) -> list[str]:
+    """The layout names ``cfg.parallel`` asks for (dp is always there)."""
+    par = cfg.parallel
+    out = ["dp"]
+    if par.zero:
+        out.append(f"zero{par.zero}")
+    out += [k for k in ("tp", "pp", "ep", "cp") if getattr(par, k) > 1]
+    if par.sequence_parallel and par.tp > 1:
+        out.append("sp")
+    return out
+
+
+def layout_problems(family: ModelFamily, cfg) -> list[str]:
+    """Why ``cfg``'s layout cannot run ``family`` (empty: it can). Checked before launch."""
+    problems = []
+    missing = [x for x in requested_layouts(cfg) if x not in family.layouts]
+    if missing:
+        problems.append(f"model family {family.name!r} does not support {', '.join(missing)} "
+                        f"(it supports {', '.join(x for x in LAYOUTS if x in family.layouts)}); "
+                        "change parallel.* or use a family that does")
+    if isinstance(family, TransformerFamily):
+        return problems
+    if cfg.train.recompute != "none":
+        problems.append(f"train.recompute = {cfg.train.recompute!r}: model family {family.name!r} has no "
+                        "recompute yet; use train.recompute = \"none\"")
+    if cfg.train.eval_every:
+        problems.append(f"train.eval_every = {cfg.train.eval_every}: evaluation runs only for the built-in "
+                        "transformer family yet; use 0")
+    if not problems and "tp" in family.layouts and cfg.parallel.tp > 1:
+        problems += plan_problems(family, cfg)
+    return problems
+
+
+def plan_matches(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Module name -> style for every module the plan names (first matching pattern wins)."""
+    out = {}
+    for name, _ in model.named_modules():
+        for pattern, style in plan.items():
+            if name and fnmatch.fnmatchcase(name, pattern):
+                out[name] = style
+                break
+    return out
+
+
+def plan_problems(family: ModelFamily, cfg) -> list[str]:
+    """Problems of ``family.tp_plan`` on the model of ``cfg``, built on the meta device."""
+    tp = cfg.parallel.tp
+    bad = [f"{p} = {s!r}" for p, s in family.tp_plan.items() if s not in PLAN_STYLES]
+    if bad:
+        return [f"model family {family.name!r}: tp_plan entries {', '.join(bad)}: expected "
+                f"{', '.join(PLAN_STYLES)}"]
+    with torch.device("meta"):
+        model = family.build(cfg)
+    modules = dict(model.named_modules())
+    matched = plan_matches(model, family.tp_plan)
+    problems = []
+    if not any(s in ("colwise", "rowwise") for s in matched.values()):
+        problems.append(f"model family {family.name!r}: tp_plan splits no module of the model; "
+                        "name its nn.Linear layers colwise/rowwise or use parallel.tp = 1")
+    for name, style in matched.items():
+        if style == "replicated":
+            continue
+        mod = modules[name]
+        if type(mod) is not nn.Linear:
+            problems.append(f"tp_plan: {name} is {type(mod).__name__}; only nn.Linear can be {style}")
+            continue
+        size = mod.out_features if style == "colwise" else mod.in_features
+        if size % tp:
+            what = "out_features" if style == "colwise" else "in_features"
+            problems.append(f"tp_plan: {name} ({style}) has {what} = {size}, not divisible by "
+                            f"parallel.tp = {tp}; choose a tp that divides it")
+    return problems
+
+
+class TransformerFamily(ModelFamily):
+    """The built-in decoder (chipset.models.transformer), with MoE and Hugging Face configs.
+
+    Its tensor, sequence, context and expert parallelism are applied by the engine's
+    transformer-specific passes (engine/tensor_parallel.py, moe_parallel.py, ...), so it
+    supports every layout and its module names are unchanged.
+    """
+
+    name = "transformer"
+    layouts = frozenset(LAYOUTS)
+
+    def build(self, cfg, kernels=None) -> nn.Module:
+        from chipset.models.transformer import Transformer
+
+        return Transformer(cfg.model, kernels, seed=cfg.train.seed)

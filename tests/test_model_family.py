@@ -1,0 +1,199 @@
+"""Bring your own model: a family defined in THIS file trains through ``chipset train``.
+
+The model below (a tiny CNN with an MLP head on synthetic images) lives outside chipset; the
+runs select it with ``model.family = "test_model_family:family"`` and this folder on
+PYTHONPATH, exactly as a user's script would be. Parallel runs must equal one process
+within the fp32 reduction-order bounds of tests/parity.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import parity
+from chipset.models.family import ModelFamily
+from testenv import clean_env
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# --- the user's model (not in chipset) --------------------------------------------------
+
+IMAGE, CLASSES, BATCH, STEPS = 8, 5, 16, 4
+
+
+class TinyCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc1 = nn.Linear(4 * IMAGE * IMAGE, 32)
+        self.fc2 = nn.Linear(32, 16)
+        self.head = nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        x = torch.nn.functional.gelu(self.conv(x)).flatten(1)
+        x = torch.nn.functional.gelu(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+        return self.head(x)
+
+
+class Images:
+    """Synthetic labelled images; sample i is the same whatever the layout."""
+
+    def __init__(self, global_batch: int):
+        self.global_batch = global_batch
+        self.teacher = torch.randn(CLASSES, 3 * IMAGE * IMAGE, generator=torch.Generator().manual_seed(7))
+
+    def batch(self, step, dp_rank=0, dp=1, micro=0, micro_batches=1, device=None):
+        per_rank = self.global_batch // dp
+        mb = per_rank // micro_batches
+        first = step * self.global_batch + dp_rank * per_rank + micro * mb
+        x = torch.stack([torch.randn(3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(1000 + first + j))
+                         for j in range(mb)])
+        y = (x.flatten(1) @ self.teacher.T).argmax(-1)
+        return x.to(device), y.to(device)
+
+
+class CNNFamily(ModelFamily):
+    name = "tiny-cnn"
+    layouts = frozenset({"dp", "zero1", "zero2", "zero3", "tp"})
+    tp_plan = {"fc1": "colwise", "fc2": "rowwise"}
+
+    def build(self, cfg):
+        return TinyCNN()
+
+    def units(self, model):
+        return [model.conv, model.fc1, model.fc2, model.head]
+
+    def data(self, cfg):
+        return Images(cfg.train.global_batch)
+
+
+def family() -> CNNFamily:
+    return CNNFamily()
+
+
+# --- the runs ---------------------------------------------------------------------------
+
+# Longest reduction: the conv weight's gradient sums over batch x positions; longest chain:
+# conv, fc1, fc2, head, log-sum-exp, mean forward (6), the same backward plus the weight sums.
+N_REDUCE = BATCH * IMAGE * IMAGE
+DEPTH = 2 * 6 + 1
+
+
+def _env(extra_path: str = str(HERE)) -> dict[str, str]:
+    env = clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = extra_path + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _train(run_dir: Path, nproc: int, *sets: str, family_spec: str = "test_model_family:family",
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    args = ["--set", f'model.family="{family_spec}"', "--set", f"train.steps={STEPS}",
+            "--set", f"train.global_batch={BATCH}", "--set", "train.lr=0.01"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
+                           "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, env=env or _env(), timeout=600)
+
+
+def _metrics(run_dir: Path) -> tuple[list[float], list[float]]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    r = _train(run, 1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _metrics(run)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", [("parallel.zero=0",), ("parallel.zero=3",),
+                                    ("parallel.tp=2", "parallel.zero=0")], ids=["dp2", "zero3", "tp2"])
+def test_custom_family_two_ranks_match_one_process(tmp_path, reference, layout):
+    r = _train(tmp_path / "run", 2, *layout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses, norms = _metrics(tmp_path / "run")
+    want_losses, want_norms = reference
+    parity.assert_losses_close(losses, want_losses, n=N_REDUCE, depth=DEPTH)
+    parity.assert_grad_norms_close(norms, want_norms, n=N_REDUCE, depth=DEPTH)
+    assert want_losses[-1] < want_losses[0]  # it really trained
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["layout"]["tp" if "tp" in layout[0] else "dp"] == 2
+
+
+@pytest.mark.parametrize("nproc, sets, expected", [
+    (2, ("parallel.pp=2",), "does not support pp"),
+    (3, ("parallel.tp=3",), "fc1 (colwise) has out_features = 32, not divisible by parallel.tp = 3"),
+    (1, ("train.recompute=\"full\"",), "has no recompute yet"),
+])
+def test_unsupported_layout_refused_before_launch(tmp_path, nproc, sets, expected):
+    """Refused in the launcher (exit 2), before any rank starts or the run directory exists."""
+    run = tmp_path / "run"
+    r = _train(run, nproc, *sets)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert expected in r.stderr
+    assert not run.exists()  # refused before anything was written
+
+
+def test_unknown_module_factory_is_a_usage_error(tmp_path):
+    r = _train(tmp_path / "run", 1, family_spec="no_such_module_xyz:family")
+    assert r.returncode == 2
+    assert "no_such_module_xyz:family" in r.stderr and "cannot load it" in r.stderr
+
+
+def _install_family(site: Path, dist: str, name: str, body: str) -> None:
+    """A real installed distribution with a ``chipset.models`` entry point (as pip leaves it)."""
+    pkg = dist.replace("-", "_")
+    (site / pkg).mkdir(parents=True)
+    (site / pkg / "__init__.py").write_text(textwrap.dedent(body))
+    info = site / f"{pkg}-1.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0.0\n")
+    (info / "entry_points.txt").write_text(f"[chipset.models]\n{name} = {pkg}:family\n")
+    (info / "top_level.txt").write_text(pkg + "\n")
+
+
+def test_entry_point_families_listed_broken_one_isolated_good_one_trains(tmp_path):
+    site = tmp_path / "site"
+    _install_family(site, "chipset-cnn", "cnn", "from test_model_family import family\n")
+    _install_family(site, "chipset-broken-model", "broken", "raise ImportError('needs libfoo 2')\n")
+    env = _env(f"{site}:{HERE}")
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    fams = {f["name"]: f for f in json.loads(r.stdout)["families"]}
+    assert fams["transformer"]["status"] == "ok"
+    assert fams["cnn"]["status"] == "ok" and fams["cnn"]["distribution"] == "chipset-cnn"
+    assert "tp" in fams["cnn"]["layouts"] and "pp" not in fams["cnn"]["layouts"]
+    assert fams["broken"]["status"] == "import-error" and "needs libfoo 2" in fams["broken"]["reason"]
+    table = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert table.returncode == 0 and "needs libfoo 2" in table.stdout
+    # The good one trains by name; choosing the broken one is refused with its reason.
+    ok = _train(tmp_path / "ok", 1, family_spec="cnn", env=env)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    bad = _train(tmp_path / "bad", 1, family_spec="broken", env=env)
+    assert bad.returncode == 2 and "needs libfoo 2" in bad.stderr
+
+
+@pytest.mark.multirank
+def test_custom_model_example_trains(tmp_path):
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(ROOT / "examples" / "custom-model.toml"),
+                        "--nproc", "2", "--run-dir", str(run), "--set", "train.steps=3"],
+                       capture_output=True, text=True, env=_env(str(ROOT / "examples")), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
