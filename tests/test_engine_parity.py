@@ -304,7 +304,7 @@ def test_clipping_norm_equals_the_unsharded_norm(runs, variant):
 
 
 def test_bf16_tracks_fp32_within_bf16_tolerance(runs):
-    """bf16 params/compute with fp32 masters: per-step losses within DESIGN.md's bf16 rtol 1.6e-2."""
+    """bf16 params/compute with fp32 masters: per-step losses within docs/formulas.md's bf16 rtol 1.6e-2."""
     _, ref = runs
     torch.testing.assert_close(ref["ref_bf16"]["losses"], ref["ref"]["losses"], rtol=1.6e-2, atol=0)
     assert ref["ref_bf16"]["losses"] != ref["ref"]["losses"]  # really ran in bf16

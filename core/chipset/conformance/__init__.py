@@ -37,7 +37,7 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (1.6e-2, 1e-5),
     "float64": (1e-7, 1e-7),
 }
-"""(rtol, atol) per dtype against the reference: PyTorch's defaults (DESIGN.md). Integers are exact."""
+"""(rtol, atol) per dtype against the reference: PyTorch's defaults (docs/formulas.md). Integers are exact."""
 
 
 def tolerance(dtype: str, kernel: str = "", overrides=None) -> tuple[float, float]:

@@ -2,7 +2,7 @@
 
 Each kernel is run through the backend's registry (its own implementation where it
 registers one, else the reference) and compared with the core reference on the same
-device and dtype. Tolerances: DESIGN.md's table (chipset.conformance.TOLERANCES), or
+device and dtype. Tolerances: docs/formulas.md's table (chipset.conformance.TOLERANCES), or
 the backend's documented override in ``Capabilities.tolerances`` keyed ``"kernel/dtype"``
 or ``"dtype"``.
 """
