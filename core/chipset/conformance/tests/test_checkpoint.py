@@ -26,6 +26,7 @@ def _round_trip(tmp_path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
         warnings.simplefilter("ignore")
         dcp.save({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()},
                  storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+    (tmp / store.STATE).write_text('{"step": 1}\n')  # every complete checkpoint has one (store.verify)
     names = sorted(p.name for p in tmp.iterdir())
     final = store.checkpoint_dir(tmp_path, 1)
     store.commit(tmp, final, 1, store.hash_files(tmp, names), {})
