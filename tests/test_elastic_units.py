@@ -93,7 +93,9 @@ def test_torchrun_command_passes_the_rendezvous_through(tmp_path):
     assert {"--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=job7",
             "--rdzv-conf=last_call_timeout=5,is_host=true", "--local-addr=10.0.0.2", "--max-restarts=1"} <= set(cmd)
     single = torchrun_command(tmp_path / "c.toml", tmp_path, nproc=2)
-    assert "--standalone" in single and not any(a.startswith("--rdzv") for a in single)
+    # one node: a private rendezvous on loopback (chipset.engine.agent keeps its store there)
+    assert "--rdzv-endpoint=127.0.0.1:0" in single and "--nnodes=1" in single
+    assert not any(a.startswith(("--rdzv-conf", "--local-addr")) for a in single)
 
 
 def test_rendezvous_conf_says_who_hosts_the_store():
