@@ -110,7 +110,8 @@ def _wait_for_agent(ns: str, launcher: subprocess.Popen, timeout_s: float = 120)
     while time.monotonic() < deadline and launcher.poll() is None:
         for pid in _ip("netns", "pids", ns).stdout.split():
             try:
-                if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"torch.distributed.run" in cmdline or b"chipset.engine.agent" in cmdline:
                     return
             except OSError:
                 continue

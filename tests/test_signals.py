@@ -143,12 +143,18 @@ def test_two_rank_job_stops_on_a_signal_to_the_launcher_and_resumes(tmp_path, si
     assert f"step {step}" in r.stdout + r.stderr and _steps(run) == step + 1
 
 
+def _is_agent(pid: int) -> bool:
+    """torch's elastic agent, as chipset train starts it (python -m chipset.engine.agent)."""
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b"chipset.engine.agent" in cmdline or b"torch.distributed.run" in cmdline
+
+
 @pytest.mark.multirank
 def test_a_signal_to_one_rank_stops_every_rank_together(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "--nproc", "2", "--set", "train.checkpoint_every=1000")
     _wait_training(proc, run)
-    workers = [p for p in _descendants(proc.pid) if b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    workers = [p for p in _descendants(proc.pid) if not _is_agent(p)]
     assert len(workers) == 2  # the ranks, below the torchrun agent
     os.kill(max(workers), signal.SIGTERM)  # one rank only
     try:
@@ -167,7 +173,7 @@ def test_sigkill_of_the_torchrun_agent_kills_its_ranks(tmp_path):
     proc = _start(run, "--nproc", "2")
     try:
         _wait_training(proc, run)
-        agents = [p for p in _descendants(proc.pid) if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        agents = [p for p in _descendants(proc.pid) if _is_agent(p)]
         assert len(agents) == 1
         workers = _descendants(agents[0])
         assert len(workers) >= 2

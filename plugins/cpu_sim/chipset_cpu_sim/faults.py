@@ -221,6 +221,10 @@ class FaultPlan:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+AGENTS = ("torch.distributed.run", "torchrun", "chipset.engine.agent")
+"""How a torchrun agent's command line reads (chipset train starts torch's through chipset.engine.agent)."""
+
+
 def _torchrun_agent() -> int:
     """The pid of the torchrun agent that started this rank; ConfigError when there is none."""
     agent = os.getppid()
@@ -228,7 +232,7 @@ def _torchrun_agent() -> int:
         cmdline = Path(f"/proc/{agent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         cmdline = ""
-    if "GROUP_RANK" not in os.environ or not ("torch.distributed.run" in cmdline or "torchrun" in cmdline):
+    if "GROUP_RANK" not in os.environ or not any(a in cmdline for a in AGENTS):
         raise ConfigError(
             f"{FAULTS_ENV}: kill_node needs ranks started by torchrun (chipset train --nnodes, --max-restarts "
             f"or --nproc > 1); this process's parent is pid {agent} ({cmdline.strip()[:80] or 'unknown'})"
