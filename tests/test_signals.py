@@ -116,7 +116,7 @@ def test_one_process_job_stops_on_a_signal_and_saves_once(tmp_path, signum):
 
 def test_one_process_job_without_checkpoints_stops_and_saves_nothing(tmp_path):
     run = tmp_path / "run"
-    proc = _start(run)
+    proc = _start(run, "--set", "train.checkpoint_every=0")  # checkpoints off (they are on by default)
     _wait_training(proc, run)
     out, err = _stop(proc, signal.SIGINT, run)
     _check_stopped(proc, out, err, signal.SIGINT, run, ckpt=False)
