@@ -21,7 +21,7 @@ import torch.distributed as dist
 from chipset.errors import CollectiveError, CollectiveTimeoutError, ConfigError
 from chipset.interfaces.device import Device
 
-__all__ = ["Collective", "CommStats", "Group", "Handle", "OpCounter", "P2POp", "REDUCE_OPS", "collective_timeout"]
+__all__ = ["Collective", "CommStats", "Group", "Handle", "OpCounter", "P2POp", "REDUCE_OPS", "collective_timeout", "divide_for_avg_"]
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -149,6 +149,33 @@ class Handle:
         return self._work is None or self._waited or self._work.is_completed()
 
 
+class _FinishingHandle(Handle):
+    """An async op whose result needs one more local step (an emulated op's division) after ``wait``."""
+
+    def __init__(self, inner: Handle, then: Callable[[], object]):
+        super().__init__(None, inner._describe, inner._translate)
+        self._inner, self._then, self._done = inner, then, False
+
+    def wait(self) -> None:
+        self._inner.wait()
+        if not self._done:
+            self._then()
+            self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()
+
+
+def divide_for_avg_(tensor: torch.Tensor, n: int) -> None:
+    """Turn a sum over ``n`` ranks into their average in place; integer tensors truncate toward
+    zero (``torch.div(..., rounding_mode="trunc")``), what a float average cast back gives for
+    non-negative values."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(n)
+    else:
+        tensor.copy_(torch.div(tensor, n, rounding_mode="trunc"))
+
+
 class Collective:
     """Collectives of one backend. A backend sets ``c10d_backend`` and may override ``_run``."""
 
@@ -226,6 +253,16 @@ class Collective:
 
         Backends may use it (the simulator's fault injection counts steps); default: nothing.
         """
+
+    @staticmethod
+    def finish_after(handle: Handle | None, then: Callable[[], object]) -> Handle | None:
+        """Run ``then`` once the op has completed: at once for a synchronous op (``handle`` is
+        None), on the first ``wait()`` of an async one. For ops a backend emulates, e.g. an
+        ``avg`` its library lacks, done as a sum then :func:`divide_for_avg_`."""
+        if handle is None:
+            then()
+            return None
+        return _FinishingHandle(handle, then)
 
     # --- ops -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Group | None = None, async_op: bool = False):

@@ -14,12 +14,10 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
-from collections.abc import Callable, Mapping, MutableMapping
-
-import torch
+from collections.abc import Mapping, MutableMapping
 
 from chipset.interfaces import Collective, Group
-from chipset.interfaces.collective import Handle, collective_timeout
+from chipset.interfaces.collective import collective_timeout, divide_for_avg_
 
 CONNECT_ENV = "HCCL_CONNECT_TIMEOUT"
 EXEC_ENV = "HCCL_EXEC_TIMEOUT"
@@ -55,44 +53,6 @@ def apply_hccl_timeouts(environ: MutableMapping[str, str] | None = None, timeout
     return env
 
 
-class _WaitedHandle(Handle):
-    """A handle that is complete once ``wait()`` returned, whatever the work object says
-    (gloo's async reduce_scatter, behind the torch_npu double, never reports completion)."""
-
-    _waited = False
-
-    def wait(self) -> None:
-        super().wait()
-        self._waited = True
-
-    def is_completed(self) -> bool:
-        return self._waited or super().is_completed()
-
-
-class _ThenHandle(Handle):
-    """An async op whose result needs one more local step after the wait."""
-
-    def __init__(self, inner: Handle, then: Callable[[], object]):
-        super().__init__(None, inner._describe, inner._translate)
-        self._inner, self._then, self._done = inner, then, False
-
-    def wait(self) -> None:
-        self._inner.wait()
-        if not self._done:
-            self._then()
-            self._done = True
-
-    def is_completed(self) -> bool:
-        return self._done or self._inner.is_completed()
-
-
-def _divide_(t: torch.Tensor, n: int) -> None:
-    if t.is_floating_point() or t.is_complex():
-        t.div_(n)
-    else:  # integer average truncates toward zero, like torch.div(..., rounding_mode="trunc")
-        t.copy_(torch.div(t, n, rounding_mode="trunc"))
-
-
 class AscendCollective(Collective):
     backend_name = "ascend"
     c10d_backend = "hccl"
@@ -108,26 +68,14 @@ class AscendCollective(Collective):
         if op != "avg":
             return super().all_reduce(tensor, op, group, async_op)
         n = (group or self.world).size
-        return self._after(super().all_reduce(tensor, "sum", group, async_op), lambda: _divide_(tensor, n))
+        return self.finish_after(super().all_reduce(tensor, "sum", group, async_op), lambda: divide_for_avg_(tensor, n))
 
     def reduce_scatter(self, output, input, op="sum", group=None, async_op=False):
         if op != "avg":
             return super().reduce_scatter(output, input, op, group, async_op)
         n = (group or self.world).size
-        return self._after(super().reduce_scatter(output, input, "sum", group, async_op), lambda: _divide_(output, n))
-
-    def _run(self, op, group, tensors, fn, async_op, raw=False):
-        handle = super()._run(op, group, tensors, fn, async_op, raw)
-        if async_op and not raw and handle is not None:
-            return _WaitedHandle(handle._work, handle._describe, handle._translate, account=handle._account)
-        return handle
-
-    @staticmethod
-    def _after(handle: Handle | None, then: Callable[[], object]):
-        if handle is None:
-            then()
-            return None
-        return _ThenHandle(handle, then)
+        return self.finish_after(super().reduce_scatter(output, input, "sum", group, async_op),
+                                 lambda: divide_for_avg_(output, n))
 
     def _translate(self, exc: BaseException, describe: str) -> BaseException:
         text = str(exc).lower()
