@@ -119,3 +119,17 @@ def test_conformance_on_the_scaffold_prints_one_work_plan_and_fails(installed_sc
     data = json.loads(report.read_text())
     assert [(e["interface"], e["method"]) for e in data["work_plan"]] == [(i, m) for i, m, _ in expected]
     assert data["summary"] == {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+
+
+def test_keep_going_runs_the_checks_of_an_unfinished_backend(installed_scaffold, tmp_path):
+    py, _ = installed_scaffold
+    report = tmp_path / "r.json"
+    r = subprocess.run(
+        [py, "-m", "chipset.cli.main", "conformance", "--backend", "acme_npu", "--json-report", str(report),
+         "--keep-going", "-k", "test_device_count_is_positive"],
+        capture_output=True, text=True, env={**_env(), "CHIPSET_BACKEND": "acme_npu"}, timeout=600,
+    )
+    assert r.returncode == 1, (r.stdout + r.stderr)[-3000:]
+    data = json.loads(report.read_text())
+    assert data["work_plan"] and [t["outcome"] for t in data["tests"]] == ["error"]
+    assert "acme_npu: Device.device_count is not implemented yet" in data["tests"][0]["reason"]
