@@ -161,8 +161,8 @@ def test_cpu_sim_passes_every_group_with_json_and_junit(tmp_path):
     junit = tmp_path / "junit.xml"
     proc, data = _suite("cpu_sim", tmp_path, "--junit-xml", str(junit), "-k", _EVERY_GROUP)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert set(data) == {"backend", "summary", "groups", "tests"}
-    assert data["backend"] == "cpu_sim"
+    assert set(data) == {"backend", "summary", "groups", "work_plan", "tests"}
+    assert data["backend"] == "cpu_sim" and data["work_plan"] == []
     s = data["summary"]
     assert set(s) == {"passed", "failed", "skipped", "errors"}
     assert s["failed"] == 0 and s["errors"] == 0

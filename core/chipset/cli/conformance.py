@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--json-report", metavar="FILE", help="write the JSON report (summary, groups, tests) here")
     p.add_argument("--junit-xml", metavar="FILE", help="write a JUnit XML report here")
     p.add_argument("-k", metavar="EXPR", dest="keyword", help="only run tests matching the pytest -k expression (e.g. 'memory or rng')")
+    p.add_argument("--keep-going", action="store_true",
+                   help="run every check even when methods of the backend still raise NotImplementedError "
+                   "(by default those are listed once, as a work plan, and no check runs)")
     p.add_argument("-q", "--quiet", action="store_true", help="less pytest output (the matrix is always printed)")
     p.set_defaults(run=run)
 
@@ -50,7 +53,7 @@ def run(args) -> int:
     extra = ["-q"] if args.quiet else []
     code = pytest.main(pytest_args(
         sel.record.name, json_report=args.json_report, junit_xml=args.junit_xml,
-        keyword=args.keyword, extra=extra,
+        keyword=args.keyword, keep_going=args.keep_going, extra=extra,
     ))
     if code == pytest.ExitCode.OK:
         return 0

@@ -26,5 +26,5 @@ def run_new(args) -> int:
     print("next:")
     print(f"  pip install -e {target}")
     print(f"  CHIPSET_BACKEND={args.name} chipset backends")
-    print(f"  chipset conformance --backend {args.name}")
+    print(f"  chipset conformance --backend {args.name}   # lists every method still to write")
     return 0

@@ -57,6 +57,7 @@ def pytest_args(
     json_report: str | None = None,
     junit_xml: str | None = None,
     keyword: str | None = None,
+    keep_going: bool = False,
     extra: list[str] | None = None,
 ) -> list[str]:
     """The pytest command-line arguments that run the suite against ``backend``."""
@@ -78,4 +79,6 @@ def pytest_args(
         args += ["--junit-xml", junit_xml, "-o", "junit_family=xunit2"]
     if keyword:
         args += ["-k", keyword]
+    if keep_going:
+        args.append("--chipset-keep-going")
     return args + list(extra or [])

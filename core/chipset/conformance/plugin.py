@@ -22,6 +22,8 @@ def pytest_addoption(parser) -> None:
     g = parser.getgroup("chipset-conformance")
     g.addoption("--chipset-backend", default=None, help="backend to certify (default: CHIPSET_BACKEND or the selected one)")
     g.addoption("--chipset-json-report", default=None, help="write the conformance JSON report to this file")
+    g.addoption("--chipset-keep-going", action="store_true", default=False,
+                help="run every check even when the work plan lists unimplemented methods")
 
 
 class _Report:
@@ -31,6 +33,10 @@ class _Report:
         self.backend = backend
         self.json_path = json_path
         self.tests: dict[str, dict] = {}
+        self.work_plan: list[dict[str, str]] = []
+        """Methods the backend leaves unimplemented (NotImplementedError), each once."""
+        self.held_back = 0
+        """Checks not run because of the work plan."""
 
     def pytest_runtest_logreport(self, report) -> None:
         group = dict(report.user_properties).get("group", "?")
@@ -48,6 +54,8 @@ class _Report:
         d = self.to_dict()
         tr = terminalreporter
         tr.section(f"chipset conformance: {d['backend']}")
+        if self.work_plan:
+            self._write_plan(tr)
         tr.write_line(f"{'group':<14}{'passed':>8}{'failed':>8}{'skipped':>9}")
         for g, row in d["groups"].items():
             tr.write_line(f"{g:<14}{row['passed']:>8}{row['failed']:>8}{row['skipped']:>9}")
@@ -74,6 +82,16 @@ class _Report:
             Path(self.json_path).write_text(json.dumps(d, indent=2))
             tr.write_line(f"JSON report: {self.json_path}")
 
+    def _write_plan(self, tr) -> None:
+        tr.write_line(f"work plan: {len(self.work_plan)} method(s) of {self.backend} raise NotImplementedError; "
+                      "implement each (the docs section explains it):")
+        width = max(len(f"{m['interface']}.{m['method']}") for m in self.work_plan) + 2
+        for m in self.work_plan:
+            tr.write_line(f"  {m['interface'] + '.' + m['method']:<{width}}{m['docs']}")
+        if self.held_back:
+            tr.write_line(f"{self.held_back} checks were not run: they would all fail on these methods. "
+                          "Run them anyway with --keep-going (pytest: --chipset-keep-going).")
+
     def record(self, nodeid: str, group: str, outcome: str, reason: str) -> None:
         prev = self.tests.get(nodeid)
         # setup/call/teardown each report; the worst outcome wins.
@@ -94,6 +112,7 @@ class _Report:
                 "skipped": summary["skipped"], "errors": summary["error"],
             },
             "groups": groups,
+            "work_plan": self.work_plan,
             "tests": list(self.tests.values()),
         }
 
@@ -139,6 +158,36 @@ def pytest_collection_modifyitems(config, items) -> None:
         g = group_of(item)
         item.user_properties.append(("group", g))
         item.add_marker(pytest.mark.group(g))
+    report = config._chipset_report
+    report.work_plan = _work_plan(report.backend)
+    if report.work_plan and items and not config.getoption("--chipset-keep-going"):
+        # One list of what is missing instead of every check failing on the same stub.
+        report.held_back = len(items)
+        config.hook.pytest_deselected(items=list(items))
+        items[:] = []
+
+
+def _work_plan(name: str) -> list[dict[str, str]]:
+    """The backend's unimplemented methods, probed once; [] when it cannot even be loaded
+    for a reason other than NotImplementedError (the checks then report that error)."""
+    import chipset
+    from chipset.conformance._plan import unimplemented
+
+    try:
+        b = chipset.backend(name)
+    except NotImplementedError as exc:
+        return [{"interface": "hooks", "method": "load", "docs": "docs/writing-a-plugin.md §4 The hooks",
+                 "error": str(exc).strip()}]
+    except Exception:
+        return []
+    return unimplemented(b)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """An unfinished backend is not a pass, even though no check ran."""
+    if session.config._chipset_report.work_plan and exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # --- fixtures ------------------------------------------------------------------

@@ -30,6 +30,7 @@ DESCRIPTOR = '''\
 from __future__ import annotations
 
 import os
+import sys
 
 from chipset import BackendDescriptor
 
@@ -54,85 +55,181 @@ def _load():
     return backend
 
 
+def _profiles():
+    """Named DeviceProperties of your parts, pure data readable without the hardware
+    (docs §9 Descriptor fields). The conformance suite checks properties(0) against the
+    profile of the same name. TODO: e.g. {{"acme-x1": DeviceProperties(name="acme-x1", ...)}}."""
+    return {{}}
+
+
+def _device_initialized() -> bool:
+    """True once this process has initialised the device (docs §9 Descriptor fields);
+    must not initialise anything itself. TODO: ask your runtime; until then: whether the
+    implementation module was imported."""
+    return "{pkg}.backend" in sys.modules
+
+
 descriptor = BackendDescriptor(
     name="{name}",
     api_version=({api_major}, {api_minor}),
     priority=50,
     probe=_probe,
     load=_load,
+    profiles=_profiles,
+    device_initialized=_device_initialized,
     description="TODO: one line about the hardware this backend drives.",
 )
 '''
 
 BACKEND = '''\
-"""{name}: the hooks chipset loads. Every TODO raises a clear error naming what is missing.
+\"\"\"{name}: the hooks chipset loads, and every class and method of the backend contract.
 
-Work through them in the order of `chipset conformance --backend {name}`'s report.
-cpu_sim (the chipset-cpu-sim package) is the worked example of every method.
-"""
+Each method still to write raises NotImplementedError naming itself and the section of
+docs/writing-a-plugin.md that explains it; `chipset conformance --backend {name}` lists
+them all once, as a work plan. cpu_sim (the chipset-cpu-sim package) is the worked
+example of every method.
+\"\"\"
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from chipset import Capabilities, DeviceProperties, MemoryStats, hookimpl
+from chipset import Capabilities, DeviceProperties, MemoryStats, OutOfMemoryError, hookimpl
 from chipset.interfaces import Collective, Device, Event, Memory, Stream
 
 
-def _todo(what: str):
+def _todo(what: str, section: str):
     raise NotImplementedError(
         f"{name}: {{what}} is not implemented yet; implement it in {pkg}/backend.py "
-        "(see 'Writing a backend plugin' in the chipset docs)"
+        f"(docs/writing-a-plugin.md {{section}})"
     )
 
 
+# --- streams and events (docs §9 Streams and event timing) ----------------------------
+# Needed once Capabilities declares streams=True (event_timing=True for elapsed_time).
+class {cls}Event(Event):
+    def record(self, stream=None) -> None:
+        _todo("Event.record", "§9 Streams and event timing")
+
+    def wait(self, stream=None) -> None:
+        _todo("Event.wait", "§9 Streams and event timing")
+
+    def synchronize(self) -> None:
+        _todo("Event.synchronize", "§9 Streams and event timing")
+
+    def query(self) -> bool:
+        _todo("Event.query", "§9 Streams and event timing")
+
+    def elapsed_time(self, end: Event) -> float:
+        # device milliseconds; RuntimeError unless both events have enable_timing and were recorded
+        _todo("Event.elapsed_time", "§9 Streams and event timing")
+
+
+class {cls}Stream(Stream):
+    def synchronize(self) -> None:
+        _todo("Stream.synchronize", "§9 Streams and event timing")
+
+    def wait_event(self, event: Event) -> None:
+        _todo("Stream.wait_event", "§9 Streams and event timing")
+
+    def wait_stream(self, other: Stream) -> None:
+        _todo("Stream.wait_stream", "§9 Streams and event timing")
+
+    def query(self) -> bool:
+        _todo("Stream.query", "§9 Streams and event timing")
+
+    def record_event(self, event: Event | None = None) -> Event:
+        _todo("Stream.record_event", "§9 Streams and event timing")
+
+    @contextlib.contextmanager
+    def context(self):
+        _todo("Stream.context", "§9 Streams and event timing")
+        yield self
+
+
+# --- device (docs §5 Device; RNG: §9 RNG) --------------------------------------------
 class {cls}Device(Device):
     backend_name = "{name}"
     device_type = "cpu"  # TODO: the torch device type of your hardware
-    visible_devices_env = "{env}_VISIBLE_DEVICES"  # TODO: your runtime's variable
+    visible_devices_env = "{env}_VISIBLE_DEVICES"  # TODO: your runtime's variable; device_count honours it
 
     def device_count(self) -> int:
-        _todo("Device.device_count")
+        _todo("Device.device_count", "§5 Device")
 
     @property
     def supported_dtypes(self):
-        return (torch.float32,)  # TODO: declare what your hardware supports
-
-    def manual_seed(self, seed: int) -> None:
-        _todo("Device.manual_seed")
-
-    def manual_seed_all(self, seed: int) -> None:
-        _todo("Device.manual_seed_all")
-
-    def get_rng_state(self, index=None):
-        _todo("Device.get_rng_state")
-
-    def set_rng_state(self, state, index=None) -> None:
-        _todo("Device.set_rng_state")
-
-    def stream(self) -> Stream:
-        _todo("Device.stream")
-
-    def current_stream(self) -> Stream:
-        _todo("Device.current_stream")
-
-    def event(self, enable_timing: bool = False) -> Event:
-        _todo("Device.event")
+        _todo("Device.supported_dtypes", "§5 Device")
 
     def _set_device(self, index: int) -> None:
-        _todo("Device.set_device")
+        _todo("Device.set_device", "§5 Device")
 
     def _current_device(self) -> int:
-        _todo("Device.current_device")
+        _todo("Device.current_device", "§5 Device")
 
     def _torch_device(self, index: int) -> torch.device:
-        _todo("Device.torch_device")
+        _todo("Device.torch_device", "§5 Device")
 
     def _synchronize(self, index: int) -> None:
-        _todo("Device.synchronize")
+        _todo("Device.synchronize", "§5 Device")
 
     def _properties(self, index: int) -> DeviceProperties:
-        _todo("Device.properties")
+        # name, index, total_memory and peak_flops per dtype (MFU and the planner read them)
+        _todo("Device.properties", "§5 Device")
+
+    def manual_seed(self, seed: int) -> None:
+        _todo("Device.manual_seed", "§9 RNG: devices sharing one generator")
+
+    def manual_seed_all(self, seed: int) -> None:
+        _todo("Device.manual_seed_all", "§9 RNG: devices sharing one generator")
+
+    def get_rng_state(self, index=None) -> torch.Tensor:
+        _todo("Device.get_rng_state", "§9 RNG: devices sharing one generator")
+
+    def set_rng_state(self, state, index=None) -> None:
+        _todo("Device.set_rng_state", "§9 RNG: devices sharing one generator")
+
+    def stream(self) -> Stream:
+        _todo("Device.stream", "§9 Streams and event timing")  # then: return {cls}Stream()
+
+    def current_stream(self) -> Stream:
+        _todo("Device.current_stream", "§9 Streams and event timing")
+
+    def event(self, enable_timing: bool = False) -> Event:
+        _todo("Device.event", "§9 Streams and event timing")  # then: return {cls}Event(enable_timing)
+
+
+# --- memory (docs §6 Memory; counting host memory: §9 Host-memory backends) ----------
+class _Account:
+    \"\"\"Byte counters of one device, for a backend that must count its own allocations
+    (its device memory is host memory). Hardware with an allocator reads its counters
+    instead. Call charge() before an allocation runs and credit() when the storage is freed
+    (a weakref.finalize on it); charge() raises chipset.OutOfMemoryError past the capacity
+    and leaves nothing charged.\"\"\"
+
+    def __init__(self, device: str, capacity: int):
+        self.device, self.capacity = device, capacity
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+
+    def charge(self, nbytes: int) -> None:
+        if self.allocated + nbytes > self.capacity:
+            raise OutOfMemoryError(
+                f"{name} device {{self.device}} is out of memory. Tried to allocate {{nbytes}} bytes "
+                f"({{self.capacity - self.allocated}} of {{self.capacity}} free). Reduce the micro-batch size.",
+                device=self.device, requested_bytes=nbytes,
+            )
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def credit(self, nbytes: int) -> None:
+        self.allocated -= nbytes  # the block stays reserved (cached) until empty_cache()
+
+    def stats(self) -> MemoryStats:
+        return MemoryStats(self.allocated, self.reserved, self.allocated,
+                           self.peak_allocated, self.peak_reserved, self.peak_allocated)
 
 
 class {cls}Memory(Memory):
@@ -142,26 +239,32 @@ class {cls}Memory(Memory):
         self.device = device
 
     def stats(self, index=None) -> MemoryStats:
-        _todo("Memory.stats")
+        # allocator counters in bytes, or a host backend's _Account(...).stats()
+        _todo("Memory.stats", "§6 Memory, §9 Host-memory backends")
 
     def reset_peak_stats(self, index=None) -> None:
-        _todo("Memory.reset_peak_stats")
+        _todo("Memory.reset_peak_stats", "§6 Memory, §9 Host-memory backends")
 
     def empty_cache(self) -> None:
-        _todo("Memory.empty_cache")
+        # must lower `reserved` by what is cached (for _Account: reserved = allocated)
+        _todo("Memory.empty_cache", "§6 Memory, §9 Host-memory backends")
 
     def mem_get_info(self, index=None):
-        _todo("Memory.mem_get_info")
+        # (free, total) bytes; total equals properties(index).total_memory
+        _todo("Memory.mem_get_info", "§6 Memory, §9 Host-memory backends")
 
 
+# --- collectives (docs §7 Collective) ------------------------------------------------
 class {cls}Collective(Collective):
     backend_name = "{name}"
     c10d_backend = "gloo"  # TODO: your torch.distributed backend
 
     def init_process_group(self, **kwargs):
-        _todo("Collective.init_process_group")
+        # Set c10d_backend above, then delete this override: every op is inherited.
+        _todo("Collective.init_process_group", "§7 Collective")
 
 
+# --- hooks (docs §4 The hooks) -------------------------------------------------------
 @hookimpl
 def chipset_device():
     return {cls}Device()
@@ -180,13 +283,23 @@ def chipset_collective(device):
 @hookimpl
 def chipset_capabilities(device):
     # Declare only what works: conformance skips what you do not declare, with the reason.
-    return Capabilities(dtypes=("float32",), collective_dtypes=("float32",), multi_process=False)
+    # streams=True / event_timing=True once the Stream and Event classes above work (§9).
+    return Capabilities(dtypes=("float32",), collective_dtypes=("float32",), multi_process=False,
+                        streams=False, event_timing=False)
 
 
 @hookimpl
 def chipset_register_kernels(registry, device):
-    # Register faster kernels here: registry.register("rms_norm", fn, priority=10, available=pred)
+    # Optional (docs §8, §9 Kernels): registry.register("rms_norm", fn, priority=10,
+    # available=lambda x, weight, eps=1e-6: x.dtype == torch.float32), fn taking the
+    # reference's arguments; list the names in Capabilities.kernels.
     return None
+
+
+@hookimpl
+def chipset_launch_env(local_rank, local_world_size):
+    # Optional (docs §9): per-rank environment a launcher sets, e.g. visible devices.
+    return {{}}
 '''
 
 TOX = '''\
@@ -207,12 +320,15 @@ chipset backend `{name}`, generated by `chipset plugin new`.
 
     pip install -e .                      # next to an installed chipset
     CHIPSET_BACKEND={name} chipset backends    # listed, with its status
-    chipset conformance --backend {name}  # what works, and every part still missing by name
+    chipset conformance --backend {name}  # first: the work plan, every method still to write, once
     tox -e conformance                    # the same, in a clean env
 
 Until the probe in `{pkg}/__init__.py` checks for real hardware, the backend is only
 available when selected explicitly with `CHIPSET_BACKEND={name}`, so installing it never
 changes which backend anyone else gets.
 
-Work through `{pkg}/backend.py`: each TODO raises an error that names the method.
+Work through `{pkg}/backend.py`: each method still to write raises NotImplementedError
+naming itself and the section of chipset's docs/writing-a-plugin.md that explains it.
+While any does, `chipset conformance` prints that list (the work plan) and runs no check;
+`--keep-going` runs them anyway.
 '''
