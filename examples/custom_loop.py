@@ -13,7 +13,7 @@ from torch import nn
 
 from chipset import api
 
-cfg = api.config(overrides=["parallel.zero=3", "train.steps=8", "train.global_batch=16", "train.lr=0.003",
+cfg = api.config(overrides=["parallel.zero=3", "train.steps=8", "train.global_batch=16", "train.lr=0.01",
                             "train.checkpoint_every=4", *sys.argv[1:]])
 backend = api.init(cfg)  # backend, this rank's device, the process group (torchrun's or a world of one)
 torch.manual_seed(cfg.train.seed)  # rank 0's weights go to every rank anyway
