@@ -97,3 +97,12 @@ def test_custom_loop_zero3_on_two_ranks_matches_one_process_and_resumes(tmp_path
 def test_custom_loop_tp2_with_its_plan_matches_one_process(tmp_path, loop_reference):
     losses = _custom_loop(tmp_path, 2, "parallel.tp=2", "parallel.zero=0")
     parity.assert_losses_close(losses, loop_reference, n=LOOP_N, depth=LOOP_DEPTH)
+
+
+def test_library_page_shows_the_custom_loop_as_it_is():
+    """docs/library.md's 30-line loop is examples/custom_loop.py (less its docstring), the file the
+    tests above run: the page cannot drift from a script that works."""
+    page = (EXAMPLES.parent / "docs" / "library.md").read_text()
+    code = (EXAMPLES / "custom_loop.py").read_text().split('"""', 2)[2].lstrip("\n")
+    assert "```python skip-example" in page and code in page
+    assert len(code.splitlines()) <= 32
