@@ -136,6 +136,10 @@ def parallelize(cfg: RunConfig, backend, model: nn.Module | ModelFamily | None =
     ``engine.model`` is this rank's shard; use :func:`step` to train it and
     ``engine.full_parameters()`` (collective) for the whole model's weights.
     """
+    if isinstance(model, nn.Module) and not plan and cfg.parallel.tp > 1:
+        raise ConfigError(f"parallel.tp = {cfg.parallel.tp} splits the model by a tensor-parallel plan, and "
+                          f"parallelize got none for this {type(model).__name__}; pass plan={{module name "
+                          "pattern: 'colwise' | 'rowwise' | 'replicated'}} (docs/models.md) or use parallel.tp = 1")
     dims = make_dims(cfg, backend.collective.world_size())
     if model is None:
         family = resolve_family(cfg.model.family)
