@@ -47,7 +47,8 @@ from chipset.models import Transformer
 from chipset.models.family import TransformerFamily, bind, layout_problems
 from chipset.models.registry import resolve_family
 
-__all__ = ["TrainResult", "build", "train", "params_digest"]
+__all__ = ["TrainResult", "build", "build_model", "make_dims", "params_digest", "rank_batches", "train",
+           "train_step", "wrap"]
 
 
 @dataclass
@@ -71,16 +72,27 @@ def params_digest(params: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def make_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
+    """The layout of ``cfg.parallel`` on ``world_size`` ranks (``parallel.dp = 0``: what is left)."""
+    par = cfg.parallel
+    dp = par.dp or world_size // max(1, par.tp * par.pp * par.cp)
+    return ParallelDims(dp=dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, world_size=world_size)
+
+
 def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | TextBytes, ParallelDims]:
     """Model, engine and data for this rank (process group must be initialised)."""
-    col = backend.collective
-    world = col.world_size()
-    par, tr = cfg.parallel, cfg.train
-    dims = ParallelDims(dp=par.dp or world, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero,
-                        world_size=world)
-    dtype = DTYPE_BY_NAME[tr.dtype]
-    backend.device.check_dtype(dtype)
+    dims = make_dims(cfg, backend.collective.world_size())
     family = resolve_family(cfg.model.family)
+    engine = wrap(build_model(cfg, backend, dims, family), cfg, backend, dims)
+    data = make_dataset(cfg) if isinstance(family, TransformerFamily) else family.data(cfg)
+    return engine, data, dims
+
+
+def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn.Module:
+    """``family``'s model for ``cfg``, split for ``dims`` (tp, cp, ep), with recompute and compile
+    applied: this rank's share, not yet wrapped. Refuses a layout the family does not support."""
+    col = backend.collective
+    par, tr = cfg.parallel, cfg.train
     problems = layout_problems(family, cfg)
     if problems:  # the launcher refused these already; a worker started by hand refuses too
         raise ConfigError("; ".join(problems))
@@ -102,6 +114,15 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
     compile_backend = check_compile(tr.compile, backend.name, backend.record.descriptor)
     if compile_backend is not None:  # per block, before the engine wraps the model (engine/compile.py)
         apply_compile(model, compile_backend)
+    return model
+
+
+def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
+    """The engine that trains ``model`` (from :func:`build_model`) under ``dims``: gradient
+    reduction, ZeRO sharding, AdamW, loss scaling, and the pipeline schedule when pp > 1."""
+    par, tr = cfg.parallel, cfg.train
+    dtype = DTYPE_BY_NAME[tr.dtype]
+    backend.device.check_dtype(dtype)
     if tr.dtype == "float16":
         scaler = LossScaler(
             scale=tr.loss_scale or tr.initial_loss_scale, dynamic=tr.loss_scale == 0,
@@ -120,8 +141,41 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
         from chipset.models.hf.weights import load_into_engine
 
         load_into_engine(engine, cfg.model.init_from, cfg.model.architecture)
-    data = make_dataset(cfg) if isinstance(family, TransformerFamily) else family.data(cfg)
-    return engine, data, dims
+    return engine
+
+
+def rank_batches(data, step: int, engine, micro_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of ``step`` from ``data`` (an object with ``batch(step, dp_rank,
+    dp, micro, micro_batches, device=)``). Data is split over dp only: the tp, cp and pp ranks of
+    one dp index read the same samples."""
+    dims = engine.dims
+    dp_rank = dims.coords(engine.collective.rank())["dp"]
+    return [data.batch(step, dp_rank, dims.dp, m, micro_batches, device=engine.device)
+            for m in range(micro_batches)]
+
+
+def train_step(engine, batches, lr: float) -> tuple[float, dict]:
+    """One optimizer step over ``batches`` (this rank's micro-batches, one ``(inputs, targets)``
+    each): forward and backward of every micro-batch (gradients reduced over dp, ZeRO-sharded, as
+    the engine's layout says), then the update at ``lr``. Returns the loss of the global batch (the
+    mean over micro-batches and dp ranks, the same on every rank) and the step's stats
+    (``grad_norm``, ``skipped``, ``loss_scale``)."""
+    batches = list(batches)
+    want = engine.schedule.micro_batches if engine.dims.pp_enabled else engine.micro_batches
+    if len(batches) != want:
+        raise ConfigError(f"train_step got {len(batches)} micro-batch(es), the engine was built for "
+                          f"{want} (parallel.micro_batches); pass exactly that many (inputs, targets)")
+    if engine.dims.pp_enabled:  # the schedule runs every micro-batch at once
+        losses = engine.forward_backward_step(batches)
+    else:
+        losses = [engine.forward_backward(x, y, last=m == len(batches) - 1) for m, (x, y) in enumerate(batches)]
+    with trace_range("chipset::optimizer"):
+        stats = engine.step(lr)
+    loss_t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32, device=engine.device)
+    if engine.dp > 1:
+        engine.collective.all_reduce(loss_t, "sum", group=engine.group)
+        loss_t /= engine.dp
+    return float(loss_t), stats
 
 
 def _build_family(family, cfg: RunConfig, backend, dims: ParallelDims, par) -> torch.nn.Module:
@@ -161,8 +215,6 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     if elastic is not None and rank == 0:
         print(elastic.line(), file=out, flush=True)
     engine, data, dims = build(cfg, backend)
-    # Data is split over dp only: tp and cp ranks of one dp index see the same sequences.
-    dp_rank, dp_size = dims.coords(rank)["dp"], dims.dp
     tr, par = cfg.train, cfg.parallel
     device = engine.device
     run_dir = Path(run_dir) if run_dir is not None else None
@@ -201,23 +253,8 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             backend.memory.reset_peak_stats()
             obs.begin_step(step)
             t0 = time.perf_counter()
-            losses = []
-            if dims.pp_enabled:  # the schedule runs every micro-batch at once
-                losses = engine.forward_backward_step([
-                    data.batch(step, dp_rank, dp_size, m, par.micro_batches, device=device)
-                    for m in range(par.micro_batches)])
-            for m in range(0 if dims.pp_enabled else par.micro_batches):
-                tokens, targets = data.batch(step, dp_rank, dp_size, m, par.micro_batches, device=device)
-                losses.append(engine.forward_backward(tokens, targets, last=m == par.micro_batches - 1))
             lr = lr_at(cfg, step)
-            with trace_range("chipset::optimizer"):
-                stats = engine.step(lr)
-            # Loss of the global batch: mean over micro-batches and dp ranks.
-            loss_t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32, device=device)
-            if engine.dp > 1:
-                col.all_reduce(loss_t, "sum", group=engine.group)
-                loss_t /= engine.dp
-            loss = float(loss_t)
+            loss, stats = train_step(engine, rank_batches(data, step, engine, par.micro_batches), lr)
             backend.device.synchronize()
             dt = time.perf_counter() - t0
             times.append(dt)

@@ -27,18 +27,12 @@ def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int
     from chipset.config import load_config
     from chipset.engine import signals
     from chipset.engine.elastic import fit_world
+    from chipset.engine.rank import start, stop
     from chipset.engine.trainer import train
-    from chipset.loader import backend
 
     signals.install()  # SIGINT/SIGTERM: stop at the end of a step on every rank (engine/signals.py)
     cfg = load_config(config_path)
-    b = backend()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # The backend's chipset_launch_env hook (e.g. visible devices) for this local rank, applied
-    # before the rank touches a device.
-    os.environ.update(b.launch_env(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    b.device.set_device(local_rank)
-    b.collective.init_process_group()
+    b = start()  # the backend the launcher chose (CHIPSET_BACKEND), its device, the process group
     try:
         # An elastic job re-formed on fewer nodes: same global batch, more micro-batches.
         change = fit_world(cfg, b.collective.world_size())
@@ -52,7 +46,7 @@ def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int
                 write_rank_log(run_dir, b.collective, exc)
             raise
     finally:
-        b.collective.destroy()
+        stop(b)
     return 0
 
 
