@@ -23,7 +23,7 @@ LAYERS = [
     {"config"},                                            # the run configuration
     {"models"},                                            # model families
     {"engine"},                                            # parallel engine and launch
-    {"conformance", "report", "plugin_kit"},               # tools built on the engine
+    {"conformance", "report", "plugin_kit", "api"},        # tools and the library API on the engine
     {"cli"},                                               # the command line
 ]
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
