@@ -92,12 +92,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _train(run_dir: Path, nproc: int, *sets: str, family: str = "resnet") -> subprocess.CompletedProcess:
+def _train(run_dir: Path, nproc: int, *sets: str, family: str = "resnet", cwd=None) -> subprocess.CompletedProcess:
     args = [f'model.family="{family}"', *SIZE, f"train.steps={STEPS}", f"train.global_batch={BATCH}",
             "train.lr=0.01", "train.checkpoint_every=0", *sets]
     return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
                            "--run-dir", str(run_dir), *[a for s in args for a in ("--set", s)]],
-                          capture_output=True, text=True, env=_env(), timeout=600)
+                          capture_output=True, text=True, env=_env(), timeout=600, cwd=cwd)
 
 
 def _metrics(run_dir: Path) -> tuple[list[float], list[float]]:
@@ -159,6 +159,15 @@ def test_listed_as_built_in_and_counted_for_mfu(tmp_path):
     peak = summary["devices"]["peak_flops"][cfg.train.dtype]
     samples_per_s = rec["tokens_per_s"] / cfg.train.seq_len
     assert rec["mfu"] == pytest.approx(samples_per_s * ResNetFamily().flops_per_sample(cfg) / peak)
+
+
+@pytest.mark.multirank
+def test_family_module_in_the_current_directory_reaches_the_ranks(tmp_path):
+    """``PYTHONPATH=<the current directory>`` with ``model.family = "module:factory"``: ranks
+    start with PYTHONSAFEPATH=1, so the first sys.path entry is that PYTHONPATH entry and must
+    not be dropped as if ``python -m`` had put the current directory there."""
+    r = _train(tmp_path / "run", 2, "train.steps=1", family="test_resnet_family:summed_gradients", cwd=HERE)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("sets, expected", [
