@@ -173,6 +173,7 @@ def test_family_module_in_the_current_directory_reaches_the_ranks(tmp_path):
 @pytest.mark.parametrize("sets, expected", [
     (("parallel.tp=2",), "model family 'resnet' does not support tp"),
     (("parallel.pp=2",), "model family 'resnet' does not support pp"),
+    (('data.source="text"', 'data.path="corpus.txt"', "model.vocab_size=256"), "model family 'resnet' trains on synthetic images only"),
 ])
 def test_unsupported_layouts_are_refused_before_launch(tmp_path, sets, expected):
     run = tmp_path / "run"

@@ -147,12 +147,13 @@ class ResNetFamily(ModelFamily):
         m = cfg.model
         return ResNet(m.hidden_size, m.num_hidden_layers, m.vocab_size)
 
-    def data(self, cfg) -> SyntheticImages:
+    def problems(self, cfg) -> list[str]:
         if cfg.data.source != "synthetic":
-            from chipset.errors import ConfigError
+            return [f"data.source = {cfg.data.source!r}: model family 'resnet' trains on synthetic images "
+                    "only; use data.source = \"synthetic\""]
+        return []
 
-            raise ConfigError(f"data.source = {cfg.data.source!r}: model family 'resnet' trains on synthetic "
-                              "images only; use data.source = \"synthetic\"")
+    def data(self, cfg) -> SyntheticImages:
         return SyntheticImages(cfg.model.vocab_size, cfg.train.global_batch, cfg.data.seed)
 
     def flops_per_sample(self, cfg) -> float:
