@@ -23,12 +23,13 @@ RUNNABLE = {
     "tiny.toml": ["train.steps=3"],
     "moe-tiny.toml": ["train.steps=3"],
     "long-context.toml": ["train.steps=2", "train.seq_len=256"],
+    "resnet-tiny.toml": ["train.steps=3"],
 }
 
 
 def test_examples_exist():
     names = {p.name for p in CONFIGS}
-    assert {"tiny.toml", "moe-tiny.toml", "long-context.toml", "llama-1b.toml"} <= names
+    assert {"tiny.toml", "moe-tiny.toml", "long-context.toml", "llama-1b.toml", "resnet-tiny.toml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -503,7 +503,9 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         parse_profile_steps(tr.profile_steps)
     except ValueError as exc:
         problems.append(f"train.profile_steps = {tr.profile_steps!r}: {exc}")
-    if m.head_dim < 0 or m.head_dim % 2:
+    if not builtin:  # the attention and position rules below describe the built-in decoder
+        pass
+    elif m.head_dim < 0 or m.head_dim % 2:
         problems.append(f"model.head_dim = {m.head_dim!r}: expected an even number, or 0 for hidden_size / heads")
     elif m.head_dim:
         pass
@@ -516,11 +518,11 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
             f"head dim hidden_size/num_attention_heads ({m.hidden_size}/{m.num_attention_heads}) must be even for rotary embeddings"
         )
     kv = m.num_key_value_heads or m.num_attention_heads
-    if m.num_key_value_heads < 0 or (kv > 0 and m.num_attention_heads % kv):
+    if builtin and (m.num_key_value_heads < 0 or (kv > 0 and m.num_attention_heads % kv)):
         problems.append(
             f"model.num_key_value_heads ({m.num_key_value_heads}) must divide model.num_attention_heads ({m.num_attention_heads})"
         )
-    if tr.seq_len > m.max_position_embeddings:
+    if builtin and tr.seq_len > m.max_position_embeddings:
         problems.append(
             f"train.seq_len ({tr.seq_len}) must be <= model.max_position_embeddings ({m.max_position_embeddings})"
         )

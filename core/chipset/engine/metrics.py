@@ -14,7 +14,8 @@ which adds them to the step's ``metrics.jsonl`` record (see docs/observability.m
 - ``slowest_rank``: the rank with the most compute time (the one the others waited for);
 - ``mfu``: PaLM model FLOPs utilisation, tokens/s x (6N + 12LHQT) / (peak x ranks), with
   the planner's FLOPs count and the device's declared peak for the run dtype (None when
-  the backend declares no peak for it).
+  the backend declares no peak for it); for another model family, samples/s x the family's
+  ``flops_per_sample`` / (peak x ranks).
 
 Optional outputs: TensorBoard event files under ``RUN_DIR/tensorboard`` when
 ``torch.utils.tensorboard`` can be imported, and with ``train.profile_steps = "a:b"`` a
@@ -202,8 +203,13 @@ def _flops(cfg, backend) -> tuple[int, float]:
     from chipset.planner.model import from_engine_model_config
 
     try:
-        spec = from_engine_model_config(cfg.model, seq_len=cfg.train.seq_len)
-        per_token = model_flops_per_token(spec)
+        if cfg.model.family in ("", "transformer"):
+            spec = from_engine_model_config(cfg.model, seq_len=cfg.train.seq_len)
+            per_token = model_flops_per_token(spec)
+        else:  # the family counts its own FLOPs; "tokens" per step are global_batch x seq_len
+            from chipset.models.registry import resolve_family
+
+            per_token = resolve_family(cfg.model.family).flops_per_sample(cfg) / cfg.train.seq_len
     except Exception:  # a model the planner cannot describe yet: no MFU rather than no run
         per_token = 0
     peak = backend.device.properties().peak_flops_for(cfg.train.dtype)

@@ -11,8 +11,11 @@ import sys
 
 # ``python -m`` put the current directory first on the import path; a module lying there
 # (say typing_extensions.py) must not run inside a rank. (Python >= 3.11 ranks start with
-# PYTHONSAFEPATH=1 from the launcher, so this only matters on 3.10.)
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
+# PYTHONSAFEPATH=1 from the launcher, so this only matters on 3.10.) Under safe_path nothing
+# was put there: sys.path[0] is then the first PYTHONPATH entry, which may well be the current
+# directory on purpose (``PYTHONPATH=. chipset train`` with model.family = "my_model:family").
+if (not getattr(sys.flags, "safe_path", False) and sys.path
+        and os.path.abspath(sys.path[0] or ".") == os.getcwd()):
     del sys.path[0]
 
 import argparse  # noqa: E402

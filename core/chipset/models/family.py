@@ -89,6 +89,12 @@ class ModelFamily:
 
         return make_dataset(cfg)
 
+    def problems(self, cfg) -> list[str]:
+        """What this family cannot run in ``cfg`` beyond the layout (for example a data source
+        it does not read): each a sentence saying what was found and what to do. Checked with
+        the layout before launch, so a bad config exits 2 before any rank starts. Default: none."""
+        return []
+
     def flops_per_sample(self, cfg) -> float:
         """Training FLOPs (forward + backward) of one sample, for MFU and the planner.
         Default: 6 x parameters, the dense rule of thumb, counted on the meta device."""
@@ -128,6 +134,7 @@ def layout_problems(family: ModelFamily, cfg) -> list[str]:
                         "change parallel.* or use a family that does")
     if isinstance(family, TransformerFamily):
         return problems
+    problems += list(family.problems(cfg)) if callable(getattr(family, "problems", None)) else []
     if cfg.train.recompute != "none":
         problems.append(f"train.recompute = {cfg.train.recompute!r}: model family {family.name!r} has no "
                         "recompute yet; use train.recompute = \"none\"")

@@ -73,19 +73,28 @@ def _one(ep) -> FamilyRecord:
     return rec
 
 
+def _builtins() -> dict[str, ModelFamily]:
+    """Families shipped in chipset: the decoder, and the ResNet example (chipset.models.resnet)."""
+    from chipset.models.resnet import ResNetFamily
+
+    return {"transformer": TransformerFamily(), "resnet": ResNetFamily()}
+
+
 def discover_families() -> list[FamilyRecord]:
-    """The built-in family first, then every ``chipset.models`` entry point, sorted by name."""
-    out = [FamilyRecord("transformer", "ok", "", "built-in", "chipset", TransformerFamily())]
+    """The built-in families first, then every ``chipset.models`` entry point, sorted by name."""
+    builtins = _builtins()
+    out = [FamilyRecord(name, "ok", "", "built-in", "chipset", fam) for name, fam in builtins.items()]
     eps = sorted(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
-    out += [_one(ep) for ep in eps if ep.name != "transformer"]
+    out += [_one(ep) for ep in eps if ep.name not in builtins]
     return out
 
 
 def resolve_family(spec: str) -> ModelFamily:
     """The family ``model.family = spec`` names. ConfigError (exit 2) says why one cannot be had."""
     spec = spec or "transformer"
-    if spec == "transformer":
-        return TransformerFamily()
+    builtins = _builtins()
+    if spec in builtins:
+        return builtins[spec]
     if ":" in spec:
         mod_name, _, attr = spec.partition(":")
         try:

@@ -1,0 +1,179 @@
+"""The built-in ResNet family (chipset.models.resnet): a non-transformer model through the contract.
+
+Parallel runs (`chipset train --nproc 2`, dp and ZeRO-3) must equal one process within the
+fp32 reduction-order bounds of tests/parity.py, and the same check must reject a run whose
+gradients are summed over the ranks instead of averaged (the family below, selected by
+``module:factory`` from this file, injects exactly that fault).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import parity
+from chipset.config import load_config
+from chipset.models.resnet import IMAGE_SIZE, ResNetFamily, SyntheticImages
+from testenv import clean_env
+
+HERE = Path(__file__).resolve().parent
+
+WIDTH, BLOCKS, CLASSES, BATCH, STEPS = 4, 2, 5, 8, 3
+SIZE = [f"model.hidden_size={WIDTH}", f"model.num_hidden_layers={BLOCKS}", f"model.vocab_size={CLASSES}"]
+
+# Longest single reduction: a convolution weight's gradient sums over batch x image positions.
+# Longest chain, forward: stem conv and GroupNorm (2), per block conv, norm, conv, norm (4),
+# average pool, head, log-sum-exp, mean (4); the backward walks it again, plus the weight sum.
+N_REDUCE = BATCH * IMAGE_SIZE * IMAGE_SIZE
+DEPTH = 2 * (2 + 4 * BLOCKS + 4) + 1
+
+
+def _cfg(*sets: str):
+    return load_config(None, ['model.family="resnet"', *SIZE, *sets])
+
+
+def test_flops_per_sample_equals_what_torch_counts():
+    """The family's closed form (used for MFU) equals torch's FLOP counter on one training step."""
+    cfg = _cfg()
+    fam = ResNetFamily()
+    model = fam.build(cfg)
+    x, y = fam.data(cfg).batch(0)
+    with FlopCounterMode(display=False) as counter:
+        fam.loss(model, x, y).backward()
+    assert fam.flops_per_sample(cfg) == counter.get_total_flops() / x.shape[0]
+
+
+def test_images_are_the_same_on_every_layout():
+    """Two dp ranks' shares, concatenated, are the one-process batch; another seed differs."""
+    data = SyntheticImages(CLASSES, BATCH, seed=3)
+    x1, y1 = data.batch(2)
+    halves = [data.batch(2, dp_rank=r, dp=2) for r in (0, 1)]
+    assert torch.equal(torch.cat([h[0] for h in halves]), x1)
+    assert torch.equal(torch.cat([h[1] for h in halves]), y1)
+    micro = [data.batch(2, dp_rank=1, dp=2, micro=m, micro_batches=2)[0] for m in (0, 1)]
+    assert torch.equal(torch.cat(micro), halves[1][0])
+    assert x1.shape == (BATCH, 3, IMAGE_SIZE, IMAGE_SIZE)
+    assert not torch.equal(SyntheticImages(CLASSES, BATCH, seed=4).batch(2)[0], x1)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Identity forward; backward multiplies by the world size: the engine's average over dp
+    ranks then becomes a sum (the fault the parity check must catch)."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return grad * world
+
+
+class SummedGradients(ResNetFamily):
+    def loss(self, model, inputs, targets):
+        return _SumOverRanks.apply(super().loss(model, inputs, targets))
+
+
+def summed_gradients() -> SummedGradients:
+    return SummedGradients()
+
+
+def _env() -> dict[str, str]:
+    env = clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(HERE) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _train(run_dir: Path, nproc: int, *sets: str, family: str = "resnet", cwd=None) -> subprocess.CompletedProcess:
+    args = [f'model.family="{family}"', *SIZE, f"train.steps={STEPS}", f"train.global_batch={BATCH}",
+            "train.lr=0.01", "train.checkpoint_every=0", *sets]
+    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
+                           "--run-dir", str(run_dir), *[a for s in args for a in ("--set", s)]],
+                          capture_output=True, text=True, env=_env(), timeout=600, cwd=cwd)
+
+
+def _metrics(run_dir: Path) -> tuple[list[float], list[float]]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    r = _train(run, 1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _metrics(run)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("zero", [0, 3], ids=["dp2", "zero3"])
+def test_two_ranks_match_one_process(tmp_path, reference, zero):
+    r = _train(tmp_path / "run", 2, f"parallel.zero={zero}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses, norms = _metrics(tmp_path / "run")
+    parity.assert_losses_close(losses, reference[0], n=N_REDUCE, depth=DEPTH)
+    parity.assert_grad_norms_close(norms, reference[1], n=N_REDUCE, depth=DEPTH)
+    assert reference[0][-1] < reference[0][0]  # it really trained
+    layout = json.loads((tmp_path / "run" / "summary.json").read_text())["layout"]
+    assert layout["dp"] == 2 and layout["zero"] == zero
+
+
+@pytest.mark.multirank
+def test_parity_check_rejects_summed_gradients(tmp_path, reference):
+    """Negative control: gradients summed over the 2 ranks fail the same check at step 0.
+
+    Run from this directory with it on PYTHONPATH, as ``PYTHONPATH=. chipset train`` would:
+    the ranks start with PYTHONSAFEPATH=1, so their first sys.path entry is that PYTHONPATH
+    entry and must not be dropped as if ``python -m`` had put the current directory there
+    (before the fix every rank failed with "No module named 'test_resnet_family'")."""
+    r = _train(tmp_path / "run", 2, family="test_resnet_family:summed_gradients", cwd=HERE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses, norms = _metrics(tmp_path / "run")
+    assert losses[0] == pytest.approx(reference[0][0], rel=parity.trajectory_rtol(N_REDUCE, DEPTH, 0))
+    with pytest.raises(AssertionError, match="gradient norm at step 0"):
+        parity.assert_grad_norms_close(norms, reference[1], n=N_REDUCE, depth=DEPTH)
+
+
+def test_listed_as_built_in_and_counted_for_mfu(tmp_path):
+    """`chipset models` lists it; a run on a backend that declares its peak reports MFU from
+    the family's flops_per_sample (samples/s x FLOPs per sample / peak)."""
+    env = _env()
+    listed = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    fams = {f["name"]: f for f in json.loads(listed.stdout)["families"]}
+    assert fams["resnet"]["source"] == "built-in" and fams["resnet"]["layouts"] == ["dp", "zero1", "zero2", "zero3"]
+    env["CHIPSET_BACKEND"] = "cpu_sim"
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run),
+                        *[a for s in [*SIZE, 'model.family="resnet"', "train.steps=2", "train.checkpoint_every=0"]
+                          for a in ("--set", s)]], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "mfu" in r.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    cfg = _cfg()
+    assert summary["model_flops_per_token"] * cfg.train.seq_len == pytest.approx(ResNetFamily().flops_per_sample(cfg))
+    rec = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    peak = summary["devices"]["peak_flops"][cfg.train.dtype]
+    samples_per_s = rec["tokens_per_s"] / cfg.train.seq_len
+    assert rec["mfu"] == pytest.approx(samples_per_s * ResNetFamily().flops_per_sample(cfg) / peak)
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (("parallel.tp=2",), "model family 'resnet' does not support tp"),
+    (("parallel.pp=2",), "model family 'resnet' does not support pp"),
+    (('data.source="text"', 'data.path="corpus.txt"', "model.vocab_size=256"), "model family 'resnet' trains on synthetic images only"),
+])
+def test_unsupported_layouts_are_refused_before_launch(tmp_path, sets, expected):
+    run = tmp_path / "run"
+    r = _train(run, 2, *sets)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert expected in r.stderr
+    assert not run.exists()
