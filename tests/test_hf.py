@@ -489,6 +489,40 @@ def test_a_run_from_scratch_exports_as_llama_and_a_top1_moe_is_refused(tmp_path,
     assert rel_diff(got, hf_logits(tmp_path / "dense-hf", tokens)) < RTOL
 
 
+def test_a_chipset_moe_with_a_shared_expert_exports_as_qwen2_moe():
+    """From scratch, a MoE with a shared expert is Qwen2-MoE: the config.json it writes builds, in
+    transformers, exactly the tensors (names and shapes) chipset's parameters map to."""
+    transformers = pytest.importorskip("transformers")
+    import chipset
+    from chipset.config import ModelConfig
+    from chipset.models import Transformer
+    from chipset.models.hf.config import to_hf_config
+    from chipset.models.hf.names import expert_names, to_hf
+
+    m = ModelConfig(**BASE, num_experts=4, num_experts_per_tok=1, norm_topk_prob=False, moe_every=2,
+                    moe_intermediate_size=48, shared_expert_intermediate_size=40)
+    hf = to_hf_config(m)
+    assert hf["architectures"] == ["Qwen2MoeForCausalLM"] and hf["qkv_bias"] is False
+    with torch.device("meta"):
+        ref = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**hf))
+    want = {n: tuple(t.shape) for n, t in ref.state_dict().items()}
+    mine = {}
+    for n, t in Transformer(m, chipset.backend().kernels).named_parameters():
+        experts = expert_names(n, "qwen2_moe", t.shape[0])
+        mine.update({e: tuple(t.shape[1:]) for e in experts} if experts else {to_hf(n, "qwen2_moe"): tuple(t.shape)})
+    # transformers keeps the experts fused in memory and splits them on save; compare the saved names.
+    fused = {n for n in want if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    for n in fused:
+        e, w = want.pop(n), n.rsplit(".", 1)[1]
+        for i in range(e[0]):
+            if w == "down_proj":
+                want[n.replace("experts.down_proj", f"experts.{i}.down_proj.weight")] = e[1:]
+            else:
+                for half in ("gate_proj", "up_proj"):
+                    want[n.replace("experts.gate_up_proj", f"experts.{i}.{half}.weight")] = (e[1] // 2, e[2])
+    assert mine == want
+
+
 def test_export_refuses_a_non_empty_out_and_leaves_nothing_behind(trained):
     root, _ = trained
     out = root / "taken"
