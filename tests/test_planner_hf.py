@@ -74,7 +74,21 @@ def test_qwen2_moe_counts_all_but_what_the_notes_name(tmp_path, capsys):
     assert (spec.num_experts, spec.top_k, spec.ffn) == (4, 2, 48)  # every block MoE: experts' width
     assert any("shared expert (40 wide" in n for n in notes) and any("q/k/v biases" in n for n in notes)
     rc, _, err = _plan(capsys, "--model", str(path), "--cluster", "1x2:plan-test", "--global-batch", "4", "--json")
-    assert rc == 0 and "note:" in err and "shared expert" in err, err
+    assert rc == 0 and "WARNING" in err and "shared expert (40 wide" in err, err
+
+
+def test_a_train_config_with_init_from_plans_the_directory_at_its_seq_len(tmp_path, capsys):
+    """``chipset plan --model`` on a fine-tuning config (examples/hf-finetune.toml's shape)."""
+    from chipset.planner.hf import load_hf_config
+    from chipset.planner.model import load_model_toml
+
+    path, _ = _save(tmp_path / "m", "Qwen2Config")
+    toml = tmp_path / "ft.toml"
+    toml.write_text(f'[model]\ninit_from = "{path}"\n\n[train]\nseq_len = 32\n')
+    spec = load_model_toml(toml)
+    assert spec.seq_len == 32 and spec.num_params() == load_hf_config(path)[0].num_params()
+    rc, out, err = _plan(capsys, "--model", str(toml), "--cluster", "1x2:plan-test", "--global-batch", "4", "--json")
+    assert rc == 0 and json.loads(out), err
 
 
 @pytest.mark.parametrize("patch,expect", [

@@ -55,9 +55,7 @@ def _model(args):
         from chipset.planner.hf import is_hf_config, load_hf_config
 
         if is_hf_config(args.model):
-            spec, notes = load_hf_config(args.model)
-            for note in notes:
-                print(f"chipset: note: {args.model}: {note} (the estimate is approximate there)", file=sys.stderr)
+            spec = load_hf_config(args.model)[0]
         else:
             spec = load_model_toml(args.model)
     elif args.preset:

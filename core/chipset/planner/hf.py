@@ -12,12 +12,15 @@ CLI can say which estimates are approximate instead of silently planning another
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from chipset.errors import ConfigError
 from chipset.planner.model import ModelSpec, from_engine_model_config
 
 __all__ = ["is_hf_config", "load_hf_config"]
+
+log = logging.getLogger(__name__)
 
 
 def is_hf_config(path: str | Path) -> bool:
@@ -27,7 +30,8 @@ def is_hf_config(path: str | Path) -> bool:
 
 
 def load_hf_config(path: str | Path) -> tuple[ModelSpec, list[str]]:
-    """``(spec, notes)``: the model of an HF config.json; notes name what the estimate leaves out."""
+    """``(spec, notes)``: the model of an HF config.json; notes (also logged as warnings) name what
+    the estimate leaves out."""
     from chipset.config import ModelConfig
     from chipset.models.hf.config import from_hf_config
 
@@ -64,6 +68,8 @@ def load_hf_config(path: str | Path) -> tuple[ModelSpec, list[str]]:
         notes.append("q/k/v biases are not counted")
     if m.qk_norm:
         notes.append("per-head q/k norms are not counted")
+    for note in notes:
+        log.warning("%s: %s (the estimate is approximate there)", path, note)
     name = file.parent.name if file.name == "config.json" else file.stem
     spec = from_engine_model_config(m, seq_len=m.max_position_embeddings, name=name or "hf")
     return spec, notes
