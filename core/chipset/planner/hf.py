@@ -52,9 +52,7 @@ def load_hf_config(path: str | Path) -> tuple[ModelSpec, list[str]]:
     notes = []
     moe = m.num_experts > 1
     if moe and m.moe_intermediate_size and m.moe_intermediate_size != m.intermediate_size:
-        if m.moe_every == 1:  # no dense block: the dense width is never used
-            m.intermediate_size = m.moe_intermediate_size
-        else:
+        if m.moe_every != 1:  # partly MoE (all-MoE: from_engine_model_config plans the experts' width)
             notes.append(f"experts {m.moe_intermediate_size} wide and dense blocks {m.intermediate_size} wide are "
                          f"planned at one width ({m.intermediate_size})")
     if moe and m.shared_expert_intermediate_size:

@@ -338,16 +338,19 @@ def from_engine_model_config(cfg: Any, seq_len: int, name: str = "engine") -> Mo
 
     Field mapping: vocab_size -> vocab, hidden_size -> hidden, num_hidden_layers -> layers,
     num_attention_heads -> heads, num_key_value_heads -> kv_heads (0: same as heads),
-    intermediate_size -> ffn_hidden; tie_word_embeddings -> tied_embeddings and
+    intermediate_size -> ffn_hidden (moe_intermediate_size when every block is MoE); tie_word_embeddings -> tied_embeddings and
     num_experts / num_experts_per_tok (engine and Hugging Face; top_k in configs before 0.2) / moe_every
     when present. The engine's model is the
     reference family (SwiGLU, RMSNorm, RoPE, no biases, no dropout), so those fields keep
     their defaults. Read by attribute, so the planner never imports the engine's config.
     """
     g = lambda k, d=0: getattr(cfg, k, d)  # noqa: E731
+    ffn = g("intermediate_size")
+    if (g("num_experts") or 0) > 1 and (g("moe_every", 1) or 1) == 1 and g("moe_intermediate_size"):
+        ffn = g("moe_intermediate_size")  # every block MoE: the dense width is never built
     return ModelSpec(
         name=name, layers=g("num_hidden_layers"), hidden=g("hidden_size"), heads=g("num_attention_heads"),
-        kv_heads=g("num_key_value_heads") or 0, ffn_hidden=g("intermediate_size"), vocab=g("vocab_size"),
+        kv_heads=g("num_key_value_heads") or 0, ffn_hidden=ffn, vocab=g("vocab_size"),
         seq_len=seq_len, num_experts=g("num_experts") or 0, top_k=g("num_experts_per_tok", 0) or g("top_k", 1) or 1,
         moe_every=g("moe_every", 1) or 1, tied_embeddings=bool(g("tie_word_embeddings", False)),
     ).validate()
