@@ -63,18 +63,32 @@ def test_a_llama_config_plans_the_model_transformers_builds(tmp_path, capsys, as
 
 
 def test_qwen2_moe_counts_all_but_what_the_notes_name(tmp_path, capsys):
-    """Shared expert and q/k/v biases are the only parameters the estimate leaves out, and it says so."""
+    """The shared expert is counted; q/k/v biases are the only parameters left out, and it says so."""
     from chipset.planner.hf import load_hf_config
 
     path, params = _save(tmp_path, "Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                          shared_expert_intermediate_size=40)
     spec, notes = load_hf_config(path)
-    left_out = sum(p.numel() for n, p in params.items() if ".shared_expert" in n or n.endswith(".bias"))
+    left_out = sum(p.numel() for n, p in params.items() if n.endswith(".bias"))
     assert spec.num_params() == sum(p.numel() for p in params.values()) - left_out
-    assert (spec.num_experts, spec.top_k, spec.ffn) == (4, 2, 48)  # every block MoE: experts' width
-    assert any("shared expert (40 wide" in n for n in notes) and any("q/k/v biases" in n for n in notes)
+    assert (spec.num_experts, spec.top_k, spec.ffn, spec.shared_ffn) == (4, 2, 48, 40)  # all MoE: experts' width
+    assert len(notes) == 1 and "q/k/v biases" in notes[0]
     rc, _, err = _plan(capsys, "--model", str(path), "--cluster", "1x2:plan-test", "--global-batch", "4", "--json")
-    assert rc == 0 and "WARNING" in err and "shared expert (40 wide" in err, err
+    assert rc == 0 and "WARNING" in err and "q/k/v biases are not counted" in err, err
+
+
+def test_the_shared_expert_costs_parameters_and_flops():
+    """A shared expert adds its parameters (active too) and 6*h*f + 2*h forward FLOPs per token per MoE block."""
+    from dataclasses import replace
+
+    from chipset.planner.flops import forward_flops_per_token as per_token
+    from chipset.planner.model import ModelSpec
+
+    base = ModelSpec(layers=4, hidden=64, heads=4, ffn_hidden=32, num_experts=4, top_k=2, moe_every=2)
+    shared = replace(base, shared_ffn=48)
+    assert shared.num_params() - base.num_params() == 2 * (3 * 64 * 48 + 64)
+    assert per_token(shared).mlp - per_token(base).mlp == 2 * (6 * 64 * 48 + 2 * 64)
+    assert shared.active_params() - base.active_params() == 2 * (3 * 64 * 48 + 64)
 
 
 def test_a_train_config_with_init_from_plans_the_directory_at_its_seq_len(tmp_path, capsys):

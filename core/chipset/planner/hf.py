@@ -4,8 +4,7 @@ The architecture is translated by the same code ``chipset train`` uses for ``mod
 and ``model.hf_config`` (:func:`chipset.models.hf.config.from_hf_config`), so the planner
 refuses exactly what training would refuse (exit 2, naming key, value and what is supported)
 and plans the model training would build. What the cost model does not represent (q/k/v
-biases, per-head q/k norms, a head width other than hidden / heads, a shared expert,
-experts narrower than the dense MLP in a partly-MoE model) is returned as notes, so the
+biases, per-head q/k norms, a head width other than hidden / heads, experts narrower than the dense MLP in a partly-MoE model) is returned as notes, so the
 CLI can say which estimates are approximate instead of silently planning another model.
 """
 
@@ -55,9 +54,6 @@ def load_hf_config(path: str | Path) -> tuple[ModelSpec, list[str]]:
         if m.moe_every != 1:  # partly MoE (all-MoE: from_engine_model_config plans the experts' width)
             notes.append(f"experts {m.moe_intermediate_size} wide and dense blocks {m.intermediate_size} wide are "
                          f"planned at one width ({m.intermediate_size})")
-    if moe and m.shared_expert_intermediate_size:
-        notes.append(f"the shared expert ({m.shared_expert_intermediate_size} wide, in every MoE block) is not "
-                     "counted")
     hd = m.head_dim or m.hidden_size // m.num_attention_heads
     if hd * m.num_attention_heads != m.hidden_size:
         notes.append(f"head_dim {hd} x {m.num_attention_heads} heads != hidden_size {m.hidden_size}: attention is "
