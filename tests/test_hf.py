@@ -49,8 +49,16 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                                      "norm_topk_prob": True, "head_dim": 16}),
+    # Block 0 dense (intermediate_size 64), block 1 MoE (experts 48 wide, shared expert 40), raw top-k gates.
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 40, "norm_topk_prob": False,
+                                     "decoder_sparse_step": 2}),
 }
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+# Qwen2-MoE's MoE path is Mixtral's and Qwen3-MoE's under tp and pp (replicated experts, whole blocks per
+# stage); its own parts (shared expert, mixed dense/MoE widths) are loaded under one process and dp2 x ZeRO-3
+# x ep2, and trained under ep2, not under every layout again.
+ONE_AND_EP_ONLY = ("qwen2_moe",)
 # Big enough that a whole-file read stands out from allocator noise: ~17.8M params, 36 MB in bf16.
 BIG = ("LlamaConfig", dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                            num_key_value_heads=4, intermediate_size=1536, max_position_embeddings=64))
@@ -161,6 +169,8 @@ def _job(mode: str, out: str) -> None:
     for fam in SP_CP_FAMILIES if mode in SP_CP else FAMILIES:
         if mode in ("pp2", "zero3") and fam == "llama3_tied":
             continue  # tied embeddings are refused with pp > 1 and ZeRO-3 (test below)
+        if mode in ("tp2", "pp2") and fam in ONE_AND_EP_ONLY:
+            continue
         ep = ["parallel.ep=2"] if mode == "zero3" and fam in MOE else []  # experts sharded over the dp ranks
         cfg = load_config(None, [f"model.init_from={root / fam}", f"train.seq_len={SEQ}", *LAYOUTS[mode][1], *ep])
         cfg.validate(world_size=world)
@@ -236,8 +246,8 @@ def test_single_process_load_equals_transformers(families, loaded, tokens, fam):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "zero3"])
-@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("fam,layout", [(f, lay) for f in FAMILIES for lay in ("tp2", "pp2", "zero3")
+                                        if f not in ONE_AND_EP_ONLY or lay == "zero3"])
 def test_sharded_load_equals_the_file(families, loaded, tokens, fam, layout):
     """Each rank read only its slices; gathered, they are the file's tensors exactly."""
     if fam not in loaded[layout]:
@@ -270,9 +280,11 @@ def _rotary_interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-@pytest.mark.parametrize("wrong", ["rotary_permutation", "swap_k_v", "qwen3_no_qk_norm", "mixtral_swap_w1_w3"])
+@pytest.mark.parametrize("wrong", ["rotary_permutation", "swap_k_v", "qwen3_no_qk_norm", "mixtral_swap_w1_w3",
+                                   "qwen2_moe_renormalised_gates", "qwen2_moe_shared_expert_swap_gate_up"])
 def test_a_wrong_mapping_fails_the_comparison(families, loaded, tokens, wrong):
     fam = {"qwen3_no_qk_norm": "qwen3", "mixtral_swap_w1_w3": "mixtral"}.get(wrong, "llama")
+    fam = "qwen2_moe" if wrong.startswith("qwen2_moe") else fam
     params = dict(loaded["one"][fam])
     cfg = _model_cfg(families / fam)
     if wrong == "rotary_permutation":
@@ -288,6 +300,11 @@ def test_a_wrong_mapping_fails_the_comparison(families, loaded, tokens, wrong):
         for i in range(BASE["num_hidden_layers"]):
             a, b = f"layers.{i}.mlp.experts.gate_proj", f"layers.{i}.mlp.experts.up_proj"
             params[a], params[b] = params[b], params[a]
+    elif wrong == "qwen2_moe_renormalised_gates":  # norm_topk_prob = false in the file, ignored
+        cfg["norm_topk_prob"] = True
+    elif wrong == "qwen2_moe_shared_expert_swap_gate_up":  # only block 1 is MoE (decoder_sparse_step 2)
+        a, b = "layers.1.mlp.shared_expert.gate_proj.weight", "layers.1.mlp.shared_expert.up_proj.weight"
+        params[a], params[b] = params[b], params[a]
     else:
         cfg["qk_norm"] = False
         params = {k: v for k, v in params.items() if "q_norm" not in k and "k_norm" not in k}
@@ -341,21 +358,34 @@ def test_unsupported_configs_are_refused_before_launch(families, tmp_path, patch
     assert not (tmp_path / "run").exists()
 
 
-def test_qwen2_moe_is_refused_with_its_architecture(tmp_path):
-    """Qwen2-MoE's shared expert and unrenormalised top-k gates have no chipset equivalent
-    (docs/hf.md): its config is refused before launch, naming the architecture."""
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize("patch,expect", [
+    ({"mlp_only_layers": [1]}, "mlp_only_layers = [1]: unsupported; supported: []"),
+    ({"num_experts_per_tok": 1, "norm_topk_prob": True},
+     "num_experts_per_tok = 1 with norm_topk_prob = true: unsupported; supported: >= 2, or >= 1 with norm_topk_prob"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step = 0: expected an integer >= 1"),
+])
+def test_unsupported_qwen2_moe_keys_are_refused(families, tmp_path, patch, expect):
+    """Qwen2-MoE keys chipset cannot express: exit 2 naming key, value and what is supported."""
     from chipset.config import load_config
     from chipset.errors import ConfigError
 
-    cfg = transformers.Qwen2MoeConfig(**BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                      shared_expert_intermediate_size=64)
-    cfg.architectures = ["Qwen2MoeForCausalLM"]
-    cfg.save_pretrained(tmp_path)
+    hf = json.loads((families / "qwen2_moe" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **patch}))
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"model.hf_config={tmp_path / 'config.json'}"])
     assert err.value.exit_code == 2
-    assert "architectures = ['Qwen2MoeForCausalLM']: unsupported; supported: LlamaForCausalLM" in str(err.value)
+    assert expect in str(err.value), str(err.value)
+
+
+def test_qwen2_moe_top1_without_renormalisation_is_accepted(families, tmp_path):
+    """HF's top-1 gate with norm_topk_prob = false is the raw softmax score, as chipset's."""
+    from chipset.config import load_config
+
+    hf = json.loads((families / "qwen2_moe" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_experts_per_tok": 1}))
+    m = load_config(None, [f"model.hf_config={tmp_path / 'config.json'}"]).model
+    assert (m.num_experts_per_tok, m.norm_topk_prob, m.moe_every) == (1, False, 2)
+    assert (m.intermediate_size, m.moe_intermediate_size, m.shared_expert_intermediate_size) == (64, 48, 40)
 
 
 def test_a_key_the_model_directory_sets_is_not_silently_replaced(families):
@@ -396,8 +426,10 @@ def trained(families, tmp_path_factory):
     """``chipset train`` 3 steps from each family (1 rank; tp2 for two of them), then both exports."""
     multirank.require(2)
     root = tmp_path_factory.mktemp("trained")
+    # ep2: Qwen2-MoE (its shared expert is replicated over ep, its dense block is not sharded); Mixtral and
+    # Qwen3-MoE run the same expert-parallel code and are loaded under ep2 in test_sharded_load_equals_the_file.
     runs = {fam: (fam, 1) for fam in FAMILIES} | {"qwen3_tp2": ("qwen3", 2), "llama3_tied_tp2": ("llama3_tied", 2),
-                                                  "mixtral_ep2": ("mixtral", 2)}
+                                                  "qwen2_moe_ep2": ("qwen2_moe", 2)}
     procs = {}
     for name, (fam, n) in runs.items():
         extra = ["--set", f"parallel.{name[-3:-1]}=2", "--nproc", "2"] if n == 2 else []
@@ -406,17 +438,20 @@ def trained(families, tmp_path_factory):
              "--set", "train.steps=3", "--set", "train.checkpoint_every=3", "--set", f"train.seq_len={SEQ}",
              "--set", "train.lr=0.01", *extra, "--run-dir", str(root / name)],
             env=multirank.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    from chipset.cli.main import main
+
     for name, p in procs.items():
         log = p.communicate(timeout=600)[0]
         assert p.returncode == 0, log[-4000:]
         for fmt in ("hf", "torch"):
-            r = _chipset("export", str(root / name), "--format", fmt, "--out", str(root / f"{name}-{fmt}"))
-            assert r.returncode == 0, r.stderr
+            # The CLI's own entry point, in this process: 22 interpreter starts saved; the tests below
+            # run `chipset export` as a subprocess for its refusals and sharding.
+            assert main(["export", str(root / name), "--format", fmt, "--out", str(root / f"{name}-{fmt}")]) == 0
     return root, runs
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", list(FAMILIES) + ["qwen3_tp2", "llama3_tied_tp2", "mixtral_ep2"])
+@pytest.mark.parametrize("name", list(FAMILIES) + ["qwen3_tp2", "llama3_tied_tp2", "qwen2_moe_ep2"])
 def test_trained_export_reloads_in_transformers_with_equal_logits(families, trained, tokens, name):
     root, runs = trained
     fam = runs[name][0]
@@ -452,6 +487,40 @@ def test_a_run_from_scratch_exports_as_llama_and_a_top1_moe_is_refused(tmp_path,
     cfg = json.loads((tmp_path / "dense-torch" / "config.json").read_text())
     got = chipset_logits(cfg, torch.load(tmp_path / "dense-torch" / "model.pt", weights_only=True), tokens)
     assert rel_diff(got, hf_logits(tmp_path / "dense-hf", tokens)) < RTOL
+
+
+def test_a_chipset_moe_with_a_shared_expert_exports_as_qwen2_moe():
+    """From scratch, a MoE with a shared expert is Qwen2-MoE: the config.json it writes builds, in
+    transformers, exactly the tensors (names and shapes) chipset's parameters map to."""
+    transformers = pytest.importorskip("transformers")
+    import chipset
+    from chipset.config import ModelConfig
+    from chipset.models import Transformer
+    from chipset.models.hf.config import to_hf_config
+    from chipset.models.hf.names import expert_names, to_hf
+
+    m = ModelConfig(**BASE, num_experts=4, num_experts_per_tok=1, norm_topk_prob=False, moe_every=2,
+                    moe_intermediate_size=48, shared_expert_intermediate_size=40)
+    hf = to_hf_config(m)
+    assert hf["architectures"] == ["Qwen2MoeForCausalLM"] and hf["qkv_bias"] is False
+    with torch.device("meta"):
+        ref = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**hf))
+    want = {n: tuple(t.shape) for n, t in ref.state_dict().items()}
+    mine = {}
+    for n, t in Transformer(m, chipset.backend().kernels).named_parameters():
+        experts = expert_names(n, "qwen2_moe", t.shape[0])
+        mine.update({e: tuple(t.shape[1:]) for e in experts} if experts else {to_hf(n, "qwen2_moe"): tuple(t.shape)})
+    # transformers keeps the experts fused in memory and splits them on save; compare the saved names.
+    fused = {n for n in want if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    for n in fused:
+        e, w = want.pop(n), n.rsplit(".", 1)[1]
+        for i in range(e[0]):
+            if w == "down_proj":
+                want[n.replace("experts.down_proj", f"experts.{i}.down_proj.weight")] = e[1:]
+            else:
+                for half in ("gate_proj", "up_proj"):
+                    want[n.replace("experts.gate_up_proj", f"experts.{i}.{half}.weight")] = (e[1] // 2, e[2])
+    assert mine == want
 
 
 def test_export_refuses_a_non_empty_out_and_leaves_nothing_behind(trained):

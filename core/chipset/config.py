@@ -84,6 +84,12 @@ class ModelConfig:
     """Expert capacity per sequence = ceil(capacity_factor * seq_len * num_experts_per_tok / num_experts); 0 = no dropping."""
     router_aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (Switch Transformers' alpha), added to the loss per MoE layer."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k gates to sum to 1 (num_experts_per_tok > 1); false keeps the raw router scores (Qwen2-MoE)."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's MLP; 0 means intermediate_size (dense blocks always use intermediate_size)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of a shared expert every token passes through, scaled by a sigmoid gate (Qwen2-MoE); 0 = none."""
     head_dim: int = 0
     """Width of one attention head; 0 means hidden_size / num_attention_heads."""
     attention_bias: bool = False
@@ -687,6 +693,9 @@ def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
                         f"({m.num_experts})")
     if m.router not in ROUTERS:
         problems.append(f"model.router = {m.router!r}: expected one of {', '.join(ROUTERS)}")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(m, name) < 0:
+            problems.append(f"model.{name} = {getattr(m, name)!r}: expected an integer >= 0 (0 = {'intermediate_size' if name.startswith('moe') else 'no shared expert'})")
     for name in ("capacity_factor", "router_aux_loss_coef"):
         v = getattr(m, name)
         if not (v >= 0 and math.isfinite(v)):

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
                     "by predicted step time. Formulas and their sources: docs/planner.md.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="FILE.toml", help="TOML file with a [model] table")
+    src.add_argument("--model", metavar="FILE", help="TOML file with a [model] table (a chipset train config), or a "
+                     "Hugging Face config.json or model directory")
     src.add_argument("--preset", metavar="NAME", help="a named model (gpt3-175b, llama2-7b, ...)")
     src.add_argument("--module", metavar="package.module:factory",
                      help="any nn.Module factory: parameters and FLOPs are counted on meta tensors and the "
@@ -51,7 +52,12 @@ def _model(args):
         raise ConfigError("no model given: pass --model FILE.toml, --preset NAME or --set model.KEY=VALUE "
                           "(presets: run 'chipset plan --preset x' to list them)")
     if args.model:
-        spec = load_model_toml(args.model)
+        from chipset.planner.hf import is_hf_config, load_hf_config
+
+        if is_hf_config(args.model):
+            spec = load_hf_config(args.model)[0]
+        else:
+            spec = load_model_toml(args.model)
     elif args.preset:
         spec = get_preset(args.preset)
     else:

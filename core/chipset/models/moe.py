@@ -14,8 +14,14 @@ Routing, per token (``router`` = ``softmax`` | ``sigmoid``):
 * scores: ``softmax(x W_r^T)`` over the experts, or ``sigmoid(x W_r^T)`` per expert;
 * the ``top_k`` highest scores choose the experts (``torch.topk``);
 * gates: the chosen scores, renormalised to sum to 1 when ``top_k > 1`` (GShard, Mixtral;
-  DeepSeek-V3 for sigmoid); with ``top_k = 1`` the raw score, as in Switch, so the
+  DeepSeek-V3 for sigmoid) unless ``norm_topk_prob`` is false (Qwen2-MoE keeps the raw
+  softmax scores); with ``top_k = 1`` the raw score, as in Switch, so the
   router still receives gradient through the gate.
+
+Shared expert (``shared_expert_intermediate_size > 0``, Qwen2-MoE): one more SwiGLU MLP
+that every token passes through, scaled per token by ``sigmoid(x w_g)`` (a learned
+scalar gate) and added to the routed experts' output. It is an ordinary dense weight:
+replicated over ep and tp like the router, never dropped by capacity.
 
 Capacity (token dropping). The routing group is one *sequence*: every expert accepts at
 most ``C = ceil(capacity_factor * seq_len * top_k / num_experts)`` assignments from each
@@ -51,7 +57,7 @@ from torch import nn
 from chipset.config import ModelConfig
 from chipset.kernels import KernelRegistry
 
-__all__ = ["MoE", "Experts", "Routing", "route", "is_moe_layer", "LocalDispatcher"]
+__all__ = ["MoE", "Experts", "SharedExpert", "Routing", "route", "is_moe_layer", "LocalDispatcher"]
 
 
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
@@ -83,7 +89,8 @@ def capacity(capacity_factor: float, seq_len: int, top_k: int, num_experts: int)
     return math.ceil(capacity_factor * seq_len * top_k / num_experts)
 
 
-def route(logits: torch.Tensor, *, top_k: int, router: str = "softmax", capacity_factor: float = 0.0) -> Routing:
+def route(logits: torch.Tensor, *, top_k: int, router: str = "softmax", capacity_factor: float = 0.0,
+          normalize: bool = True) -> Routing:
     """Route ``logits [b, s, E]`` (see the module docstring for every rule)."""
     b, s, n_exp = logits.shape
     logits = logits.float()
@@ -96,7 +103,7 @@ def route(logits: torch.Tensor, *, top_k: int, router: str = "softmax", capacity
     else:
         raise ValueError(f"router {router!r}: expected softmax or sigmoid")
     top, experts = scores.topk(top_k, dim=-1)
-    gates = top / top.sum(dim=-1, keepdim=True) if top_k > 1 else top
+    gates = top / top.sum(dim=-1, keepdim=True) if top_k > 1 and normalize else top
     # One-hot of the choices in admission order: choice level major, position minor.
     order = experts.transpose(1, 2).reshape(b, top_k * s)
     onehot = F.one_hot(order, n_exp)  # [b, k*s, E]
@@ -139,6 +146,20 @@ class Experts(nn.Module):
         return torch.cat(outs) if outs else x[:0]
 
 
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token passes through (the names are Qwen2-MoE's ``shared_expert``)."""
+
+    def __init__(self, hidden: int, intermediate: int, kernels: KernelRegistry):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._k = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._k.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
 class Dispatcher(Protocol):
     def __call__(self, tokens: torch.Tensor, counts: list[int], experts: Experts) -> torch.Tensor:
         """``tokens`` sorted by global expert id, ``counts[e]`` for each of the E experts -> outputs, same order."""
@@ -160,8 +181,13 @@ class MoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.router_kind = cfg.router
         self.capacity_factor = cfg.capacity_factor
+        self.normalize = cfg.norm_topk_prob
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, kernels)
+        width = cfg.moe_intermediate_size or cfg.intermediate_size
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, width, kernels)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(cfg.hidden_size, cfg.shared_expert_intermediate_size, kernels)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.seq_layout = None
         """None: this rank holds whole sequences. Else ``full(t)`` (every rank's part of ``t``
@@ -176,7 +202,8 @@ class MoE(nn.Module):
         logits = self.router(x)
         if self.seq_layout is not None:  # capacity and the aux loss count whole sequences
             logits = self.seq_layout.full(logits)
-        r = route(logits, top_k=self.top_k, router=self.router_kind, capacity_factor=self.capacity_factor)
+        r = route(logits, top_k=self.top_k, router=self.router_kind, capacity_factor=self.capacity_factor,
+                  normalize=self.normalize)
         if self.seq_layout is not None:
             sl = self.seq_layout
             r = Routing(sl.local(r.experts), sl.local(r.gates), sl.local(r.keep), r.aux_loss, r.capacity)
@@ -191,4 +218,7 @@ class MoE(nn.Module):
         counts = torch.bincount(expert, minlength=self.num_experts).tolist()
         out = self.dispatcher(flat[token], counts, self.experts)
         y = torch.zeros_like(flat).index_add(0, token, out * gate.unsqueeze(1).to(out.dtype))
-        return y.view(b, s, h)
+        y = y.view(b, s, h)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y

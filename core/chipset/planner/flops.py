@@ -57,7 +57,8 @@ def _forward_flops(m: ModelSpec, s: int) -> ForwardFlops:
     per_mlp = (6 if m.mlp == "swiglu" else 4) * h * f
     mlp = m.dense_layers * per_mlp
     if m.is_moe:
-        mlp += m.moe_layers * (m.top_k * per_mlp + 2 * h * m.num_experts)
+        shared = ((6 if m.mlp == "swiglu" else 4) * h * m.shared_ffn + 2 * h) if m.shared_ffn else 0
+        mlp += m.moe_layers * (m.top_k * per_mlp + 2 * h * m.num_experts + shared)
     return ForwardFlops(
         attention_proj=m.layers * 2 * h * (2 * h + 2 * m.kv_dim),
         attention_core=m.layers * 4 * s * h,

@@ -80,6 +80,10 @@ def matmul_shapes(m: ModelSpec, lay: Layout, tokens: float) -> list[tuple[float,
         experts = m.num_experts / lay.ep
         out += [(per_expert, up / t, h, moe * experts), (per_expert, h, f / t, moe * experts),
                 (tokens, m.num_experts, h, moe)]
+        if m.shared_ffn:  # every token through the shared expert, placed over tp like the experts
+            st = t if m.experts_split_over_tp else 1
+            sup = 2 * m.shared_ffn if m.mlp == "swiglu" else m.shared_ffn
+            out += [(tokens, sup / st, h, moe), (tokens, h, m.shared_ffn / st, moe), (tokens, 1, h, moe)]
     return out
 
 
@@ -94,6 +98,8 @@ def _memory_bytes_per_token(m: ModelSpec, lay: Layout, e: float) -> float:
     if m.position == "rope":
         b += 2 * e * (h + m.kv_dim) / t  # rotate q and k in place
     f_local = m.ffn / t * (m.top_k if m.is_moe else 1)
+    if m.is_moe and m.shared_ffn:
+        f_local += m.shared_ffn / (t if m.experts_split_over_tp else 1) * m.moe_layers / m.layers
     b += (3 if m.mlp == "swiglu" else 2) * e * f_local  # activation (gate·up -> out, or read/write)
     return b
 

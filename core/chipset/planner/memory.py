@@ -113,9 +113,9 @@ def _params_per_device(m: ModelSpec, t: int, ep: int, pp: int, blocks: int) -> t
     moe_frac = m.moe_layers / m.layers
     norms = 2 * m.norm_params()
     dense_block = (m.attention_params() + m.mlp_params()) / t + norms
-    moe_block = m.attention_params() / t + m.router_params() + norms
-    non_expert = blocks * ((1 - moe_frac) * dense_block + moe_frac * moe_block)
     expert_t = t if m.experts_split_over_tp else 1
+    moe_block = m.attention_params() / t + m.router_params() + m.shared_expert_params() / expert_t + norms
+    non_expert = blocks * ((1 - moe_frac) * dense_block + moe_frac * moe_block)
     expert = blocks * moe_frac * m.mlp_params() * (m.num_experts / ep) / expert_t if m.is_moe else 0.0
     emb = m.vocab * m.hidden / t + (m.seq_len * m.hidden if m.position == "learned" else 0)
     out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and pp == 1) else 1)
@@ -145,7 +145,7 @@ def block_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: Train
     whole = 0.0  # experts replicated over tp run the whole sequence on every tp rank
     if m.is_moe:
         moe_frac = m.moe_layers / m.layers
-        moe_mlp = m.top_k * (2 * s * b * h + per_mlp)
+        moe_mlp = m.top_k * (2 * s * b * h + per_mlp) + per_mlp * m.shared_ffn / f  # + the shared expert
         mlp = (1 - moe_frac) * per_mlp
         if m.experts_split_over_tp:
             mlp += moe_frac * moe_mlp

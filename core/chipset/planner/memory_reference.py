@@ -54,6 +54,8 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
         # router input, router softmax/top-k (float32), token and expert ids; per assignment the
         # dispatched and returned token copies (4h) and the expert's SwiGLU (5f)
         moe_mlp = e * h + F * (m.num_experts + 2 * k + 1) + 25 * k + k * (4 * e * h + 5 * e * m.ffn)
+        if m.shared_ffn:  # the shared expert's SwiGLU (5f) and its output, kept for the gate's product
+            moe_mlp += 5 * e * m.shared_ffn + e * h
         frac = m.moe_layers / m.layers
         mlp = (1 - frac) * dense_mlp + frac * moe_mlp
     return 2 * _norm(m, lay, e) + attn_in + core + attn_out + mlp

@@ -51,6 +51,9 @@ class ModelSpec:
     """Experts each token is routed to in a MoE layer."""
     moe_every: int = 1
     """Every n-th block is MoE (1: all of them); the others keep a dense MLP."""
+    shared_ffn: int = 0
+    """Width of a shared expert in every MoE block that every token passes through, scaled by a
+    learned sigmoid gate (Qwen2-MoE); 0 = none. Placed like the experts over tp, never sharded by ep."""
     experts_split_over_tp: bool = True
     """Each tp rank holds 1/tp of every expert (Megatron-style); false: every tp rank holds whole
     experts (chipset's engine, docs/engine.md "MoE with tp, cp and pp")."""
@@ -129,9 +132,16 @@ class ModelSpec:
     def router_params(self) -> int:
         return self.hidden * self.num_experts if self.is_moe else 0
 
+    def shared_expert_params(self) -> int:
+        """The shared expert of one MoE block and its ``[1, hidden]`` gate; 0 without one."""
+        if not (self.is_moe and self.shared_ffn):
+            return 0
+        return (3 if self.mlp == "swiglu" else 2) * self.hidden * self.shared_ffn + self.hidden
+
     def layer_params(self, moe: bool) -> int:
         """All parameters of one block (MoE blocks hold every expert)."""
-        mlp = self.mlp_params() * self.num_experts + self.router_params() if moe else self.mlp_params()
+        mlp = (self.mlp_params() * self.num_experts + self.router_params() + self.shared_expert_params() if moe
+               else self.mlp_params())
         return self.attention_params() + mlp + 2 * self.norm_params()
 
     def embedding_params(self) -> int:
@@ -169,7 +179,7 @@ class ModelSpec:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= INT_LIMIT:
                 problems.append(f"model.{f} must be a positive integer of at most 2**63-1 (found {v!r})")
-        for f in ("kv_heads", "ffn_hidden", "num_experts"):
+        for f in ("kv_heads", "ffn_hidden", "num_experts", "shared_ffn"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= INT_LIMIT:
                 problems.append(f"model.{f} must be a non-negative integer of at most 2**63-1 (found {v!r})")
@@ -254,7 +264,7 @@ HF_ALIASES = {
     "hidden_size": "hidden", "num_hidden_layers": "layers", "num_attention_heads": "heads",
     "num_key_value_heads": "kv_heads", "intermediate_size": "ffn_hidden", "vocab_size": "vocab",
     "max_position_embeddings": "seq_len", "tie_word_embeddings": "tied_embeddings",
-    "num_experts_per_tok": "top_k",
+    "num_experts_per_tok": "top_k", "shared_expert_intermediate_size": "shared_ffn",
 }
 """Hugging Face / ``chipset train`` key names accepted for the planner's own."""
 HF_IGNORED = frozenset({"rope_theta", "rms_norm_eps", "norm_eps", "initializer_range", "rope_scaling"})
@@ -310,6 +320,11 @@ def load_model_toml(path: str | Path, base: ModelSpec | None = None) -> ModelSpe
     spec = base or ModelSpec(name=p.stem)
     if "preset" in table:
         spec = get_preset(str(table.pop("preset")))
+    hf = [table.pop(k) for k in ("init_from", "hf_config") if k in table]
+    if hf:  # a chipset train config of a Hugging Face model: its architecture comes from config.json
+        from chipset.planner.hf import load_hf_config
+
+        spec = load_hf_config(Path(str(hf[0])).expanduser())[0]
     train = data.get("train")
     if isinstance(train, dict) and "seq_len" in train and "seq_len" not in table:
         table["seq_len"] = train["seq_len"]  # a chipset train config: plan at its sequence length
@@ -333,16 +348,20 @@ def from_engine_model_config(cfg: Any, seq_len: int, name: str = "engine") -> Mo
 
     Field mapping: vocab_size -> vocab, hidden_size -> hidden, num_hidden_layers -> layers,
     num_attention_heads -> heads, num_key_value_heads -> kv_heads (0: same as heads),
-    intermediate_size -> ffn_hidden; tie_word_embeddings -> tied_embeddings and
+    intermediate_size -> ffn_hidden (moe_intermediate_size when every block is MoE); tie_word_embeddings -> tied_embeddings and
     num_experts / num_experts_per_tok (engine and Hugging Face; top_k in configs before 0.2) / moe_every
     when present. The engine's model is the
     reference family (SwiGLU, RMSNorm, RoPE, no biases, no dropout), so those fields keep
     their defaults. Read by attribute, so the planner never imports the engine's config.
     """
     g = lambda k, d=0: getattr(cfg, k, d)  # noqa: E731
+    ffn = g("intermediate_size")
+    if (g("num_experts") or 0) > 1 and (g("moe_every", 1) or 1) == 1 and g("moe_intermediate_size"):
+        ffn = g("moe_intermediate_size")  # every block MoE: the dense width is never built
     return ModelSpec(
         name=name, layers=g("num_hidden_layers"), hidden=g("hidden_size"), heads=g("num_attention_heads"),
-        kv_heads=g("num_key_value_heads") or 0, ffn_hidden=g("intermediate_size"), vocab=g("vocab_size"),
+        kv_heads=g("num_key_value_heads") or 0, ffn_hidden=ffn, vocab=g("vocab_size"),
         seq_len=seq_len, num_experts=g("num_experts") or 0, top_k=g("num_experts_per_tok", 0) or g("top_k", 1) or 1,
-        moe_every=g("moe_every", 1) or 1, tied_embeddings=bool(g("tie_word_embeddings", False)),
+        moe_every=g("moe_every", 1) or 1, shared_ffn=g("shared_expert_intermediate_size", 0) or 0,
+        tied_embeddings=bool(g("tie_word_embeddings", False)),
     ).validate()

@@ -25,12 +25,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 """HF architecture -> model_type of the families chipset maps."""
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 _MOE_KEYS = ("num_local_experts", "num_experts", "num_experts_per_tok", "router_aux_loss_coef",
              "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+_FAMILY_KEYS = {"qwen2_moe": ("shared_expert_intermediate_size", "qkv_bias")}
+"""Keys one family maps on top of the MoE keys."""
 
 _BY_TYPE = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
 
@@ -125,6 +128,10 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         out["attention_bias"] = True  # Qwen2 always has q/k/v biases (no key)
         if "attention_bias" in hf:
             problems.append(f"attention_bias = {bias!r}: unsupported for Qwen2 (its q/k/v always have biases)")
+    elif family == "qwen2_moe":
+        out["attention_bias"] = bool(hf.get("qkv_bias", True))  # q/k/v only, as chipset's attention_bias
+        if bias:
+            problems.append(f"attention_bias = {bias!r}: unsupported for {arch}; its q/k/v biases are qkv_bias")
     elif bias:
         problems.append(f"attention_bias = {bias!r}: unsupported for {arch} (it biases the output projection too); "
                         "supported: false")
@@ -138,7 +145,8 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if kind != "full_attention":
             problems.append(f"layer_types[{i}] = {kind!r}: unsupported; supported: full_attention")
     for key, value in hf.items():
-        if key in _MAPPED or key in _IGNORED or (family in MOE_FAMILIES and key in _MOE_KEYS):
+        if key in _MAPPED or key in _IGNORED or (family in MOE_FAMILIES and key in _MOE_KEYS) \
+                or key in _FAMILY_KEYS.get(family, ()):
             continue
         if key in _REQUIRED:
             want = _REQUIRED[key]
@@ -151,29 +159,45 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 def _moe(hf: dict, family: str, out: dict, problems: list[str]) -> None:
-    """Mixtral / Qwen3-MoE: softmax router, top-k renormalised (chipset's MoE with
-    num_experts_per_tok >= 2), no shared expert."""
+    """Mixtral / Qwen3-MoE / Qwen2-MoE: softmax router over all experts, top-k.
+
+    chipset's gates with ``num_experts_per_tok = 1`` are the raw softmax score, so top-1 is
+    HF's only where HF does not renormalise (``norm_topk_prob = false``). Dense blocks keep
+    ``intermediate_size``; experts use ``moe_intermediate_size``.
+    """
     n = hf.get("num_local_experts", hf.get("num_experts"))
     k = hf.get("num_experts_per_tok", 2)
-    out.update(num_experts=n, num_experts_per_tok=k, router="softmax", capacity_factor=0.0, moe_every=1,
-               router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    norm = True if family == "mixtral" else hf.get("norm_topk_prob", False)
+    step = 1 if family == "mixtral" else hf.get("decoder_sparse_step", 1)
+    out.update(num_experts=n, num_experts_per_tok=k, router="softmax", capacity_factor=0.0, moe_every=step,
+               norm_topk_prob=bool(norm), router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
     if not isinstance(n, int) or n < 2:
         problems.append(f"num_local_experts / num_experts = {n!r}: expected an integer >= 2")
-    if not isinstance(k, int) or k < 2:
-        problems.append(f"num_experts_per_tok = {k!r}: unsupported; supported: >= 2 (chipset's top-1 gate is the raw "
-                        "softmax score, HF renormalises it to 1)")
-    if family == "qwen3_moe":
-        if not hf.get("norm_topk_prob", False):
-            problems.append(f"norm_topk_prob = {hf.get('norm_topk_prob')!r}: unsupported; supported: true (chipset "
-                            "renormalises the top-k gates)")
-        if hf.get("mlp_only_layers"):
-            problems.append(f"mlp_only_layers = {hf['mlp_only_layers']!r}: unsupported; supported: []")
-        width, step = hf.get("moe_intermediate_size"), hf.get("decoder_sparse_step", 1)
-        if step != 1 and width != hf.get("intermediate_size"):
-            problems.append(f"decoder_sparse_step = {step!r} with moe_intermediate_size ({width}) != intermediate_size "
-                            f"({hf.get('intermediate_size')}): unsupported; chipset's dense and expert MLPs share one "
-                            "width; supported: decoder_sparse_step = 1")
-        out["intermediate_size"], out["moe_every"] = width, step
+    if not isinstance(k, int) or k < 1 or (norm and k < 2):
+        problems.append(f"num_experts_per_tok = {k!r} with norm_topk_prob = {json.dumps(bool(norm))}: unsupported; "
+                        "supported: >= 2, or >= 1 with norm_topk_prob = false (chipset's top-1 gate is the raw "
+                        "softmax score, a renormalised one would be 1)")
+    if not isinstance(norm, bool):
+        problems.append(f"norm_topk_prob = {norm!r}: expected true or false")
+    if family == "mixtral":
+        return
+    if not isinstance(step, int) or step < 1:
+        problems.append(f"decoder_sparse_step = {step!r}: expected an integer >= 1 (block i is MoE when "
+                        "(i + 1) % decoder_sparse_step == 0)")
+    if hf.get("mlp_only_layers"):
+        problems.append(f"mlp_only_layers = {hf['mlp_only_layers']!r}: unsupported; supported: [] (which blocks "
+                        "are MoE is set by decoder_sparse_step alone)")
+    width = hf.get("moe_intermediate_size")
+    if not isinstance(width, int) or width < 1:
+        problems.append(f"moe_intermediate_size = {width!r}: expected a positive integer")
+    else:
+        out["moe_intermediate_size"] = width
+    if family == "qwen2_moe":
+        shared = hf.get("shared_expert_intermediate_size", 0)
+        if not isinstance(shared, int) or shared < 0:
+            problems.append(f"shared_expert_intermediate_size = {shared!r}: expected an integer >= 0 (0: none)")
+        else:
+            out["shared_expert_intermediate_size"] = shared
 
 
 def _short(value: Any) -> str:
@@ -244,17 +268,39 @@ def model_problems(m: ModelConfig, seq_len: int, pp: int, zero: int) -> list[str
         problems.append(f"model.architecture = {m.architecture!r}: expected one of "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (or empty)")
     family = SUPPORTED_ARCHITECTURES.get(m.architecture)
-    if family in MOE_FAMILIES and not (m.num_experts > 1 and m.num_experts_per_tok >= 2 and m.router == "softmax"):
-        problems.append(f"model.architecture = {m.architecture!r} needs num_experts > 1, num_experts_per_tok >= 2 "
-                        f"and router = softmax (found {m.num_experts}, {m.num_experts_per_tok}, {m.router!r})")
+    if family in MOE_FAMILIES:
+        reason = _hf_moe_problem(m, family)
+        if reason:
+            problems.append(f"model.architecture = {m.architecture!r}: {reason}")
+    elif family and (m.shared_expert_intermediate_size or m.moe_intermediate_size):
+        problems.append(f"model.architecture = {m.architecture!r} has no experts: model.moe_intermediate_size and "
+                        "model.shared_expert_intermediate_size must be 0")
     return problems
+
+
+def _hf_moe_problem(m: ModelConfig, family: str) -> str:
+    """Why ``m`` is not a model of the HF MoE ``family`` ('' when it is)."""
+    top1_ok = not m.norm_topk_prob
+    if not (m.num_experts > 1 and m.router == "softmax" and (m.num_experts_per_tok >= 2 or top1_ok)):
+        return (f"needs num_experts > 1, a softmax router and num_experts_per_tok >= 2 (or 1 with norm_topk_prob = "
+                f"false); found num_experts = {m.num_experts}, router = {m.router!r}, num_experts_per_tok = "
+                f"{m.num_experts_per_tok}, norm_topk_prob = {m.norm_topk_prob}")
+    if family == "mixtral" and (m.moe_every != 1 or not m.norm_topk_prob or m.moe_intermediate_size
+                                not in (0, m.intermediate_size)):
+        return (f"Mixtral has every block MoE, renormalised gates and one MLP width; found moe_every = "
+                f"{m.moe_every}, norm_topk_prob = {m.norm_topk_prob}, moe_intermediate_size = {m.moe_intermediate_size}")
+    if family != "qwen2_moe" and m.shared_expert_intermediate_size:
+        return (f"shared_expert_intermediate_size = {m.shared_expert_intermediate_size}: only Qwen2MoeForCausalLM "
+                "has a shared expert")
+    return ""
 
 
 def _family_of(m: ModelConfig) -> tuple[str, str]:
     if m.architecture:
         return m.architecture, SUPPORTED_ARCHITECTURES[m.architecture]
     if m.num_experts > 1:
-        arch = "Qwen3MoeForCausalLM" if m.qk_norm else "MixtralForCausalLM"
+        arch = "Qwen3MoeForCausalLM" if m.qk_norm else "Qwen2MoeForCausalLM" if (
+            m.shared_expert_intermediate_size or m.attention_bias) else "MixtralForCausalLM"
     else:
         arch = "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.attention_bias else "LlamaForCausalLM"
     return arch, SUPPORTED_ARCHITECTURES[arch]
@@ -264,13 +310,14 @@ def to_hf_config(m: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` of ``m`` for transformers (raises ValueError for what HF cannot express)."""
     arch, family = _family_of(m)
     moe = family in MOE_FAMILIES
-    hf_moe = m.num_experts_per_tok >= 2 and m.router == "softmax" and m.moe_every == 1
-    if moe != (m.num_experts > 1) or (moe and not hf_moe):
+    reason = _hf_moe_problem(m, family) if moe else ""
+    if moe != (m.num_experts > 1) or reason:
         raise ValueError(f"model.num_experts = {m.num_experts}, num_experts_per_tok = {m.num_experts_per_tok}, "
-                         f"router = {m.router!r}, moe_every = {m.moe_every} as {arch}: Hugging Face's MoE families "
-                         "need num_experts > 1, num_experts_per_tok >= 2, a softmax router and every block MoE "
-                         "(dense families: num_experts 0); use --format torch")
-    if m.qk_norm != (family in ("qwen3", "qwen3_moe")) or m.attention_bias != (family == "qwen2"):
+                         f"router = {m.router!r}, moe_every = {m.moe_every} as {arch}: "
+                         f"{reason or 'dense families need num_experts 0, MoE families more than 1'}; "
+                         "use --format torch")
+    qwen2_bias = family in ("qwen2", "qwen2_moe") and m.attention_bias
+    if m.qk_norm != (family in ("qwen3", "qwen3_moe")) or (m.attention_bias != (family == "qwen2") and not qwen2_bias):
         raise ValueError(f"model.architecture = {arch!r} with qk_norm = {m.qk_norm} and attention_bias = "
                          f"{m.attention_bias}: no Hugging Face family has this combination")
     hd = m.head_dim or m.hidden_size // m.num_attention_heads
@@ -302,9 +349,12 @@ def to_hf_config(m: ModelConfig) -> dict[str, Any]:
     if family == "mixtral":
         out.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                    router_jitter_noise=0.0, router_aux_loss_coef=m.router_aux_loss_coef, output_router_logits=False)
-    elif family == "qwen3_moe":
+    elif family in ("qwen3_moe", "qwen2_moe"):
         out.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                    router_aux_loss_coef=m.router_aux_loss_coef,
-                   moe_intermediate_size=m.intermediate_size, decoder_sparse_step=1, mlp_only_layers=[],
-                   norm_topk_prob=True, output_router_logits=False)
+                   moe_intermediate_size=m.moe_intermediate_size or m.intermediate_size,
+                   decoder_sparse_step=m.moe_every, mlp_only_layers=[], norm_topk_prob=m.norm_topk_prob,
+                   output_router_logits=False)
+        if family == "qwen2_moe":
+            out.update(qkv_bias=m.attention_bias, shared_expert_intermediate_size=m.shared_expert_intermediate_size)
     return out

@@ -15,6 +15,8 @@ MOE_NAMES = {
     # family: (HF name of the MoE block, of its router, {chipset stacked tensor: HF per-expert name})
     "mixtral": ("block_sparse_moe", "gate", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),
     "qwen3_moe": ("mlp", "gate", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+    # Qwen2-MoE's shared expert keeps its HF names in chipset (mlp.shared_expert.*, mlp.shared_expert_gate).
+    "qwen2_moe": ("mlp", "gate", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
 }
 
 
