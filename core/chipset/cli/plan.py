@@ -52,7 +52,7 @@ def _model(args):
         raise ConfigError("no model given: pass --model FILE.toml, --preset NAME or --set model.KEY=VALUE "
                           "(presets: run 'chipset plan --preset x' to list them)")
     if args.model:
-        from chipset.planner.hf import is_hf_config, load_hf_config
+        from chipset.models.hf.plan import is_hf_config, load_hf_config
 
         if is_hf_config(args.model):
             spec = load_hf_config(args.model)[0]

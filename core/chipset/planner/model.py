@@ -322,7 +322,7 @@ def load_model_toml(path: str | Path, base: ModelSpec | None = None) -> ModelSpe
         spec = get_preset(str(table.pop("preset")))
     hf = [table.pop(k) for k in ("init_from", "hf_config") if k in table]
     if hf:  # a chipset train config of a Hugging Face model: its architecture comes from config.json
-        from chipset.planner.hf import load_hf_config
+        from chipset.models.hf.plan import load_hf_config
 
         spec = load_hf_config(Path(str(hf[0])).expanduser())[0]
     train = data.get("train")

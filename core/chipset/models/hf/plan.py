@@ -4,8 +4,8 @@ The architecture is translated by the same code ``chipset train`` uses for ``mod
 and ``model.hf_config`` (:func:`chipset.models.hf.config.from_hf_config`), so the planner
 refuses exactly what training would refuse (exit 2, naming key, value and what is supported)
 and plans the model training would build. What the cost model does not represent (q/k/v
-biases, per-head q/k norms, a head width other than hidden / heads, experts narrower than the dense MLP in a partly-MoE model) is returned as notes, so the
-CLI can say which estimates are approximate instead of silently planning another model.
+biases, per-head q/k norms, a head width other than hidden / heads, experts narrower than
+the dense MLP in a partly-MoE model) is returned as notes, so the CLI can say which estimates are approximate instead of silently planning another model.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import json
 import logging
 from pathlib import Path
 
+from chipset.config import ModelConfig
 from chipset.errors import ConfigError
+from chipset.models.hf.config import from_hf_config
 from chipset.planner.model import ModelSpec, from_engine_model_config
 
 __all__ = ["is_hf_config", "load_hf_config"]
@@ -31,9 +33,6 @@ def is_hf_config(path: str | Path) -> bool:
 def load_hf_config(path: str | Path) -> tuple[ModelSpec, list[str]]:
     """``(spec, notes)``: the model of an HF config.json; notes (also logged as warnings) name what
     the estimate leaves out."""
-    from chipset.config import ModelConfig
-    from chipset.models.hf.config import from_hf_config
-
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
     try:
