@@ -258,8 +258,7 @@ def _progress_reporter(files: list[Path]):
         state["done"] += _input_bytes(f)
         if time.monotonic() - state["last"] >= 5:
             state["last"] = time.monotonic()
-            print(f"chipset data prepare: {100 * state['done'] / total:5.1f}% of input bytes", file=sys.stderr,
-                  flush=True)
+            log.info("%5.1f%% of input bytes tokenized", 100 * state["done"] / total)
     return plain
 
 
