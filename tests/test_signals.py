@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from chipset.engine.checkpoint import store
+from testenv import clean_env
 
 LONG = ["--set", "train.steps=100000", "--set", "train.global_batch=4"]
 
@@ -188,3 +189,20 @@ def test_sigkill_of_the_torchrun_agent_kills_its_ranks(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+
+
+def test_a_rank_stuck_after_a_signal_exits_with_a_logged_line(tmp_path):
+    """The grace thread's note is a log record with the rank prefix, flushed before the hard exit."""
+    code = ("import os, signal, time\n"
+            "from chipset.logs import configure\n"
+            "from chipset.engine import signals\n"
+            "configure(3)\n"
+            "signals.install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(60)  # a step that never ends\n")
+    env = clean_env()
+    env.update(CHIPSET_STOP_GRACE_S="0.5", RANK="3")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 128 + signal.SIGTERM
+    assert ("[rank 3] ERROR chipset.engine.signals: rank 3 did not reach the end of its step within 0.5 s "
+            "of SIGTERM; exiting") in r.stderr, r.stderr

@@ -41,7 +41,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 RECOMPUTE = ("none", "selective", "full")
 ROUTERS = ("softmax", "sigmoid")
-DATA_SOURCES = ("synthetic", "text", "tokens")
+DATA_SOURCES = ("synthetic", "text", "tokens", "hf")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 
 
@@ -225,11 +225,15 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "synthetic"
-    """Token source: synthetic (a seeded, learnable token stream), text (bytes of local text files, vocab 256) or tokens (a folder made by `chipset data prepare`, or a flat uint16 .bin file)."""
+    """Token source: synthetic (a seeded, learnable token stream), text (bytes of local text files, vocab 256) tokens (a folder made by `chipset data prepare`, or a flat uint16 .bin file) or hf (a local Hugging Face dataset saved with save_to_disk, tokenized once with data.tokenizer into a cache; needs the datasets package)."""
     path: str = ""
-    """text: a file or folder of .py/.txt/.md/.rst files (empty = the Python standard library's sources); tokens: the prepared folder or .bin file. Relative paths in a config file are resolved against the file's folder."""
+    """text: a file or folder of .py/.txt/.md/.rst files (empty = the Python standard library's sources); tokens: the prepared folder or .bin file; hf: the saved dataset folder. Relative paths in a config file are resolved against the file's folder."""
     max_bytes: int = 1 << 20
     """text: read at most this many bytes."""
+    tokenizer: str = ""
+    """hf: the tokenizer.json (or a model directory holding one) that tokenizes the dataset."""
+    field: str = "text"
+    """hf: the dataset column holding the text."""
     seed: int = 0
     """Seed of the data stream (independent of train.seed)."""
     eval_path: str = ""
@@ -568,6 +572,11 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         )
     elif da.source == "tokens":
         problems += _token_data_problems(da.path, m.vocab_size)
+    elif da.source == "hf":
+        from chipset.tokens import hf
+
+        hf_problems = hf.problems(da.path, da.tokenizer, da.field)
+        problems += hf_problems or _tokenizer_vocab_problems(da.tokenizer, m.vocab_size)
     problems += _eval_problems(cfg)
     if da.max_bytes < 1:
         problems.append(f"data.max_bytes = {da.max_bytes!r}: expected a positive number of bytes")
@@ -629,7 +638,7 @@ def _eval_problems(cfg: RunConfig) -> list[str]:
         if da.source == "text":
             problems.append("train.eval_every needs held-out data: data.source = 'text' has none; "
                             "prepare the text with `chipset data prepare` and use data.source = 'tokens'")
-        elif da.source == "tokens" and not (da.eval_path or da.eval_fraction):
+        elif da.source in ("tokens", "hf") and not (da.eval_path or da.eval_fraction):
             problems.append("train.eval_every needs held-out data: set data.eval_path or data.eval_fraction (e.g. 0.05)")
         if par.pp > 1:
             problems.append("train.eval_every with parallel.pp > 1 is not supported yet (the pipeline schedules "
@@ -637,6 +646,22 @@ def _eval_problems(cfg: RunConfig) -> list[str]:
         elif da.source == "tokens" and da.eval_path:
             problems += [p.replace("data.path", "data.eval_path") for p in _token_data_problems(da.eval_path, cfg.model.vocab_size)]
     return problems
+
+
+def _tokenizer_vocab_problems(tokenizer: str, vocab_size: int) -> list[str]:
+    try:
+        from tokenizers import Tokenizer
+
+        from chipset.tokens.prepare import tokenizer_file
+
+        vocab = Tokenizer.from_file(str(tokenizer_file(tokenizer))).get_vocab_size(with_added_tokens=True)
+    except Exception as exc:  # noqa: BLE001 - missing package or bad file: say which
+        return [f"data.tokenizer = {tokenizer!r}: cannot be loaded ({exc}); pip install 'chipset[data]' "
+                "and give a tokenizers tokenizer.json"]
+    if vocab > vocab_size:
+        return [f"model.vocab_size ({vocab_size}) is smaller than data.tokenizer's vocabulary ({vocab}); "
+                f"set --set model.vocab_size={vocab}"]
+    return []
 
 
 def _token_data_problems(path: str, vocab_size: int) -> list[str]:

@@ -13,12 +13,14 @@ def add_parser(sub) -> None:
     prep = cmds.add_parser("prepare", help="tokenize documents into a token folder",
                            description="Documents: each .txt/.md file is one document; each JSONL line's "
                            "--field; each Parquet row's --field column. Folders are walked in sorted order. "
+                           "A folder saved by Hugging Face datasets (save_to_disk) is one input, its --field "
+                           "column read through the datasets package (chipset[hf-data]). "
                            "Every document is followed by the tokenizer's EOS token.")
-    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="text, JSONL or Parquet files, or folders of them")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="text, JSONL or Parquet files, folders of them, or saved HF datasets")
     prep.add_argument("--tokenizer", required=True, metavar="PATH",
                       help="a tokenizers tokenizer.json, or a model directory holding one")
     prep.add_argument("--out", required=True, metavar="DIR", help="new folder to write (never overwritten)")
-    prep.add_argument("--field", default="text", help="JSONL field / Parquet column holding the text (default text)")
+    prep.add_argument("--field", default="text", help="JSONL field / Parquet or dataset column holding the text (default text)")
     prep.add_argument("--workers", type=int, default=0, metavar="N",
                       help="tokenizer processes (default: the CPUs available, at most 8)")
     prep.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",

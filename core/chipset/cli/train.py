@@ -188,6 +188,10 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int, family=None)
     if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError(f"data.path = {cfg.data.path!r}: no such file or directory; give a text file or a "
                           "folder of them (or leave data.path empty for the Python standard library's sources)")
+    if cfg.data.source == "hf":  # tokenize once here, so the ranks only read the cache
+        from chipset.tokens.hf import ensure_prepared
+
+        ensure_prepared(cfg.data.path, cfg.data.tokenizer, cfg.data.field)
     collective_timeout()
     check_compile(cfg.train.compile, b.name, b.record.descriptor)
     from chipset.models.family import TransformerFamily

@@ -173,11 +173,21 @@ class TokenFiles:
     batch = SyntheticTokens.batch
 
 
+def _token_path(cfg) -> str:
+    """data.path for tokens; for hf, the cached token folder of the dataset (tokenized on first use)."""
+    da = cfg.data
+    if da.source == "hf":
+        from chipset.tokens.hf import ensure_prepared
+
+        return str(ensure_prepared(da.path, da.tokenizer, da.field))
+    return da.path
+
+
 def make_dataset(cfg) -> SyntheticTokens | TextBytes | TokenFiles:
     """The dataset a :class:`chipset.config.RunConfig` asks for."""
     tr, da = cfg.train, cfg.data
-    if da.source == "tokens":
-        return TokenFiles(da.path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
+    if da.source in ("tokens", "hf"):
+        return TokenFiles(_token_path(cfg), tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
                           holdout=da.eval_fraction)
     if da.source == "text":
         return TextBytes(da.path, tr.seq_len, tr.global_batch, seed=da.seed, max_bytes=da.max_bytes)
@@ -188,10 +198,10 @@ def make_eval_dataset(cfg) -> SyntheticTokens | TokenFiles:
     """Held-out data for ``train.eval_every``: data.eval_path, the data.eval_fraction of data.path, or
     (synthetic) sequences of the same walk that no training step reads."""
     tr, da = cfg.train, cfg.data
-    if da.source == "tokens":
+    if da.source in ("tokens", "hf"):
         if da.eval_path:
             return TokenFiles(da.eval_path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
                               holdout=1.0, part="eval")
-        return TokenFiles(da.path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
-                          holdout=da.eval_fraction, part="eval")
+        return TokenFiles(_token_path(cfg), tr.seq_len, tr.global_batch, seed=da.seed,
+                          vocab_size=cfg.model.vocab_size, holdout=da.eval_fraction, part="eval")
     return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed, offset=1 << 40)

@@ -28,12 +28,15 @@ own ranges (``chipset::forward``, ``chipset::backward``, ``chipset::optimizer``,
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from chipset.config import parse_profile_steps
+
+log = logging.getLogger(__name__)
 
 __all__ = ["OPS", "StepMetrics", "parse_profile_steps", "trace_range"]
 
@@ -68,13 +71,13 @@ class StepMetrics:
         self._mfu_n = 0
         self._comm_totals: dict[str, list[float]] = {}
         self._snap: dict[str, tuple[int, int, float]] = {}
-        self._tb = _tensorboard(run_dir, out) if rank == 0 and run_dir is not None else None
+        self._tb = _tensorboard(run_dir) if rank == 0 and run_dir is not None else None
         self._profile = parse_profile_steps(cfg.train.profile_steps)
         self._profiler = None
         self._last_step = cfg.train.steps
         if self._profile is not None and self._profile[0] > self._last_step and rank == 0:
-            print(f"chipset train: no profiler trace: profile_steps {cfg.train.profile_steps} starts after the "
-                  f"run's last step ({self._last_step}); choose steps within 1:{self._last_step}", file=out, flush=True)
+            log.warning("no profiler trace: profile_steps %s starts after the run's last step (%d); "
+                        "choose steps within 1:%d", cfg.train.profile_steps, self._last_step, self._last_step)
 
     # --- the step ----------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -177,9 +180,8 @@ class StepMetrics:
             path.parent.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(path))
             if self.rank == 0:
-                print(f"chipset train: profiler trace of steps {self._profile[0]}:{step or '?'} per rank in "
-                      f"{path.parent} (open in https://ui.perfetto.dev or chrome://tracing)", file=self.out,
-                      flush=True)
+                log.info("profiler trace of steps %d:%s per rank in %s (open in https://ui.perfetto.dev "
+                         "or chrome://tracing)", self._profile[0], step or "?", path.parent)
 
     def _write_tensorboard(self, rec: dict[str, Any]) -> None:
         tb, step = self._tb, rec["step"]
@@ -216,11 +218,11 @@ def _flops(cfg, backend) -> tuple[int, float]:
     return per_token, (peak if per_token else 0.0)
 
 
-def _tensorboard(run_dir: Path, out):
+def _tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except Exception:
-        print("chipset train: TensorBoard event files not written (pip install tensorboard to get them in "
-              "RUN_DIR/tensorboard)", file=out, flush=True)
+        log.warning("TensorBoard event files not written (pip install tensorboard to get them in "
+                    "RUN_DIR/tensorboard)")
         return None
     return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))

@@ -73,8 +73,9 @@ def _grace(signum: int) -> None:
         grace = 15.0
     if not _agreed.wait(grace):
         rank = os.environ.get("RANK", "0")
-        print(f"chipset: rank {rank} did not reach the end of its step within {grace:g} s of "
-              f"{signal.Signals(signum).name}; exiting", file=sys.stderr, flush=True)
+        log.error("rank %s did not reach the end of its step within %g s of %s; exiting",
+                  rank, grace, signal.Signals(signum).name)
+        logging.shutdown()  # flush before the hard exit
         os._exit(128 + signum)
 
 

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     signals.die_with_parent()  # a SIGKILLed torchrun agent takes its ranks with it
     args = p.parse_args(argv)
     rank = os.environ.get("RANK", "0")
+    from chipset.logs import configure
+
+    configure(rank)  # library log lines of this rank carry "[rank N]"
     try:
         return run_rank(args.config, args.run_dir, args.resume)
     except signals.Interrupted as exc:  # every rank stopped together; the launcher reports it

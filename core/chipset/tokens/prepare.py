@@ -82,12 +82,44 @@ def find_eos(tok, tok_file: Path, eos_token: str | None) -> int:
                 "name it with --eos-token TOKEN")
 
 
+HF_MARKERS = ("dataset_dict.json", "state.json")
+
+
+def is_hf_dataset(p: Path) -> bool:
+    """A folder written by ``datasets`` ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return p.is_dir() and any((p / m).is_file() for m in HF_MARKERS)
+
+
+def _load_hf(path: Path):
+    """The saved Hugging Face dataset at ``path``; a DatasetDict contributes its ``train`` split."""
+    try:
+        import datasets
+    except ImportError:
+        raise usage(f"{str(path)!r} is a Hugging Face datasets folder but the 'datasets' package is not installed",
+                    "pip install 'chipset[hf-data]' (or pip install datasets)") from None
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise usage(f"{str(path)!r} is a DatasetDict without a 'train' split (splits: {', '.join(ds)})",
+                        "save the split to train on with Dataset.save_to_disk and give that folder")
+        ds = ds["train"]
+    return ds
+
+
+def _input_bytes(f: Path) -> int:
+    return sum(x.stat().st_size for x in f.rglob("*") if x.is_file()) if f.is_dir() else f.stat().st_size
+
+
 def input_files(inputs: list[str]) -> list[Path]:
-    """Every input file, folders walked in sorted order; unknown suffixes refused."""
+    """Every input file, folders walked in sorted order; unknown suffixes refused.
+
+    A folder saved by ``datasets`` (``save_to_disk``) is one input, read through ``datasets``."""
     files: list[Path] = []
     for item in inputs:
         p = Path(item)
-        if p.is_dir():
+        if is_hf_dataset(p):
+            files.append(p)
+        elif p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in INPUT_SUFFIXES)
             if not found:
                 raise usage(f"folder {item!r} holds no {', '.join(INPUT_SUFFIXES)} files",
@@ -104,8 +136,16 @@ def input_files(inputs: list[str]) -> list[Path]:
 
 
 def documents(path: Path, field: str) -> Iterator[str]:
-    """The documents of one input: a whole text file, each JSONL record's ``field``, a Parquet column."""
-    if path.suffix in TEXT_SUFFIXES:
+    """The documents of one input: a whole text file, each JSONL record's ``field``, a Parquet column,
+    a saved Hugging Face dataset's ``field`` column."""
+    if path.is_dir():
+        ds = _load_hf(path)
+        if field not in ds.column_names:
+            raise usage(f"{path} has no column {field!r} (columns: {', '.join(ds.column_names)})",
+                        "choose the text column with --field NAME")
+        for batch in ds.select_columns([field]).iter(batch_size=BATCH_DOCS):
+            yield from (t for t in batch[field] if t)
+    elif path.suffix in TEXT_SUFFIXES:
         text = path.read_text(encoding="utf-8", errors="replace")
         if text:
             yield text
@@ -193,7 +233,7 @@ class _ShardWriter:
 
 def _progress_reporter(files: list[Path]):
     """A callback advanced per finished input file: a rich bar on a terminal, else a log line every 5 s."""
-    total = sum(f.stat().st_size for f in files) or 1
+    total = sum(_input_bytes(f) for f in files) or 1
     state = {"done": 0, "last": time.monotonic()}
     if sys.stderr.isatty():
         try:
@@ -207,7 +247,7 @@ def _progress_reporter(files: list[Path]):
                 if f is None:
                     bar.stop()
                     return
-                bar.advance(task, f.stat().st_size)
+                bar.advance(task, _input_bytes(f))
             return advance
         except ImportError:
             pass
@@ -215,11 +255,10 @@ def _progress_reporter(files: list[Path]):
     def plain(f: Path | None):
         if f is None:
             return
-        state["done"] += f.stat().st_size
+        state["done"] += _input_bytes(f)
         if time.monotonic() - state["last"] >= 5:
             state["last"] = time.monotonic()
-            print(f"chipset data prepare: {100 * state['done'] / total:5.1f}% of input bytes", file=sys.stderr,
-                  flush=True)
+            log.info("%5.1f%% of input bytes tokenized", 100 * state["done"] / total)
     return plain
 
 

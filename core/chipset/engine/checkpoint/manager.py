@@ -170,7 +170,7 @@ class Checkpointer:
                 self._share_path(f"!{exc}")
                 raise
             for p, why in skipped:
-                print(f"chipset checkpoint: skipping {p}: {why}; using an older checkpoint", file=self.out, flush=True)
+                log.warning("skipping checkpoint %s: %s; using an older checkpoint", p, why)
             self.info["skipped_checkpoints"] = [{"path": str(p), "reason": why} for p, why in skipped]
             self._share_path(str(path) if path else "")
         else:
@@ -214,8 +214,6 @@ class Checkpointer:
                 s = int(rec.get("step", 0))
             except (ValueError, TypeError, AttributeError):
                 log.warning("%s line %d is not a complete JSON record (a write cut short); dropped", f, i)
-                print(f"chipset checkpoint: warning: dropped {f} line {i}: not a complete record "
-                      "(a write cut short)", file=self.out, flush=True)
                 continue
             if s <= step:
                 keep.append(ln)
