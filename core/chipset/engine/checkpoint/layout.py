@@ -7,8 +7,8 @@ owns as chunks of that logical tensor at explicit offsets (:func:`write_planner`
 torch.distributed.checkpoint records where every piece sits and can read any other
 split back: a different dp degree or ZeRO stage only changes which pieces a rank asks
 for. A flat range of a row-major tensor is a union of at most ``2*ndim - 1`` boxes
-(:func:`flat_range_boxes`); every box is a contiguous run of the flat buffer, so shards
-are views, not copies.
+(:func:`flat_range_boxes`); every box is a contiguous run of the flat buffer, so the
+boxes of a piece are views of its one host copy (:func:`host_boxes`).
 
 Where a piece sits in the logical tensor, per layout dimension:
 
@@ -88,7 +88,7 @@ class Piece:
     end: int
     boxes: list[Box]
     tensor: torch.Tensor | None = None
-    """This rank's flat view of the piece in the engine's buffer (None for other ranks' pieces)."""
+    """This rank's flat view of the piece in the engine's buffer."""
 
 
 def _intersect(lo: int, hi: int, off: int, n: int) -> tuple[int, int] | None:
@@ -164,28 +164,25 @@ def _index_in(dims, dim: str) -> dict[int, int]:
 def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, tuple[int, ...], list[Piece]]]:
     """For each parameter this rank holds: ``(name, logical shape, pieces)``.
 
-    Saving (``for_load=False``): the pieces of every rank of this rank's pipeline stage
-    (they hold the same buckets; other stages write their own parameters). Rank r
-    contributes its owned slice ``[i*S, (i+1)*S)`` of each bucket (i: its index in the
-    bucket's sharding group), cut at parameter boundaries and placed at its tp and ep
-    offsets; parameters replicated over tp are written by tp index 0 only, so every
-    logical element is written exactly once.
-    Loading: only this rank's pieces, for what it actually holds: the whole bucket for
-    parameters at ZeRO < 3 and for optimizer state at ZeRO 0, else the owned slice.
+    Saving (``for_load=False``): this rank's share. Every rank of a pipeline stage holds the
+    same buckets (other stages write their own parameters); rank r contributes its owned
+    slice ``[i*S, (i+1)*S)`` of each bucket (i: its index in the bucket's sharding group),
+    cut at parameter boundaries and placed at its tp and ep offsets; parameters replicated
+    over tp are written by tp index 0 only, so every logical element is written exactly once.
+    Loading: what this rank actually holds: the whole bucket for parameters at ZeRO < 3 and
+    for optimizer state at ZeRO 0, else the owned slice.
     """
     e = engine
     me = e.collective.rank()
     dims = e.dims
-    coords = [dims.coords(r) for r in range(dims.world_size)]
-    stage = [r for r in range(dims.world_size) if coords[r]["pp"] == coords[me]["pp"]]
-    who = [me] if for_load else stage
+    tp_j = dims.coords(me)["tp"]
     replica = _index_in(dims, "dp_cp" if dims.cp_enabled else "dp")
     edp, ep = (_index_in(dims, "edp"), _index_in(dims, "ep")) if dims.ep_enabled else ({}, {})
     for bkt in e.buckets:
-        group_index = edp if bkt.expert else replica
-        if group_index[me] * bkt.shard != bkt.lo:  # the rank arithmetic must match the engine's groups
+        i = (edp if bkt.expert else replica)[me]
+        if i * bkt.shard != bkt.lo:  # the rank arithmetic must match the engine's groups
             raise RuntimeError(f"checkpoint layout: rank {me} owns bucket {bkt.index} from {bkt.lo}, expected "
-                               f"{group_index[me] * bkt.shard}; the group order changed without layout.py")
+                               f"{i * bkt.shard}; the group order changed without layout.py")
         held_whole = for_load and ((kind == "model" and e.zero < 3) or (kind != "model" and e.zero == 0))
         buf, buf_lo = _source(bkt, kind)
         expert_ep = _expert_ep(e, bkt)
@@ -193,23 +190,13 @@ def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, t
             shape = tuple(shape)
             logical = _logical_shape(shape, _splits(p, expert_ep))
             pieces = []
-            for rank in who:
-                tp_j = coords[rank]["tp"]
-                if not for_load and not hasattr(p, "tp_dim") and tp_j != 0:
-                    continue
-                i = group_index[rank]
-                hit = (0, n) if held_whole else _intersect(i * bkt.shard, (i + 1) * bkt.shard, off, n)
-                if hit is None:
-                    continue
-                splits = _splits(p, expert_ep, ep.get(rank, 0), tp_j)
-                boxes = _boxes(shape, hit[0], hit[1], splits, rank)
-                if not boxes:
-                    continue
-                piece = Piece(name, logical, rank, hit[0], hit[1], boxes)
-                if rank == me:
+            hit = (0, n) if held_whole else _intersect(i * bkt.shard, (i + 1) * bkt.shard, off, n)
+            writes = for_load or hasattr(p, "tp_dim") or tp_j == 0  # a tp-replicated parameter: tp index 0
+            if hit is not None and writes:
+                boxes = _boxes(shape, hit[0], hit[1], _splits(p, expert_ep, ep.get(me, 0), tp_j), me)
+                if boxes:
                     a = off + hit[0] - buf_lo
-                    piece.tensor = buf[a:a + hit[1] - hit[0]]
-                pieces.append(piece)
+                    pieces.append(Piece(name, logical, me, hit[0], hit[1], boxes, buf[a:a + hit[1] - hit[0]]))
             yield name, logical, pieces
 
 
@@ -233,8 +220,6 @@ def host_boxes(pieces: list[Piece], dtype: torch.dtype) -> list[tuple[list[int],
     """
     out = []
     for p in pieces:
-        if p.tensor is None:
-            continue  # another rank's piece: that rank writes it
         flat = p.tensor.detach().reshape(-1).to("cpu", dtype, copy=True)
         out += [(list(b.offsets), list(b.sizes), b.view(flat).contiguous()) for b in p.boxes]
     return out
