@@ -123,13 +123,14 @@ def _async_kill_job(run_dir: str) -> None:
     cfg.validate(world_size=b.collective.world_size())
     write = manager.Checkpointer._write
 
-    def dying_write(self, sd, state, tmp, final, step):
+    def dying_write(self, *args):
+        tmp, _, step = args[-3:]  # (..., tmp, final, step): what is staged before them is not this test's
         if step == 8 and self.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             tmp.mkdir(parents=True, exist_ok=True)
             (tmp / "__1_0.distcp").write_bytes(b"partial")
             print("rank 1 killed inside the asynchronous save of step 8", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return write(self, sd, state, tmp, final, step)
+        return write(self, *args)
 
     manager.Checkpointer._write = dying_write
     try:

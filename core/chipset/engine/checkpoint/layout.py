@@ -3,12 +3,12 @@
 A checkpoint stores every parameter and optimizer tensor under its logical name and
 its full (unsharded) shape: ``model.<fqn>``, ``optim.master.<fqn>``,
 ``optim.exp_avg.<fqn>``, ``optim.exp_avg_sq.<fqn>``. Each rank contributes the pieces it
-owns as shards of that logical tensor (``ShardedTensor`` with explicit offsets), so
+owns as chunks of that logical tensor at explicit offsets (:func:`write_planner`), so
 torch.distributed.checkpoint records where every piece sits and can read any other
 split back: a different dp degree or ZeRO stage only changes which pieces a rank asks
 for. A flat range of a row-major tensor is a union of at most ``2*ndim - 1`` boxes
-(:func:`flat_range_boxes`); every box is a contiguous run of the flat buffer, so shards
-are views, not copies.
+(:func:`flat_range_boxes`); every box is a contiguous run of the flat buffer, so the
+boxes of a piece are views of its one host copy (:func:`host_boxes`).
 
 Where a piece sits in the logical tensor, per layout dimension:
 
@@ -22,14 +22,14 @@ Where a piece sits in the logical tensor, per layout dimension:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KINDS", "Box", "Piece", "engine_pieces", "flat_range_boxes", "logical_shapes", "read_planner", "sharded"]
+__all__ = ["KINDS", "Box", "Piece", "engine_pieces", "flat_range_boxes", "logical_shapes", "host_boxes", "read_planner", "write_planner"]
 
 KINDS = ("model", "optim.master", "optim.exp_avg", "optim.exp_avg_sq")
 """Logical tensor families; the key of a tensor is ``f"{kind}.{parameter fqn}"``."""
@@ -88,7 +88,7 @@ class Piece:
     end: int
     boxes: list[Box]
     tensor: torch.Tensor | None = None
-    """This rank's flat view of the piece in the engine's buffer (None for other ranks' pieces)."""
+    """This rank's flat view of the piece in the engine's buffer."""
 
 
 def _intersect(lo: int, hi: int, off: int, n: int) -> tuple[int, int] | None:
@@ -164,28 +164,25 @@ def _index_in(dims, dim: str) -> dict[int, int]:
 def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, tuple[int, ...], list[Piece]]]:
     """For each parameter this rank holds: ``(name, logical shape, pieces)``.
 
-    Saving (``for_load=False``): the pieces of every rank of this rank's pipeline stage
-    (they hold the same buckets; other stages write their own parameters). Rank r
-    contributes its owned slice ``[i*S, (i+1)*S)`` of each bucket (i: its index in the
-    bucket's sharding group), cut at parameter boundaries and placed at its tp and ep
-    offsets; parameters replicated over tp are written by tp index 0 only, so every
-    logical element is written exactly once.
-    Loading: only this rank's pieces, for what it actually holds: the whole bucket for
-    parameters at ZeRO < 3 and for optimizer state at ZeRO 0, else the owned slice.
+    Saving (``for_load=False``): this rank's share. Every rank of a pipeline stage holds the
+    same buckets (other stages write their own parameters); rank r contributes its owned
+    slice ``[i*S, (i+1)*S)`` of each bucket (i: its index in the bucket's sharding group),
+    cut at parameter boundaries and placed at its tp and ep offsets; parameters replicated
+    over tp are written by tp index 0 only, so every logical element is written exactly once.
+    Loading: what this rank actually holds: the whole bucket for parameters at ZeRO < 3 and
+    for optimizer state at ZeRO 0, else the owned slice.
     """
     e = engine
     me = e.collective.rank()
     dims = e.dims
-    coords = [dims.coords(r) for r in range(dims.world_size)]
-    stage = [r for r in range(dims.world_size) if coords[r]["pp"] == coords[me]["pp"]]
-    who = [me] if for_load else stage
+    tp_j = dims.coords(me)["tp"]
     replica = _index_in(dims, "dp_cp" if dims.cp_enabled else "dp")
     edp, ep = (_index_in(dims, "edp"), _index_in(dims, "ep")) if dims.ep_enabled else ({}, {})
     for bkt in e.buckets:
-        group_index = edp if bkt.expert else replica
-        if group_index[me] * bkt.shard != bkt.lo:  # the rank arithmetic must match the engine's groups
+        i = (edp if bkt.expert else replica)[me]
+        if i * bkt.shard != bkt.lo:  # the rank arithmetic must match the engine's groups
             raise RuntimeError(f"checkpoint layout: rank {me} owns bucket {bkt.index} from {bkt.lo}, expected "
-                               f"{group_index[me] * bkt.shard}; the group order changed without layout.py")
+                               f"{i * bkt.shard}; the group order changed without layout.py")
         held_whole = for_load and ((kind == "model" and e.zero < 3) or (kind != "model" and e.zero == 0))
         buf, buf_lo = _source(bkt, kind)
         expert_ep = _expert_ep(e, bkt)
@@ -193,23 +190,13 @@ def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, t
             shape = tuple(shape)
             logical = _logical_shape(shape, _splits(p, expert_ep))
             pieces = []
-            for rank in who:
-                tp_j = coords[rank]["tp"]
-                if not for_load and not hasattr(p, "tp_dim") and tp_j != 0:
-                    continue
-                i = group_index[rank]
-                hit = (0, n) if held_whole else _intersect(i * bkt.shard, (i + 1) * bkt.shard, off, n)
-                if hit is None:
-                    continue
-                splits = _splits(p, expert_ep, ep.get(rank, 0), tp_j)
-                boxes = _boxes(shape, hit[0], hit[1], splits, rank)
-                if not boxes:
-                    continue
-                piece = Piece(name, logical, rank, hit[0], hit[1], boxes)
-                if rank == me:
+            hit = (0, n) if held_whole else _intersect(i * bkt.shard, (i + 1) * bkt.shard, off, n)
+            writes = for_load or hasattr(p, "tp_dim") or tp_j == 0  # a tp-replicated parameter: tp index 0
+            if hit is not None and writes:
+                boxes = _boxes(shape, hit[0], hit[1], _splits(p, expert_ep, ep.get(me, 0), tp_j), me)
+                if boxes:
                     a = off + hit[0] - buf_lo
-                    piece.tensor = buf[a:a + hit[1] - hit[0]]
-                pieces.append(piece)
+                    pieces.append(Piece(name, logical, me, hit[0], hit[1], boxes, buf[a:a + hit[1] - hit[0]]))
             yield name, logical, pieces
 
 
@@ -224,39 +211,81 @@ def _source(b, kind: str) -> tuple[torch.Tensor, int]:
     return t, 0 if e.zero == 0 else b.lo
 
 
-def sharded(shape: tuple[int, ...], pieces: list[Piece], dtype: torch.dtype):
-    """The logical full tensor as a ShardedTensor whose local shards are this rank's boxes,
-    copied to fresh host (CPU) tensors, so what is written is device-neutral."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (
-        ShardedTensorMetadata,
+def host_boxes(pieces: list[Piece], dtype: torch.dtype) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """This rank's boxes of one logical tensor: ``[(offsets, sizes, host tensor), ...]``.
+
+    Each piece is copied once to a fresh host (CPU) tensor in ``dtype``, so what is written is
+    device-neutral and an asynchronous save never sees the engine's later updates; a box is a
+    view of that copy (a copy only where vocabulary padding is clipped off).
+    """
+    out = []
+    for p in pieces:
+        flat = p.tensor.detach().reshape(-1).to("cpu", dtype, copy=True)
+        out += [(list(b.offsets), list(b.sizes), b.view(flat).contiguous()) for b in p.boxes]
+    return out
+
+
+def write_planner(tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[list[int], list[int], torch.Tensor]]]]):
+    """A DCP save planner that writes this rank's boxes of logical tensors as chunks of them.
+
+    ``tensors``: ``{key: (logical shape, dtype, [(offsets, sizes, host tensor), ...])}`` (from
+    :func:`host_boxes`); the state dict given to ``dcp.save`` holds only whole plain tensors
+    (the RNG states), saved the default way.
+
+    Why a planner and not DTensor: DCP records a tensor as its global size plus chunks
+    (offsets, sizes), and any set of chunks that tiles it is a valid checkpoint. A DTensor
+    must be one regular placement over a device mesh, but a ZeRO flat slice of a bucket cuts
+    across parameter boundaries: a rank holds any number of irregular boxes of a tensor (up to
+    ``2*ndim - 1`` per piece), or none. The planner emits exactly those boxes as ``SHARD``
+    write items, which is what DCP itself writes for sharded tensors, so ``.metadata`` is the
+    standard ``TensorStorageMetadata``/``ChunkStorageMetadata`` and loads with any reader.
+    The coordinator's global plan is the union of every rank's items: a tensor this rank holds
+    no box of is recorded from the ranks that do. Replicas never offer a box twice
+    (:func:`engine_pieces`); DCP's dedup would keep one item per key and offsets anyway, and its
+    validation refuses overlapping chunks or, with several ranks, chunks that leave a gap.
+    """
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
         TensorProperties,
     )
+    from torch.distributed.checkpoint.planner import (
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
 
-    mds, local = [], []
-    for p in pieces:
-        flat = None
-        if p.tensor is not None:
-            flat = p.tensor.detach().reshape(-1).to("cpu", dtype, copy=True)
-        for box in p.boxes:
-            md = ShardMetadata(list(box.offsets), list(box.sizes), f"rank:{p.rank}/cpu")
-            mds.append(md)
-            if flat is not None:
-                local.append(Shard(box.view(flat).contiguous(), md))
-    meta = ShardedTensorMetadata(mds, torch.Size(shape), TensorProperties(dtype=dtype))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+    data, items = {}, []
+    for fqn, (shape, dtype, boxes) in tensors.items():
+        for offsets, sizes, t in boxes:
+            off = torch.Size(offsets)
+            data[(fqn, off)] = t
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=torch.Size(sizes)),
+                                            properties=TensorProperties(dtype=dtype), size=torch.Size(shape))))
+
+    class _Planner(DefaultSavePlanner):
+        def create_local_plan(self) -> SavePlan:
+            plan = super().create_local_plan()
+            self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+            return self.plan
+
+        def resolve_data(self, write_item):
+            t = data.get((write_item.index.fqn, write_item.index.offset))
+            return t if t is not None else super().resolve_data(write_item)
+
+    return _Planner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
 def read_planner(chunks: dict[str, list[tuple[list[int], list[int], torch.Tensor]]]):
     """A DCP load planner that reads the given boxes of logical tensors into the given tensors.
 
-    Unlike a ShardedTensor target, boxes may overlap across ranks (replicas each read what
-    they hold), and nothing is ever unpickled: byte items are refused.
+    Boxes may overlap across ranks (replicas each read what they hold), and nothing is ever
+    unpickled: byte items are refused.
     """
-    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
@@ -275,7 +304,9 @@ def read_planner(chunks: dict[str, list[tuple[list[int], list[int], torch.Tensor
 
         def resolve_tensor(self, read_item):
             t = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-            return narrow_tensor_by_index(t, read_item.dest_offsets, read_item.lengths)
+            for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+                t = t.narrow(dim, o, n)
+            return t
 
         def load_bytes(self, read_item, value) -> None:
             raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; chipset never "

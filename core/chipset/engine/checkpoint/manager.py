@@ -30,9 +30,10 @@ from chipset.engine.checkpoint import store
 from chipset.engine.checkpoint.layout import (
     KINDS,
     engine_pieces,
+    host_boxes,
     logical_shapes,
     read_planner,
-    sharded,
+    write_planner,
 )
 from chipset.engine.resume_check import check_compatible
 from chipset.engine.rundir import atomic_write_text, disk_full, ensure_run_id, find_enospc
@@ -292,12 +293,13 @@ class Checkpointer:
         self.finish()
         t0 = time.perf_counter()
         e = self.engine
-        sd = {}
+        tensors = {}  # staged to host now: an asynchronous save must not see later steps
         with torch.no_grad():
             for kind in KINDS:
                 for name, shape, pieces in engine_pieces(e, kind, for_load=False):
                     dtype = e.dtype if kind == "model" else torch.float32
-                    sd[f"{kind}.{name}"] = sharded(shape, pieces, dtype)
+                    tensors[f"{kind}.{name}"] = (shape, dtype, host_boxes(pieces, dtype))
+        sd = {}
         sd[f"rng.device.rank{self.rank}"] = self.backend.device.get_rng_state().cpu().clone()
         sd[f"rng.host.rank{self.rank}"] = torch.get_rng_state().clone()
         tr = self.cfg.train
@@ -312,12 +314,12 @@ class Checkpointer:
         tmp = self.run_dir / store.CHECKPOINTS / f".tmp-step-{step:08d}"
         final = store.checkpoint_dir(self.run_dir, step)
         if self.async_save:
-            self._thread = threading.Thread(target=self._write_guarded, args=(sd, state, tmp, final, step),
+            self._thread = threading.Thread(target=self._write_guarded, args=(sd, tensors, state, tmp, final, step),
                                             name=f"chipset-checkpoint-{step}", daemon=True)
             self._thread.start()
         else:
             try:
-                self._write(sd, state, tmp, final, step)
+                self._write(sd, tensors, state, tmp, final, step)
             except BaseException as exc:  # torch's CheckpointException is a BaseException
                 nospace = find_enospc(exc)
                 if nospace is not None:
@@ -331,16 +333,15 @@ class Checkpointer:
         except BaseException as exc:  # re-raised on the training thread by finish()
             self._error = exc
 
-    def _write(self, sd: dict, state: dict, tmp: Path, final: Path, step: int) -> None:
+    def _write(self, sd: dict, tensors: dict, state: dict, tmp: Path, final: Path, step: int) -> None:
+        """Write ``sd`` (plain tensors) and ``tensors`` (this rank's boxes, :func:`.layout.write_planner`)."""
         import torch.distributed.checkpoint as dcp
 
         tmp.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             (tmp / store.STATE).write_text(json.dumps(state, indent=1) + "\n")
         pg = self._group.pg if self._group is not None else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=pg)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=write_planner(tensors), process_group=pg)
         # Each rank checksums its own files; rank 0 adds the shared ones and commits.
         mine = sorted(p.name for p in tmp.glob(f"__{self.rank}_*"))
         if self.rank == 0:
