@@ -69,3 +69,20 @@ def test_model_train_cannot_build_is_refused(tmp_path):
     r = _plan("--preset", "gpt3-175b", "--cluster", "128x8:h100-sxm", "--write-config", str(out))
     assert r.returncode == 2 and "gelu" in r.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_hf_config_is_carried_not_restated(tmp_path):
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 176,
+          "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
+    out = tmp_path / "hf.toml"
+    r = _plan("--model", str(tmp_path / "m"), "--cluster", CLUSTER, "--global-batch", "16", "--json", "--top", "1",
+              "--write-config", str(out))
+    assert r.returncode == 0, r.stderr
+    _check_matches_top(out, json.loads(r.stdout)[0], 8)
+    assert "hidden_size" not in out.read_text()  # the architecture comes from config.json
+    cfg = resolve_config(out, None, world_size=8)
+    assert cfg.model.hf_config == str((tmp_path / "m" / "config.json").resolve())
+    assert (cfg.model.hidden_size, cfg.train.seq_len) == (64, 512)

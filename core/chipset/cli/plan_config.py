@@ -104,7 +104,7 @@ def _source_model_table(path: Path) -> dict[str, Any]:
 
 def train_config_text(args, spec, train, cluster, pred) -> str:
     """TOML text of a ``chipset train`` config running ``pred``'s layout; ConfigError if it cannot."""
-    from chipset.config import DTYPE_ALIASES, DTYPES, RunConfig, _toml_value
+    from chipset.config import DTYPE_ALIASES, DTYPES, _toml_value
 
     lay = pred.layout
     if not pred.fits:
@@ -135,7 +135,6 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
                   "recompute": lay.recompute},
     }
     n = cluster.world_size
-    RunConfig.from_dict(tables, "--write-config").validate(world_size=n)
     launch = (f"--nproc {n}" if cluster.nodes == 1 else
               f"--nnodes {cluster.nodes} --nproc {cluster.devices_per_node} (on each node, with --node-rank)")
     cmd = " ".join(shlex.quote(a) for a in ["chipset", "plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] \
@@ -146,7 +145,7 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         f"model {spec.name}, {spec.num_params() / 1e9:.3g}B parameters.",
         f"# Predicted (the planner's best layout): {pred.step_time_s:.4g} s/step, "
         f"{pred.tokens_per_s:.4g} tokens/s, MFU {pred.mfu:.1%}, {pred.memory.total / 2**30:.1f} GiB per device.",
-        f"# Launch with world size {n}: chipset train THIS_FILE {launch}",
+        f"# Launch with world size {n}: chipset train {shlex.quote(args.write_config)} {launch}",
         "# Add steps, lr and a [data] table before a real run (defaults: docs/config.md).",
         "",
     ]
@@ -154,7 +153,24 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         lines.append(f"[{section}]")
         lines.extend(f"{k} = {_toml_value(v)}" for k, v in body.items())
         lines.append("")
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    _validate(text, n)
+    return text
+
+
+def _validate(text: str, world_size: int) -> None:
+    """Read ``text`` back exactly as ``chipset train`` reads a config file (Hugging Face references
+    resolved, every cross-field rule checked at ``world_size``)."""
+    from chipset.config import resolve_config
+
+    with tempfile.TemporaryDirectory(prefix="chipset-plan-") as d:
+        f = Path(d) / "plan.toml"
+        f.write_text(text)
+        try:
+            resolve_config(f, None, world_size=world_size)
+        except ConfigError as exc:
+            raise ConfigError(f"--write-config: the planner's layout is not a valid chipset train config, "
+                              f"nothing written:\n{exc}") from None
 
 
 def write_atomic(path: str, text: str, force: bool) -> None:
