@@ -40,6 +40,8 @@ def test_llama_config_round_trips_through_train_loader(tmp_path):
     _check_matches_top(out, top, 8)
     text = out.read_text()
     assert "--nproc 8" in text and "rope_theta = 500000.0" in text
+    cfg = resolve_config(out, None, world_size=8)
+    assert (cfg.train.steps, cfg.train.lr) == (1000, 3e-4)  # the source's run settings carried over
 
 
 def test_preset_writes_architecture_keys(tmp_path):

@@ -66,7 +66,7 @@ def _model_table(args, spec) -> dict[str, Any]:
             else:
                 src = {"hf_config": str(p / "config.json" if p.is_dir() else p)}
         else:
-            src = _source_model_table(p)
+            src = _source_tables(p).get("model") or {}
     hf_ref = {k: v for k, v in src.items() if k in ("init_from", "hf_config") and v}
     if hf_ref and args.overrides:
         raise ConfigError("--write-config: the model comes from a Hugging Face config "
@@ -89,17 +89,25 @@ def _model_table(args, spec) -> dict[str, Any]:
     return {**arch, **out}
 
 
-def _source_model_table(path: Path) -> dict[str, Any]:
+_PATH_KEYS = {"model": ("init_from", "hf_config"), "data": ("path", "eval_path", "tokenizer")}
+"""Keys chipset train resolves against the config file's folder: made absolute when carried over."""
+
+
+def _source_tables(path: Path) -> dict[str, dict[str, Any]]:
+    """The source train config's tables, relative paths made absolute (the new file may live elsewhere)."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover
         import tomli as tomllib
-    table = dict(tomllib.loads(path.read_text()).get("model") or {})
-    for k in ("init_from", "hf_config"):  # relative to the source file; the new file may live elsewhere
-        if table.get(k):
-            ref = Path(str(table[k])).expanduser()
-            table[k] = str(ref if ref.is_absolute() else (path.parent / ref).resolve())
-    return table
+    data = tomllib.loads(path.read_text())
+    out = {k: dict(v) for k, v in data.items() if isinstance(v, dict)}
+    for section, keys in _PATH_KEYS.items():
+        table = out.get(section, {})
+        for k in keys:
+            if isinstance(table.get(k), str) and table[k]:
+                ref = Path(table[k]).expanduser()
+                table[k] = str(ref if ref.is_absolute() else (path.parent / ref).resolve())
+    return out
 
 
 def train_config_text(args, spec, train, cluster, pred) -> str:
@@ -128,12 +136,20 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         "virtual_stages": lay.v,
         "cp_attention": lay.cp_attention,
     }
+    planned = {"global_batch": train.global_batch, "seq_len": spec.seq_len, "dtype": dtype,
+               "recompute": lay.recompute}
+    src: dict[str, dict[str, Any]] = {}
+    from chipset.models.hf.plan import is_hf_config
+
+    if args.model and not is_hf_config(args.model):  # a chipset train config: keep its run settings
+        src = _source_tables(Path(args.model).expanduser())
     tables = {
         "model": _model_table(args, spec),
         "parallel": parallel,
-        "train": {"global_batch": train.global_batch, "seq_len": spec.seq_len, "dtype": dtype,
-                  "recompute": lay.recompute},
+        "train": {**planned, **{k: v for k, v in (src.get("train") or {}).items() if k not in planned}},
     }
+    if src.get("data"):
+        tables["data"] = src["data"]
     n = cluster.world_size
     launch = (f"--nproc {n}" if cluster.nodes == 1 else
               f"--nnodes {cluster.nodes} --nproc {cluster.devices_per_node} (on each node, with --node-rank)")
@@ -146,12 +162,18 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         f"# Predicted (the planner's best layout): {pred.step_time_s:.4g} s/step, "
         f"{pred.tokens_per_s:.4g} tokens/s, MFU {pred.mfu:.1%}, {pred.memory.total / 2**30:.1f} GiB per device.",
         f"# Launch with world size {n}: chipset train {shlex.quote(args.write_config)} {launch}",
-        "# Add steps, lr and a [data] table before a real run (defaults: docs/config.md).",
+        ("# Other [train] keys and [data] are the source config's." if src else
+         "# Add steps, lr and a [data] table before a real run (defaults: docs/config.md)."),
         "",
     ]
     for section, body in tables.items():
         lines.append(f"[{section}]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in body.items())
+        for k, v in body.items():
+            try:
+                lines.append(f"{k} = {_toml_value(v)}")
+            except TypeError:
+                raise ConfigError(f"--write-config: {section}.{k} = {v!r} in {args.model} is not a scalar "
+                                  "chipset train reads; fix the source config") from None
         lines.append("")
     text = "\n".join(lines)
     _validate(text, n)
