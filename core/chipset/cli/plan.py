@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
                         "interleaved-vN), recompute (none, selective, full), sequence_parallel")
     p.add_argument("--top", type=int, default=5, metavar="K", help="show the K fastest layouts (default 5)")
     p.add_argument("--json", action="store_true", help="machine-readable list of candidates")
+    p.add_argument("--write-config", metavar="FILE", help="write the best layout as a chipset train config "
+                   "(TOML) to FILE; refuses an existing FILE unless --force (docs/planner.md)")
+    p.add_argument("--force", action="store_true", help="with --write-config: overwrite an existing FILE")
     p.add_argument("--intra-node-bw", type=float, default=None, metavar="GBps",
                    help="override the profile's device-to-device bandwidth within a node, GB/s per direction")
     p.add_argument("--inter-node-bw", type=float, default=None, metavar="GBps",
@@ -165,7 +168,15 @@ def run(args) -> int:
             raise ConfigError(f"--efficiency must be in (0, 1] (found {args.efficiency})")
         a = Assumptions(gemm_efficiency=args.efficiency)
     train = TrainSpec(global_batch=args.global_batch, dtype=args.dtype)
+    if args.write_config:
+        from chipset.cli.plan_config import check_target
+
+        check_target(args.write_config, args.force)
     if args.module:
+        if args.write_config:
+            raise ConfigError("--write-config needs --model or --preset: a --module factory returns an nn.Module, "
+                              "while chipset train's model.family = 'package.module:factory' expects a model "
+                              "family (an object with build(cfg), docs/models.md)")
         return _run_module(args, cluster, fix, a, train)
     model = _model(args)
     res = search(model, train, cluster, fix=fix, assumptions=a)
@@ -176,6 +187,8 @@ def run(args) -> int:
         f = res.fixed_only
         print(f"chipset: warning: the fixed layout does not fit: it needs {_gib(f.memory.total)} per device, "
               f"usable {_gib(f.memory_limit_bytes)}", file=sys.stderr)
+    if args.write_config:
+        _write_config(args, model, train, cluster, shown)
     if args.json:
         print(json.dumps([p.to_json() for p in shown], indent=2))
         return 0
@@ -211,6 +224,17 @@ def run(args) -> int:
         print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and not fixed else None,
                       model, cluster, "The fixed layout" if fixed else "The fastest layout"))
     return 0
+
+
+def _write_config(args, model, train, cluster, shown) -> None:
+    from chipset.cli.plan_config import train_config_text, write_atomic
+
+    if not shown:
+        raise ConfigError("--write-config: no layout fits, so there is no config to write; "
+                          "see the discarded reasons above, relax --fix or use a larger cluster")
+    write_atomic(args.write_config, train_config_text(args, model, train, cluster, shown[0]), args.force)
+    print(f"chipset: wrote {args.write_config} (layout #1); launch it with the world size in its header",
+          file=sys.stderr)
 
 
 def _run_module(args, cluster, fix, a, train) -> int:
