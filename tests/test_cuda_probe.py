@@ -42,6 +42,13 @@ def test_probe_reports_a_missing_driver():
     assert not ok and "no NVIDIA driver" in reason
 
 
+def test_probe_reports_a_missing_driver_when_nvml_raises():
+    # torch 2.8 (the declared floor) raises OSError from _raw_device_count_nvml where
+    # libnvidia-ml.so is absent: a CUDA build of torch on a GPU-less machine (PyPI's default).
+    ok, reason = chipset_cuda._probe(FakeTorchForProbe(present="oserror"))
+    assert not ok and "no NVIDIA driver" in reason
+
+
 def test_probe_reports_zero_devices():
     ok, reason = chipset_cuda._probe(FakeTorchForProbe(present=0))
     assert not ok and "zero GPUs" in reason

@@ -2,7 +2,9 @@
 
 A plugin that calls an API newer than its floor installs fine and then fails at the first
 call on the oldest torch it claims to support (the CUDA plugin passed ``enable_gqa``,
-torch >= 2.5, while declaring torch >= 2.4).
+torch >= 2.5, while declaring torch >= 2.4). The floor itself is certified by
+``tox -e torch-floor``, which installs constraints-floor.txt's release; every pyproject.toml
+must declare exactly that release.
 """
 
 from __future__ import annotations
@@ -35,3 +37,27 @@ def test_declared_torch_floor_covers_the_apis_used(plugin):
                     f"{src.relative_to(ROOT)} uses {api} (torch >= {since[0]}.{since[1]}) but "
                     f"plugins/{plugin}/pyproject.toml declares torch >= {floor[0]}.{floor[1]}"
                 )
+
+
+def _pin() -> tuple[int, int]:
+    m = re.search(r"^torch==(\d+)\.(\d+)\.\d+\s*$", (ROOT / "constraints-floor.txt").read_text(), re.M)
+    assert m, "constraints-floor.txt: no torch==X.Y.Z pin"
+    return int(m[1]), int(m[2])
+
+
+@pytest.mark.parametrize("pyproject", ["pyproject.toml"] + sorted(
+    f"plugins/{p.name}/pyproject.toml" for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists()))
+def test_every_declared_floor_is_the_release_the_floor_env_certifies(pyproject):
+    # tox -e torch-floor installs constraints-floor.txt's torch and runs the conformance
+    # suites and a two-rank ZeRO-3 run on it; a floor below that release is a promise no
+    # test keeps, a floor above it leaves the release the env tests unsupported.
+    assert _floor(ROOT / pyproject) == _pin(), (
+        f"{pyproject} declares torch >= {'.'.join(map(str, _floor(ROOT / pyproject)))}, constraints-floor.txt "
+        f"(what `tox -e torch-floor` tests) pins {'.'.join(map(str, _pin()))}: change both together")
+
+
+def test_the_floor_env_is_in_the_default_tox_run():
+    text = (ROOT / "tox.ini").read_text()
+    envlist = re.search(r"^envlist\s*=\s*(.+)$", text, re.M)[1]
+    assert "torch-floor" in [e.strip() for e in envlist.split(",")]
+    assert "PIP_CONSTRAINT = {toxinidir}/constraints-floor.txt" in text

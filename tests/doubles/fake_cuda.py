@@ -28,10 +28,12 @@ class _ProbeCuda:
 
     def __init__(self, present: int, visible: int | None):
         self._present = present
-        self._visible = present if visible is None else visible
+        self._visible = (0 if present == "oserror" else present) if visible is None else visible
         self.nvml_flag_seen: list[str | None] = []
 
     def _raw_device_count_nvml(self) -> int:
+        if self._present == "oserror":  # torch 2.8's answer on a machine without libnvidia-ml.so
+            raise OSError("libnvidia-ml.so.1: cannot open shared object file: No such file or directory")
         return self._present
 
     def is_available(self) -> bool:
@@ -40,7 +42,7 @@ class _ProbeCuda:
         self.nvml_flag_seen.append(flag)
         if flag != "1":
             raise ProbeTouchedCuda("is_available() without PYTORCH_NVML_BASED_CUDA_CHECK=1 initialises CUDA")
-        return self._present > 0 and self._visible > 0
+        return self._present != "oserror" and self._present > 0 and self._visible > 0
 
     def __getattr__(self, name):
         raise ProbeTouchedCuda(f"the probe used torch.cuda.{name}, which may initialise CUDA")
@@ -50,7 +52,7 @@ class FakeTorchForProbe:
     """A ``torch`` double for ``chipset_cuda._probe``.
 
     ``cuda_version=None`` is a CPU-only build; ``present`` is NVML's raw count (-1 = no
-    driver); ``visible`` is what is left after CUDA_VISIBLE_DEVICES (default: all).
+    driver; ``"oserror"``: NVML's library is missing and the call raises, as torch < 2.9 does); ``visible`` is what is left after CUDA_VISIBLE_DEVICES (default: all).
     """
 
     def __init__(self, cuda_version: str | None = "12.8", present: int = 1, visible: int | None = None):

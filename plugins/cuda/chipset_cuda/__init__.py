@@ -30,7 +30,10 @@ def _probe(torch_module=None) -> tuple[bool, str]:
     raw_nvml = getattr(torch.cuda, "_raw_device_count_nvml", None)
     present = None
     if raw_nvml is not None:
-        present = raw_nvml()
+        try:
+            present = raw_nvml()
+        except OSError:  # torch < 2.9 raises when libnvidia-ml.so is absent; later ones return -1
+            present = -1
         if present < 0:
             return False, "no NVIDIA driver: NVML could not be loaded or initialised (is the driver installed?)"
         if present == 0:

@@ -237,8 +237,11 @@ def safe_reader(path: Path):
 
     class _Reader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
+            # The file name DCP writes (a per-rank name only when asked for one); spelled out
+            # here because FileSystemReader's helper for it is private and absent before torch 2.9.
             rank = kwargs.get("rank")
-            with open(self._get_metadata_path(rank), "rb") as f:
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            with open(Path(self.path) / name, "rb") as f:
                 metadata = _SafeUnpickler(f).load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
