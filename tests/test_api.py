@@ -30,6 +30,12 @@ _SCRIPT = textwrap.dedent("""
         api.parallelize(api.config(parallel={"tp": 2}), backend, nn.Linear(3, 2))
     except ConfigError as exc:
         print("no plan:", exc)
+    with torch.device("meta"):
+        empty = nn.Linear(3, 2)
+    try:  # a meta-device model has no values to train
+        api.parallelize(cfg, backend, empty)
+    except UsageError as exc:
+        print("meta model:", exc)
     engine = api.parallelize(cfg, backend, nn.Linear(3, 2))
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
     try:
@@ -56,5 +62,6 @@ def test_parallelize_and_step_refuse_misuse_in_one_process():
     assert r.returncode == 0, r.stderr[-3000:]
     assert "bad model: parallelize: model is str; expected an nn.Module" in r.stdout
     assert "no plan: parallel.tp = 2 splits the model by a tensor-parallel plan" in r.stdout
+    assert "meta model: parameter 'weight' of Linear is on the meta device (it has no values)" in r.stdout
     assert "bad batches: train_step got 2 micro-batch(es), the engine was built for 1" in r.stdout
     assert "loss " in r.stdout and "['grad_norm', 'loss_scale', 'skipped']" in r.stdout

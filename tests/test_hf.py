@@ -178,15 +178,25 @@ def _job(mode: str, out: str) -> None:
         results[fam] = {k: v.detach().float().clone() for k, v in engine.full_parameters().items()}
     if mode in ("one", "zero3"):
         # Peak host memory of one more load of the bf16 model: VmHWM reset, load, VmHWM - RSS before.
+        from chipset.engine.trainer import build_model, make_dims
+        from chipset.models.registry import resolve_family
+
         cfg = load_config(None, [f"model.init_from={root / 'big'}", f"train.seq_len={SEQ}", *LAYOUTS[mode][1]])
         cfg.validate(world_size=world)
-        engine, _, _ = build(cfg, b)
         try:
+            # Building this rank's model for a file (before the engine wraps it): no parameter
+            # memory, whatever the layout; a model built on the host would hold all of it here.
+            Path("/proc/self/clear_refs").write_text("5")
+            before = _vm("VmRSS")
+            model = build_model(cfg, b, make_dims(cfg, world), resolve_family(cfg.model.family))
+            built = _vm("VmHWM") - before
+            del model
+            engine, _, _ = build(cfg, b)
             Path("/proc/self/clear_refs").write_text("5")
             before = _vm("VmRSS")
             read = load_into_engine(engine, root / "big")
             peak = _vm("VmHWM")
-            mem = {"delta": peak - before, "read": read}
+            mem = {"delta": peak - before, "read": read, "build_model": built}
         except OSError:
             mem = None
         (Path(out).parent / f"mem-{mode}-rank{b.collective.rank()}.json").write_text(json.dumps(mem))
@@ -317,7 +327,8 @@ def test_a_wrong_mapping_fails_the_comparison(families, loaded, tokens, wrong):
 @pytest.mark.multirank
 def test_loading_holds_only_this_ranks_shard_in_host_memory(families, loaded):
     """Peak RSS added by a load (file pages touched + staging) is at most the rank's shard of the
-    file plus one tensor, not the file: dp2 x ZeRO-3 ranks add about half of what one process adds."""
+    file plus one tensor, not the file: dp2 x ZeRO-3 ranks add about half of what one process adds;
+    building the rank's model before the load adds no parameter memory (meta device)."""
     size = (families / "big" / "model.safetensors").stat().st_size
     largest = max(t.numel() * t.element_size() for t in file_tensors(families / "big").values())
     one = json.loads((families.parent / "mem-one-rank0.json").read_text())
@@ -328,9 +339,15 @@ def test_loading_holds_only_this_ranks_shard_in_host_memory(families, loaded):
     assert one["delta"] >= 0.9 * size  # the single process touches the whole file
     for m in shard:
         assert m["delta"] <= size / 2 + largest + slack, (m, size)  # its shard plus one tensor
+    # The fp32 model is twice the bf16 file; built on the host it would add all of that before
+    # the engine shards it. Built for a file it adds no parameter memory (rotary tables only).
+    for m in (one, *shard):
+        assert m["build_model"] <= slack, (m, size)
     print(f"big model file {size / 2**20:.1f} MiB (largest tensor {largest / 2**20:.1f} MiB): peak RSS added by "
-          f"loading: 1 process {one['delta'] / 2**20:.1f} MiB, dp2 ZeRO-3 ranks "
-          + ", ".join(f"{m['delta'] / 2**20:.1f}" for m in shard) + " MiB")
+          f"building the rank's model: 1 process {one['build_model'] / 2**20:.1f} MiB, dp2 ZeRO-3 ranks "
+          + ", ".join(f"{m['build_model'] / 2**20:.1f}" for m in shard) + " MiB; by loading: 1 process "
+          f"{one['delta'] / 2**20:.1f} MiB, dp2 ZeRO-3 ranks " + ", ".join(f"{m['delta'] / 2**20:.1f}" for m in shard)
+          + " MiB")
 
 
 # --- refusals ------------------------------------------------------------------------

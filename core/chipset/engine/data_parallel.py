@@ -84,7 +84,8 @@ class Bucket:
         with torch.no_grad():
             flat = torch.zeros(self.padded, dtype=e.dtype, device=e.device)
             for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
-                flat[off:off + n].copy_(p.detach().reshape(-1))
+                if not p.__dict__.pop("_chipset_unfilled", False):  # placeholders of a meta build stay zero
+                    flat[off:off + n].copy_(p.detach().reshape(-1))
         # Parameters: full flat buffer (stage < 3) or only the owned slice (stage 3).
         self.full: torch.Tensor | None = None
         if e.zero == 3:
@@ -269,6 +270,30 @@ class Bucket:
             self._inflight = send
 
 
+def _placeholders_for_meta(model: nn.Module, dtype: torch.dtype, device: torch.device, allowed: bool) -> None:
+    """Replace every meta-device parameter of ``model`` with a zero-storage placeholder of its
+    shape (same Parameter attributes, tied parameters kept tied), marked for the bucket that
+    takes it. Why: ``Parameter.data`` cannot be re-pointed from the meta device to a real
+    one, and allocating the whole tensor would defeat building on the meta device."""
+    made: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if not allowed:
+                raise UsageError(
+                    f"parameter {name!r} of {type(mod).__name__} is on the meta device (it has no values); "
+                    "build the model on a real device, or let chipset fill it from a file (model.init_from)")
+            if id(p) not in made:
+                kind = dtype if p.is_floating_point() else p.dtype
+                new = nn.Parameter(torch.zeros((), dtype=kind, device=device).expand(p.shape),
+                                   requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                new._chipset_unfilled = True
+                made[id(p)] = new
+            mod._parameters[name] = made[id(p)]
+
+
 def _each(buckets: list[Bucket], fn) -> None:
     """Module hooks must return None (a value would replace the module's input or output)."""
     for b in buckets:
@@ -291,7 +316,7 @@ class DataParallel:
     def __init__(self, model: nn.Module, backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
                  bucket_mb: float = 25.0, micro_batches: int = 1, grad_clip: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 scaler: LossScaler | None = None, offload_optimizer: bool = False):
+                 scaler: LossScaler | None = None, offload_optimizer: bool = False, weights_to_load: bool = False):
         self.model = model
         self.backend = backend
         self.collective = backend.collective
@@ -324,6 +349,9 @@ class DataParallel:
         """Extra groups whose ranks hold disjoint parts of the model (pipeline stages): the squared
         gradient norm and the overflow flag are summed over each, so clipping sees the whole model."""
 
+        # Parameters on the meta device (a model built to be filled from a file afterwards:
+        # model.init_from) get zero-storage placeholders; their buckets start at zero.
+        _placeholders_for_meta(model, dtype, self.device, weights_to_load)
         model.to(device=self.device, dtype=dtype)
         named = list(model.named_parameters())
         self.buckets = self._make_buckets(named, bucket_mb)

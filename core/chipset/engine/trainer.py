@@ -96,7 +96,12 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
     problems = layout_problems(family, cfg)
     if problems:  # the launcher refused these already; a worker started by hand refuses too
         raise ConfigError("; ".join(problems))
-    if isinstance(family, TransformerFamily):
+    if isinstance(family, TransformerFamily) and cfg.model.init_from:
+        # Weights come from the file into the shards this rank holds (wrap): the parameters are
+        # built on the meta device, so no rank ever holds the whole model, nor initialises it.
+        with torch.device("meta"):
+            model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
+    elif isinstance(family, TransformerFamily):
         model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
     else:
         model = _build_family(family, cfg, backend, dims, par)
@@ -135,7 +140,7 @@ def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
     engine = make(
         model, backend, dims, dtype=dtype, bucket_mb=par.bucket_mb, micro_batches=par.micro_batches,
         grad_clip=tr.grad_clip, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
-        scaler=scaler, offload_optimizer=par.offload_optimizer,
+        scaler=scaler, offload_optimizer=par.offload_optimizer, weights_to_load=bool(cfg.model.init_from),
     )
     if cfg.model.init_from:  # Hugging Face weights into the shards this rank holds (models/hf/weights.py)
         from chipset.models.hf.weights import load_into_engine

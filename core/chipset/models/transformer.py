@@ -44,7 +44,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     between interpolated linearly in ``original / wavelength``.
     """
     d = head_dim(cfg)
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    # On the host explicitly: a model built on the meta device still needs real rotary tables.
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
     if cfg.rope_type != "llama3":
         return inv
     orig = cfg.rope_original_max_position_embeddings
@@ -165,7 +166,7 @@ class Transformer(nn.Module):
         self.loss_fn = None  # pluggable (vocab-parallel cross-entropy); None = the kernel
         self.seq_layout = None  # pluggable (context parallel): which tokens this rank holds
         inv = rope_inv_freq(cfg)
-        ang = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), inv)
+        ang = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64, device="cpu"), inv)
         ang = torch.cat((ang, ang), dim=-1)
         self.register_buffer("rope_cos", ang.cos().float(), persistent=False)
         self.register_buffer("rope_sin", ang.sin().float(), persistent=False)
@@ -173,9 +174,12 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Deterministic init from ``seed`` (independent of the global RNG), in name order."""
+        """Deterministic init from ``seed`` (independent of the global RNG), in name order.
+        Parameters on the meta device (built to be filled from a file) are left as they are."""
         g = torch.Generator().manual_seed(int(seed))
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.fill_(1.0)
             else:
