@@ -23,11 +23,19 @@ rank changes the gradient's direction and norm, so both trajectory checks see it
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
 EPS32 = torch.finfo(torch.float32).eps  # 2**-23: spacing of fp32 numbers near 1
+
+
+def run_metrics(run_dir: Path) -> tuple[list[float], list[float]]:
+    """Per-step losses and gradient norms of a ``chipset train`` run (its metrics.jsonl)."""
+    recs = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
 
 
 def reduction_rtol(n: int, depth: int) -> float:

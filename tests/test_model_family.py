@@ -106,17 +106,12 @@ def _train(run_dir: Path, nproc: int, *sets: str, family_spec: str = "test_model
                           capture_output=True, text=True, env=env or _env(), timeout=600)
 
 
-def _metrics(run_dir: Path) -> tuple[list[float], list[float]]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("ref") / "run"
     r = _train(run, 1)
     assert r.returncode == 0, r.stderr[-3000:]
-    return _metrics(run)
+    return parity.run_metrics(run)
 
 
 @pytest.mark.multirank
@@ -125,7 +120,7 @@ def reference(tmp_path_factory):
 def test_custom_family_two_ranks_match_one_process(tmp_path, reference, layout):
     r = _train(tmp_path / "run", 2, *layout)
     assert r.returncode == 0, r.stderr[-3000:]
-    losses, norms = _metrics(tmp_path / "run")
+    losses, norms = parity.run_metrics(tmp_path / "run")
     want_losses, want_norms = reference
     parity.assert_losses_close(losses, want_losses, n=N_REDUCE, depth=DEPTH)
     parity.assert_grad_norms_close(norms, want_norms, n=N_REDUCE, depth=DEPTH)

@@ -100,17 +100,12 @@ def _train(run_dir: Path, nproc: int, *sets: str, family: str = "resnet", cwd=No
                           capture_output=True, text=True, env=_env(), timeout=600, cwd=cwd)
 
 
-def _metrics(run_dir: Path) -> tuple[list[float], list[float]]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("ref") / "run"
     r = _train(run, 1)
     assert r.returncode == 0, r.stderr[-3000:]
-    return _metrics(run)
+    return parity.run_metrics(run)
 
 
 @pytest.mark.multirank
@@ -118,7 +113,7 @@ def reference(tmp_path_factory):
 def test_two_ranks_match_one_process(tmp_path, reference, zero):
     r = _train(tmp_path / "run", 2, f"parallel.zero={zero}")
     assert r.returncode == 0, r.stderr[-3000:]
-    losses, norms = _metrics(tmp_path / "run")
+    losses, norms = parity.run_metrics(tmp_path / "run")
     parity.assert_losses_close(losses, reference[0], n=N_REDUCE, depth=DEPTH)
     parity.assert_grad_norms_close(norms, reference[1], n=N_REDUCE, depth=DEPTH)
     assert reference[0][-1] < reference[0][0]  # it really trained
@@ -136,7 +131,7 @@ def test_parity_check_rejects_summed_gradients(tmp_path, reference):
     (before the fix every rank failed with "No module named 'test_resnet_family'")."""
     r = _train(tmp_path / "run", 2, family="test_resnet_family:summed_gradients", cwd=HERE)
     assert r.returncode == 0, r.stderr[-3000:]
-    losses, norms = _metrics(tmp_path / "run")
+    losses, norms = parity.run_metrics(tmp_path / "run")
     assert losses[0] == pytest.approx(reference[0][0], rel=parity.trajectory_rtol(N_REDUCE, DEPTH, 0))
     with pytest.raises(AssertionError, match="gradient norm at step 0"):
         parity.assert_grad_norms_close(norms, reference[1], n=N_REDUCE, depth=DEPTH)
