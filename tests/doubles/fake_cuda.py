@@ -52,7 +52,7 @@ class FakeTorchForProbe:
     """A ``torch`` double for ``chipset_cuda._probe``.
 
     ``cuda_version=None`` is a CPU-only build; ``present`` is NVML's raw count (-1 = no
-    driver; ``"oserror"``: NVML's library is missing and the call raises, as torch < 2.9 does); ``visible`` is what is left after CUDA_VISIBLE_DEVICES (default: all).
+    driver; ``"oserror"``: NVML's library is missing and the call raises, as torch 2.8 does); ``visible`` is what is left after CUDA_VISIBLE_DEVICES (default: all).
     """
 
     def __init__(self, cuda_version: str | None = "12.8", present: int = 1, visible: int | None = None):

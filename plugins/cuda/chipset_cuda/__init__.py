@@ -32,7 +32,7 @@ def _probe(torch_module=None) -> tuple[bool, str]:
     if raw_nvml is not None:
         try:
             present = raw_nvml()
-        except OSError:  # torch < 2.9 raises when libnvidia-ml.so is absent; later ones return -1
+        except OSError:  # torch 2.8 raises where libnvidia-ml.so is absent; 2.13 returns -1
             present = -1
         if present < 0:
             return False, "no NVIDIA driver: NVML could not be loaded or initialised (is the driver installed?)"

@@ -238,7 +238,7 @@ def safe_reader(path: Path):
     class _Reader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             # The file name DCP writes (a per-rank name only when asked for one); spelled out
-            # here because FileSystemReader's helper for it is private and absent before torch 2.9.
+            # here because FileSystemReader's helper for it is private and absent in torch 2.8.
             rank = kwargs.get("rank")
             name = ".metadata" if rank is None else f"__{rank}.metadata"
             with open(Path(self.path) / name, "rb") as f:
