@@ -6,6 +6,7 @@ writes ``metrics.jsonl`` and ``summary.json`` into the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -96,13 +97,11 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
     problems = layout_problems(family, cfg)
     if problems:  # the launcher refused these already; a worker started by hand refuses too
         raise ConfigError("; ".join(problems))
-    if isinstance(family, TransformerFamily) and cfg.model.init_from:
-        # Weights come from the file into the shards this rank holds (wrap): the parameters are
-        # built on the meta device, so no rank ever holds the whole model, nor initialises it.
-        with torch.device("meta"):
+    if isinstance(family, TransformerFamily):
+        # With init_from the weights come from the file into the shards this rank holds (wrap):
+        # the parameters are built on the meta device, so no rank holds or initialises the whole model.
+        with torch.device("meta") if cfg.model.init_from else contextlib.nullcontext():
             model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
-    elif isinstance(family, TransformerFamily):
-        model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
     else:
         model = _build_family(family, cfg, backend, dims, par)
     if dims.tp_enabled and isinstance(family, TransformerFamily):
