@@ -109,16 +109,22 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("zero", [0, 3], ids=["dp2", "zero3"])
-def test_two_ranks_match_one_process(tmp_path, reference, zero):
-    r = _train(tmp_path / "run", 2, f"parallel.zero={zero}")
+@pytest.mark.parametrize("nproc, sets, want", [
+    (2, ("parallel.zero=0",), {"dp": 2, "zero": 0}),
+    (2, ("parallel.zero=3",), {"dp": 2, "zero": 3}),
+    # Pipeline stages cut from the chain stem, block 0, block 1, head (2 micro-batches).
+    (2, ("parallel.pp=2", "parallel.micro_batches=2"), {"dp": 1, "pp": 2}),
+    (4, ("parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"), {"dp": 2, "pp": 2, "zero": 3}),
+], ids=["dp2", "zero3", "pp2", "dp2-pp2-zero3"])
+def test_parallel_runs_match_one_process(tmp_path, reference, nproc, sets, want):
+    r = _train(tmp_path / "run", nproc, *sets)
     assert r.returncode == 0, r.stderr[-3000:]
     losses, norms = parity.run_metrics(tmp_path / "run")
     parity.assert_losses_close(losses, reference[0], n=N_REDUCE, depth=DEPTH)
     parity.assert_grad_norms_close(norms, reference[1], n=N_REDUCE, depth=DEPTH)
     assert reference[0][-1] < reference[0][0]  # it really trained
     layout = json.loads((tmp_path / "run" / "summary.json").read_text())["layout"]
-    assert layout["dp"] == 2 and layout["zero"] == zero
+    assert {k: layout[k] for k in want} == want
 
 
 @pytest.mark.multirank
@@ -144,7 +150,7 @@ def test_listed_as_built_in_and_counted_for_mfu(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
                             capture_output=True, text=True, env=env, timeout=300)
     fams = {f["name"]: f for f in json.loads(listed.stdout)["families"]}
-    assert fams["resnet"]["source"] == "built-in" and fams["resnet"]["layouts"] == ["dp", "zero1", "zero2", "zero3"]
+    assert fams["resnet"]["source"] == "built-in" and fams["resnet"]["layouts"] == ["dp", "pp", "zero1", "zero2", "zero3"]
     env["CHIPSET_BACKEND"] = "cpu_sim"
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run),
@@ -163,7 +169,10 @@ def test_listed_as_built_in_and_counted_for_mfu(tmp_path):
 
 @pytest.mark.parametrize("sets, expected", [
     (("parallel.tp=2",), "model family 'resnet' does not support tp"),
-    (("parallel.pp=2",), "model family 'resnet' does not support pp"),
+    (("parallel.pp=2", 'parallel.pipeline_split="1,2"'),
+     "parallel.pipeline_split = '1,2' sums to 3 units, expected the model's 4 pipeline units"),
+    (("parallel.pp=2", "parallel.virtual_stages=4", 'parallel.schedule="interleaved_1f1b"', "parallel.micro_batches=2"),
+     "pp*virtual_stages (8) exceeds the model's 4 pipeline units (stem, blocks.0, blocks.1, head)"),
     (('data.source="text"', 'data.path="corpus.txt"', "model.vocab_size=256"), "model family 'resnet' trains on synthetic images only"),
 ])
 def test_unsupported_layouts_are_refused_before_launch(tmp_path, sets, expected):

@@ -548,7 +548,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         # schedule, split and combinations: engine/pipeline/__init__.py
         from chipset.engine.pipeline import pipeline_problems
 
-        problems += pipeline_problems(cfg)
+        problems += pipeline_problems(cfg, builtin)
     if tr.dtype not in DTYPES:
         problems.append(f"train.dtype = {tr.dtype!r}: expected one of {', '.join(DTYPES)}")
     elif dtypes is not None and tr.dtype not in dtypes:

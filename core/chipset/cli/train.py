@@ -232,8 +232,9 @@ def _print_schedule(cfg, b) -> int:
     if cfg.parallel.pp < 2:
         raise UsageError("--print-schedule needs a pipeline: set parallel.pp >= 2 (e.g. --set parallel.pp=2 --nproc 2)")
     from chipset.engine.pipeline import describe_pipeline
+    from chipset.models.registry import resolve_family
 
-    print(describe_pipeline(cfg, b.kernels))
+    print(describe_pipeline(cfg, b.kernels, resolve_family(cfg.model.family)))
     return 0
 
 

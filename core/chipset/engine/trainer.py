@@ -188,7 +188,7 @@ def _build_family(family, cfg: RunConfig, backend, dims: ParallelDims, par) -> t
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
         model = family.build(cfg)
-    bind(family, model)
+    bind(family, model, cfg)
     if dims.tp_enabled:
         tp = TPContext(backend.collective, dims.group("tp", backend.collective),
                        sequence_parallel=par.sequence_parallel)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LAYOUTS", "ModelFamily", "TransformerFamily", "layout_problems", "bind"]
+__all__ = ["LAYOUTS", "ModelFamily", "TransformerFamily", "bind", "layout_problems", "meta_model"]
 
 LAYOUTS = ("dp", "zero1", "zero2", "zero3", "tp", "sp", "pp", "ep", "cp")
 """Names a family lists in :attr:`ModelFamily.layouts`: data parallelism (ZeRO 0 is plain
@@ -63,22 +63,37 @@ class ModelFamily:
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """Submodules gathered one at a time under ZeRO-3; together they must hold every
-        parameter exactly once. (Recompute and pipeline splitting by unit are not yet applied to
-        families other than the built-in transformer: train.recompute must be none.) Default:
-        ``model.units()`` if the module has it, else its top-level children with parameters."""
+        parameter exactly once. (Recompute by unit is not yet applied to families other than
+        the built-in transformer: train.recompute must be none.) Default: ``model.units()`` if
+        the module has it, else its top-level children with parameters."""
         own = getattr(type(model), "units", None)
         if callable(own):
             return list(own(model))
         return [m for m in model.children() if any(True for _ in m.parameters())]
 
+    def pipeline_units(self, model: nn.Module) -> list[nn.Module]:
+        """The model as a chain for pipeline parallelism: submodules that, applied one after
+        another, compute ``model(inputs)`` (``units[-1](...units[0](inputs))``), each taking and
+        returning one tensor. Pipeline stages are contiguous runs of them, balanced by
+        parameter count or given by ``parallel.pipeline_split`` (units per virtual stage); the
+        last stage applies :meth:`output_loss`. Needed when ``"pp"`` is in :attr:`layouts`.
+        Default: :meth:`units`, so a family whose ZeRO-3 units already chain needs nothing more."""
+        return self.units(model)
+
+    def output_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Scalar mean loss of a micro-batch from the model's outputs. The default :meth:`loss`
+        and the last pipeline stage use it. Default: cross-entropy of the logits (classes last)
+        against ``targets``, in float32."""
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]).float(), targets.reshape(-1))
+
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Scalar mean loss of one micro-batch. Default: ``model.loss`` if the module has it,
-        else cross-entropy of ``model(inputs)`` (logits, classes last) against ``targets``."""
+        else :meth:`output_loss` of ``model(inputs)``. (Under pp the engine computes
+        ``output_loss`` of the last unit's output instead: keep the two consistent.)"""
         own = getattr(type(model), "loss", None)
         if callable(own):
             return own(model, inputs, targets)
-        logits = model(inputs)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        return self.output_loss(model(inputs), targets)
 
     def data(self, cfg):
         """The training data: an object with ``batch(step, dp_rank, dp, micro, micro_batches,
@@ -103,13 +118,43 @@ class ModelFamily:
         return 6.0 * sum(p.numel() for p in model.parameters())
 
 
-def bind(family: ModelFamily, model: nn.Module) -> nn.Module:
-    """Give ``model`` the ``units()`` and ``loss()`` the engine calls, from ``family``.
+def bind(family: ModelFamily, model: nn.Module, cfg=None) -> nn.Module:
+    """Give ``model`` what the engine calls, from ``family``: ``units()``, ``loss()`` and, for
+    pipeline parallelism, ``pipeline_units()``, ``output_loss()`` and ``unit_shapes(inputs)``
+    (each unit's output shape for a micro-batch, found by running the family's model for
+    ``cfg`` on the meta device: no memory, no communication, whatever the layout).
 
     Plain instance attributes: parameter names and the module's class stay unchanged."""
     object.__setattr__(model, "units", lambda: family.units(model))
     object.__setattr__(model, "loss", lambda inputs, targets: family.loss(model, inputs, targets))
+    object.__setattr__(model, "pipeline_units", lambda: family.pipeline_units(model))
+    object.__setattr__(model, "output_loss", family.output_loss)
+    if cfg is not None:
+        object.__setattr__(model, "unit_shapes", lambda inputs: unit_shapes(family, cfg, inputs))
     return model
+
+
+def meta_model(family: ModelFamily, cfg, kernels=None) -> nn.Module:
+    """``family``'s model for ``cfg`` on the meta device (shapes and names only, nothing
+    allocated), bound to the family; ``kernels`` is the built-in transformer's kernel set."""
+    with torch.device("meta"):
+        if isinstance(family, TransformerFamily):
+            return family.build(cfg, kernels)
+        return bind(family, family.build(cfg))
+
+
+@torch.no_grad()
+def unit_shapes(family: ModelFamily, cfg, inputs: torch.Tensor) -> list[torch.Size]:
+    """The output shape of each of ``family.pipeline_units`` for a micro-batch shaped like
+    ``inputs``, from the unsplit model built and run on the meta device."""
+    with torch.device("meta"):
+        model = family.build(cfg)
+    x = torch.empty(inputs.shape, dtype=inputs.dtype, device="meta")
+    shapes = []
+    for unit in family.pipeline_units(model):
+        x = unit(x)
+        shapes.append(x.shape)
+    return shapes
 
 
 def requested_layouts(cfg) -> list[str]:
@@ -143,6 +188,10 @@ def layout_problems(family: ModelFamily, cfg) -> list[str]:
                         "transformer family yet; use 0")
     if not problems and "tp" in family.layouts and cfg.parallel.tp > 1:
         problems += plan_problems(family, cfg)
+    if not problems and "pp" in family.layouts and cfg.parallel.pp > 1:
+        from chipset.engine.pipeline.units import chain_problems
+
+        problems += chain_problems(meta_model(family, cfg), cfg.parallel)
     return problems
 
 

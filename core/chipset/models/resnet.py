@@ -2,7 +2,8 @@
 
 It is written only against the family contract (chipset.models.family) and is the worked
 example of a model that is not a sequence model: its own data (synthetic images), its own
-FLOPs count, and no tensor or pipeline parallelism. Select it with ``model.family = "resnet"``
+FLOPs count, and pipeline stages cut from its chain of units (stem, residual blocks, pooled
+head); it has no tensor parallelism (nothing but the head is an ``nn.Linear``). Select it with ``model.family = "resnet"``
 (examples/resnet-tiny.toml, docs/models.md).
 
 The ``model.*`` keys it reads, reusing the decoder's names for the same roles:
@@ -67,6 +68,14 @@ def block_shapes(width: int, blocks: int) -> list[tuple[int, int, int]]:
     return out
 
 
+class PooledLinear(nn.Linear):
+    """Global average pool over the image, then the linear classifier: the head as one unit,
+    so the chain stem -> blocks -> head is the whole forward (pipeline stages cut it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.mean(dim=(2, 3)))
+
+
 class ResNet(nn.Module):
     """Stem (3x3 conv), residual blocks, global average pool, linear classifier."""
 
@@ -74,16 +83,17 @@ class ResNet(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=False), _norm(width), nn.ReLU())
         self.blocks = nn.ModuleList(Block(ci, co, s) for ci, co, s in block_shapes(width, blocks))
-        self.head = nn.Linear(block_shapes(width, blocks)[-1][1] if blocks else width, classes)
+        self.head = PooledLinear(block_shapes(width, blocks)[-1][1] if blocks else width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(x.mean(dim=(2, 3)))
+        return self.head(x)
 
     def units(self) -> list[nn.Module]:
-        """ZeRO-3 gathers the stem, then one residual block at a time, then the head."""
+        """ZeRO-3 gathers the stem, then one residual block at a time, then the head; the same
+        chain is what pipeline stages are cut from."""
         return [self.stem, *self.blocks, self.head]
 
 
@@ -141,7 +151,7 @@ class ResNetFamily(ModelFamily):
     """The contract's answers for :class:`ResNet` on :class:`SyntheticImages`."""
 
     name = "resnet"
-    layouts = frozenset({"dp", "zero1", "zero2", "zero3"})  # no nn.Linear to split, no pipeline split
+    layouts = frozenset({"dp", "zero1", "zero2", "zero3", "pp"})  # no nn.Linear to split but the head
 
     def build(self, cfg) -> nn.Module:
         m = cfg.model

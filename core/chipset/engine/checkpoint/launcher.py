@@ -7,8 +7,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from chipset.engine.checkpoint import store
 from chipset.engine.checkpoint.hangs import HANGS, diagnose
 from chipset.engine.checkpoint.manager import refuse_shapes, resolve_resume, shape_mismatches
@@ -38,11 +36,11 @@ def check_resume(run_dir: Path, mode: str, cfg, backend, run_id: str | None = No
     path, _ = resolve_resume(run_dir, mode, run_id)
     if path is None:
         return None
-    from chipset.models import Transformer
+    from chipset.models.family import meta_model
+    from chipset.models.registry import resolve_family
 
     state = json.loads((path / store.STATE).read_text())
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        model = Transformer(cfg.model, backend.kernels, seed=cfg.train.seed)
+    model = meta_model(resolve_family(cfg.model.family), cfg, backend.kernels)  # shapes only
     mine = {n: tuple(p.shape) for n, p in model.named_parameters()}
     problems = shape_mismatches({n: tuple(s) for n, s in state["shapes"].items()}, mine)
     if problems:

@@ -3,7 +3,8 @@
 * :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B as per-rank instruction lists.
 * :mod:`.check` — a simulator proving a schedule deadlock-free with matching transfers,
   before anything runs; also its timeline and bubble.
-* :mod:`.split` — the model cut into stages (balanced by parameters or explicit).
+* :mod:`.split` — the built-in transformer cut into stages (balanced by parameters or explicit).
+* :mod:`.units` — any other family's chain of pipeline units cut the same way.
 * :mod:`.runtime` — :class:`PipelineEngine` executes a schedule with batched p2p, data
   parallelism (ZeRO 0-3) over each stage's parameters; with context parallelism each cp
   rank pipelines its share of every sequence, with sequence parallelism each tp rank sends
@@ -25,6 +26,7 @@ from chipset.engine.pipeline.schedules import (
     one_f_one_b,
 )
 from chipset.engine.pipeline.split import StageModel, StageSpec, parse_split, split_model
+from chipset.engine.pipeline.units import UnitSpec, UnitStageModel, split_units
 from chipset.errors import ConfigError
 
 __all__ = [
@@ -37,6 +39,8 @@ __all__ = [
     "SimResult",
     "StageModel",
     "StageSpec",
+    "UnitSpec",
+    "UnitStageModel",
     "build_pipeline",
     "check_schedule",
     "describe_pipeline",
@@ -48,6 +52,7 @@ __all__ = [
     "pipeline_problems",
     "schedule_for",
     "split_model",
+    "split_units",
 ]
 
 
@@ -58,9 +63,14 @@ def schedule_for(par) -> PipelineSchedule:
     return sched
 
 
-def pipeline_problems(cfg) -> list[str]:
-    """Every configuration problem of a pp > 1 run, as messages (called by config validation)."""
+def pipeline_problems(cfg, builtin: bool = True) -> list[str]:
+    """Every configuration problem of a pp > 1 run, as messages (called by config validation).
+
+    ``builtin=False`` (another model family): the schedule only; how the family's chain of
+    units splits is checked with its layout (:func:`chipset.engine.pipeline.units.chain_problems`)."""
     m, par = cfg.model, cfg.parallel
+    parts = par.pp * max(par.virtual_stages, 1)
+    fits = not builtin or parts <= m.num_hidden_layers + 2  # else refused below
     problems = []
     if par.schedule not in SCHEDULES:
         problems.append(f"parallel.schedule = {par.schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -71,12 +81,13 @@ def pipeline_problems(cfg) -> list[str]:
             f"parallel.schedule = 'interleaved_1f1b' needs parallel.virtual_stages >= 2 (found {par.virtual_stages}); "
             "set parallel.virtual_stages=2 or choose schedule 1f1b"
         )
-    elif par.micro_batches > 0 and par.pp * par.virtual_stages <= m.num_hidden_layers + 2:  # else refused below
+    elif par.micro_batches > 0 and fits:
         try:
             schedule_for(par)
         except ConfigError as exc:
             problems.append(str(exc))
-    parts = par.pp * max(par.virtual_stages, 1)
+    if not builtin:
+        return problems
     if par.pipeline_split:
         try:
             parse_split(par.pipeline_split, parts, m.num_hidden_layers)
@@ -93,26 +104,36 @@ def pipeline_problems(cfg) -> list[str]:
 def build_pipeline(par, model, backend, dims, **dp_kwargs) -> PipelineEngine:
     """This rank's :class:`PipelineEngine` for ``model`` under ``par`` (a ParallelConfig)."""
     sched = schedule_for(par)
-    specs = split_model(model, par.pp * par.virtual_stages, par.pipeline_split)
+    parts = par.pp * par.virtual_stages
+    if callable(getattr(model, "pipeline_units", None)):  # a family's chain of units (units.py)
+        specs = split_units(model, parts, par.pipeline_split)
+    else:
+        specs = split_model(model, parts, par.pipeline_split)
     return PipelineEngine(model, backend, dims, sched, specs, **dp_kwargs)
 
 
-def describe_pipeline(cfg, kernels) -> str:
-    """What ``chipset train --print-schedule`` prints: the split, then the checked schedule."""
-    import torch
+def describe_pipeline(cfg, kernels, family=None) -> str:
+    """What ``chipset train --print-schedule`` prints: the split, then the checked schedule.
 
-    from chipset.models import Transformer
+    ``family``: the model family of ``cfg.model.family`` (default: the built-in transformer)."""
+    from chipset.models.family import TransformerFamily, meta_model
 
+    family = family if family is not None else TransformerFamily()
     par = cfg.parallel
     sched = schedule_for(par)
-    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
-        model = Transformer(cfg.model, kernels, seed=cfg.train.seed)
-    specs = split_model(model, par.pp * par.virtual_stages, par.pipeline_split)
-    units = {"embed": model.embed_tokens, "head": model.head}
-    lines = [f"pipeline split ({'explicit: ' + par.pipeline_split if par.pipeline_split else 'balanced by parameter count'}):"]
-    for spec in specs:
-        mods = ([units["embed"]] if spec.embed else []) + [model.layers[i] for i in spec.layers] + (
-            [units["head"]] if spec.head else [])
+    parts = par.pp * par.virtual_stages
+    model = meta_model(family, cfg, kernels)  # shapes only: no memory, no initialisation cost
+    if isinstance(family, TransformerFamily):
+        specs = split_model(model, parts, par.pipeline_split)
+        pieces = [([model.embed_tokens] if s.embed else []) + [model.layers[i] for i in s.layers] +
+                  ([model.head] if s.head else []) for s in specs]
+    else:
+        specs = split_units(model, parts, par.pipeline_split)
+        units = model.pipeline_units()
+        pieces = [units[s.first:s.last] for s in specs]
+    how = "explicit: " + par.pipeline_split if par.pipeline_split else "balanced by parameter count"
+    lines = [f"pipeline split ({how}):"]
+    for spec, mods in zip(specs, pieces, strict=True):
         n = sum(p.numel() for m in mods for p in m.parameters())
         rank, chunk = sched.locate(spec.virtual_stage)
         chunk_txt = f", chunk {chunk}" if sched.virtual_stages > 1 else ""

@@ -32,6 +32,7 @@ from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.pipeline.check import check_schedule
 from chipset.engine.pipeline.schedules import Instruction, Op, PipelineSchedule
 from chipset.engine.pipeline.split import StageModel, StageSpec
+from chipset.engine.pipeline.units import UnitSpec, UnitStageModel
 from chipset.engine.tensor_parallel import logical_slice
 from chipset.interfaces import P2POp
 
@@ -46,8 +47,8 @@ class PipelineEngine:
     their single-process names on every rank (collective over the pp group).
     """
 
-    def __init__(self, model, backend, dims: ParallelDims, schedule: PipelineSchedule, specs: list[StageSpec],
-                 **dp_kwargs):
+    def __init__(self, model, backend, dims: ParallelDims, schedule: PipelineSchedule,
+                 specs: list[StageSpec] | list[UnitSpec], **dp_kwargs):
         self.backend = backend
         self.collective = backend.collective
         self.dims = dims
@@ -61,7 +62,12 @@ class PipelineEngine:
         self.pp_rank = self.pp_group.ranks.index(col.rank())
         self.specs = specs
         self.my_specs = [specs[schedule.virtual_stage(self.pp_rank, c)] for c in range(v)]
-        self.hidden_size = model.cfg.hidden_size
+        # A family's chain of units (engine/pipeline/units.py) or the built-in transformer's split.
+        chain = specs and isinstance(specs[0], UnitSpec)
+        stage = UnitStageModel if chain else StageModel
+        self.unit_shapes = model.unit_shapes if chain else None
+        self._shapes: dict[tuple, list[torch.Size]] = {}
+        self.hidden_size = None if chain else model.cfg.hidden_size
         # Logical (single-process) shape of every parameter of the whole model: a checkpoint
         # written or read by one stage is checked against all of it (checkpoint/layout.py).
         # ep-sharded experts hold E/ep rows of their logical [E, ...] tensors.
@@ -72,9 +78,9 @@ class PipelineEngine:
         # Every rank learns every parameter's name, shape and owning stage (for full_parameters).
         self._owners: list[list[tuple[str, torch.Size]]] = [[] for _ in range(p)]
         for r in range(p):
-            sm = StageModel(model, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
+            sm = stage(model, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
             self._owners[r] = [(n, t.shape) for n, t in sm.named_parameters()]
-        self.model = StageModel(model, self.my_specs)
+        self.model = stage(model, self.my_specs)
         # Stages exchange hidden states as this rank holds them: its cp share of each sequence
         # and, with sequence parallelism, its tp slice of that (tp ranks send only their slice).
         sp = any(getattr(getattr(mod, "tp", None), "sequence_parallel", False) for mod in model.modules())
@@ -155,6 +161,19 @@ class PipelineEngine:
     def _vs(self, chunk: int) -> int:
         return self.schedule.virtual_stage(self.pp_rank, chunk)
 
+    def _boundary_shape(self, inputs: torch.Tensor, vs: int, leaving: bool) -> tuple[int, ...]:
+        """Shape of the activation entering (or, ``leaving``, leaving) virtual stage ``vs`` for
+        a micro-batch ``inputs``: this rank's share of the hidden states for the transformer,
+        the family's unit output shape (found once per input shape on the meta device) else."""
+        if self.unit_shapes is None:
+            n_seqs, seq_len = inputs.shape
+            return (n_seqs, seq_len // self.seq_shards, self.hidden_size)
+        key = (tuple(inputs.shape), inputs.dtype)
+        if key not in self._shapes:
+            self._shapes[key] = self.unit_shapes(inputs)
+        spec = self.specs[vs]
+        return tuple(self._shapes[key][(spec.last if leaving else spec.first) - 1])
+
     def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """Run the schedule over ``batches`` (one (tokens, targets) per micro-batch); the m losses."""
         s, e = self.schedule, self.engine
@@ -167,10 +186,12 @@ class PipelineEngine:
             if b.grad is not None and any(p.grad is None for p in b.params):
                 b.grad.zero_()  # someone ran model.zero_grad(set_to_none=True): re-attach the views
                 b._bind_grads()
-        n_seqs, seq_len = batches[0][0].shape
-        if seq_len % self.seq_shards:
-            raise ValueError(f"sequence length {seq_len} is not divisible by cp*tp(sequence parallel) = {self.seq_shards}")
-        act_shape = (n_seqs, seq_len // self.seq_shards, self.hidden_size)
+        seq_len = None
+        if self.unit_shapes is None:
+            seq_len = batches[0][0].shape[1]
+            if seq_len % self.seq_shards:
+                raise ValueError(f"sequence length {seq_len} is not divisible by cp*tp(sequence parallel) = "
+                                 f"{self.seq_shards}")
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
@@ -225,7 +246,8 @@ class PipelineEngine:
                 batch.append((ins, grads_out.pop(key).contiguous()))
                 continue
             if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                batch.append((ins, torch.empty(act_shape, dtype=e.dtype, device=self.device)))
+                shape = self._boundary_shape(batches[ins.mb][0], self._vs(ins.chunk), ins.op is Op.RECV_GRAD)
+                batch.append((ins, torch.empty(shape, dtype=e.dtype, device=self.device)))
                 continue
             flush()
             t0 = time.perf_counter()

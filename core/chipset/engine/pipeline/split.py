@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from chipset.errors import ConfigError
 from chipset.models.moe import MoE
 
-__all__ = ["StageSpec", "split_model", "parse_split", "StageModel"]
+__all__ = ["StageSpec", "StageModel", "balanced_runs", "parse_split", "split_model"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def parse_split(text: str, parts: int, num_layers: int) -> list[int]:
     return counts
 
 
-def _balanced(weights: list[int], parts: int) -> list[int]:
+def balanced_runs(weights: list[int], parts: int) -> list[int]:
     """Cut ``weights`` into ``parts`` non-empty contiguous runs minimising the largest sum; run lengths."""
     n = len(weights)
     prefix = [0]
@@ -108,7 +108,7 @@ def split_model(model, parts: int, explicit: str = "") -> list[StageSpec]:
                 f"{n_layers} blocks, head); use fewer stages or more model.num_hidden_layers"
             )
         weights = [sum(p.numel() for p in m.parameters()) for m in (model.embed_tokens, *model.layers, model.head)]
-        lengths = _balanced(weights, parts)
+        lengths = balanced_runs(weights, parts)
         # Units -> blocks per stage: the first run includes the embedding, the last the head.
         counts = list(lengths)
         counts[0] -= 1
