@@ -24,12 +24,14 @@ RUNNABLE = {
     "moe-tiny.toml": ["train.steps=3"],
     "long-context.toml": ["train.steps=2", "train.seq_len=256"],
     "resnet-tiny.toml": ["train.steps=3"],
+    "gpt2-tiny.toml": ["train.steps=3"],
 }
 
 
 def test_examples_exist():
     names = {p.name for p in CONFIGS}
-    assert {"tiny.toml", "moe-tiny.toml", "long-context.toml", "llama-1b.toml", "resnet-tiny.toml"} <= names
+    assert {"tiny.toml", "moe-tiny.toml", "long-context.toml", "llama-1b.toml", "resnet-tiny.toml",
+            "gpt2-tiny.toml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

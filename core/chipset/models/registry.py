@@ -74,10 +74,12 @@ def _one(ep) -> FamilyRecord:
 
 
 def _builtins() -> dict[str, ModelFamily]:
-    """Families shipped in chipset: the decoder, and the ResNet example (chipset.models.resnet)."""
+    """Families shipped in chipset: the decoder, a GPT-2-style decoder (chipset.models.gpt2) and
+    the ResNet example (chipset.models.resnet)."""
+    from chipset.models.gpt2 import GPT2Family
     from chipset.models.resnet import ResNetFamily
 
-    return {"transformer": TransformerFamily(), "resnet": ResNetFamily()}
+    return {"transformer": TransformerFamily(), "gpt2": GPT2Family(), "resnet": ResNetFamily()}
 
 
 def discover_families() -> list[FamilyRecord]:
