@@ -3,6 +3,12 @@
 Run ``python -m chipset.planner.published`` to regenerate the table in docs/planner.md.
 Each run carries its source (paper, table) and what the source does not state, which the
 planner then chooses itself (the fastest fitting micro-batch and pipeline chunking).
+
+Sources that report tokens per second per GPU instead of TFLOP/s are converted with the
+planner's own FLOP count (flops.py, recompute included), so the relative error is the same
+as the error in tokens per second. Rows with a ``gap`` are runs the cost model is known to
+predict outside issue 20's goal (10% mean, 20% per row); they stay in the table with the
+reason, and the test bounds them separately so that neither set can silently get worse.
 """
 
 from __future__ import annotations
@@ -15,14 +21,17 @@ from typing import Any
 
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster, list_profiles
+from chipset.planner.flops import step_flops
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import PRESETS, ModelSpec
 from chipset.planner.time import Prediction, evaluate
 
-__all__ = ["PublishedRun", "RUNS", "predict", "main"]
+__all__ = ["PublishedRun", "RUNS", "predict", "relative_errors", "main"]
 
 _NARAYANAN = "Narayanan et al. 2021 (arXiv:2104.04473, SC'21)"
 _LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783)"
+_TORCHTITAN = "pytorch/torchtitan docs/performance.md (commit 1ea476e9f, 2024-04-24)"
+_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7ce)"
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,11 @@ class PublishedRun:
     """Schedules the planner may pick from (the source's, when it names one)."""
     devices_per_node: int = 8
     """Devices per node."""
+    tokens_per_gpu: float | None = None
+    """Reported tokens per second per GPU, when the source reports throughput that way
+    (``tflops`` is then this converted with the planner's FLOP count)."""
+    gap: str = ""
+    """Non-empty: a known gap of the cost model on this run, and its cause (see module doc)."""
 
 
 def _gpt(heads: int, hidden: int, layers: int) -> ModelSpec:
@@ -93,6 +107,70 @@ RUNS: list[PublishedRun] = [
 ]
 
 
+def _executed_tflops(m: ModelSpec, recompute: str, tokens_per_gpu: float) -> float:
+    """Tokens/s per GPU as executed TFLOP/s per GPU in the planner's count (flops.py)."""
+    return step_flops(m, 1, recompute, m.seq_len) / m.seq_len * tokens_per_gpu / 1e12
+
+
+def _tokens_run(label: str, source: str, m: ModelSpec, profile: str, gpus: int, global_batch: int,
+                micro_batch: int, recompute: str, tokens_per_gpu: float, mfu: float | None, notes: str,
+                gap: str = "") -> PublishedRun:
+    """A run with no model parallelism, sharded over every GPU (FSDP FULL_SHARD = ZeRO-3), that
+    reports tokens/s per GPU."""
+    return PublishedRun(label, source, m, profile, gpus, global_batch,
+                        {"tp": 1, "pp": 1, "cp": 1, "dp": gpus, "zero": 3, "micro_batch": micro_batch,
+                         "recompute": recompute},
+                        _executed_tflops(m, recompute, tokens_per_gpu), mfu=mfu, notes=notes,
+                        tokens_per_gpu=tokens_per_gpu, gap=gap)
+
+
+_LLAMA2_13B = dataclasses.replace(PRESETS["llama2-7b"], name="llama2-13b", layers=40, hidden=5120, heads=40,
+                                  ffn_hidden=13824)
+_LLAMA3_70B = dataclasses.replace(PRESETS["llama2-70b"], name="llama3-70b", vocab=128256, seq_len=8192)
+_TT = ("FSDP2 over all 64 GPUs (ZeRO-3), local batch = micro-batch (no gradient accumulation assumed), bf16; "
+       "not stated: torch.compile and Float8 (not mentioned: assumed off), the A100 cluster's network (the a100-80g profile's 25 GB/s "
+       "per GPU across nodes assumed), the optimizer (AdamW assumed)")
+RUNS += [
+    _tokens_run("torchtitan Llama 2 13B, 64 GPUs", f"{_TORCHTITAN}, Llama 2 table", _LLAMA2_13B, "a100-80g",
+                64, 128, 2, "none", 2162, 0.611, notes=f"seq 4096, no activation checkpointing; {_TT}"),
+    _tokens_run("torchtitan Llama 2 70B, 64 GPUs", f"{_TORCHTITAN}, Llama 2 table", PRESETS["llama2-70b"],
+                "a100-80g", 64, 128, 2, "full", 353, 0.505, notes=f"seq 4096, full activation checkpointing; {_TT}"),
+    _tokens_run("torchtitan Llama 3 70B, 64 GPUs", f"{_TORCHTITAN}, Llama 3 table", _LLAMA3_70B, "a100-80g",
+                64, 64, 1, "full", 331, 0.517, notes=f"seq 8192, full activation checkpointing; {_TT}"),
+]
+
+
+def _mpt(d_model: int, heads: int, layers: int) -> ModelSpec:
+    """MPT as llm-foundry's pretrain yamls define it: GeLU MLP of 4x width, vocab 50,368, tied
+    embeddings, no biases, no dropout, flash/triton attention; learned positions (the table's
+    parameter count grows with the sequence length by seq x d_model)."""
+    return dataclasses.replace(PRESETS["gpt3-175b"], name=f"mpt-{d_model}x{layers}", hidden=d_model, heads=heads,
+                               layers=layers, ffn_hidden=4 * d_model, vocab=50368, seq_len=2048, bias=False,
+                               dropout=False, flash_attention=True)
+
+
+_MPT = ("seq 2048, one node of 8 GPUs, Composer FSDP FULL_SHARD (ZeRO-3), amp_bf16 with its DEFAULT mixed "
+        "precision (gradients reduced in fp32: modelled as bf16, the reduction being hidden behind compute on "
+        "NVLink); activation checkpointing as the table's column (True = every block, modelled as full); "
+        "micro-batch and gradient accumulation as stated; not stated: software versions")
+_H100_GAP = ("H100 rows of this table (its software stack, versions not stated) run 20-38% below the h100-sxm profile's efficiencies "
+             "(0.70 matmul, 0.40 attention) while the same table's A100 rows and Llama 3's H100 rows are "
+             "predicted within 12%; no principled term found (docs/planner.md)")
+RUNS += [
+    _tokens_run(f"MPT-{size} {'H100' if prof == 'h100-sxm' else 'A100'}, 8 GPUs",
+                f"{_FOUNDRY}, {'H100 80GB BF16' if prof == 'h100-sxm' else 'A100 80GB'} table", _mpt(d, a, L), prof,
+                8, gb, mb, rec, tok, mfu, notes=_MPT, gap=_H100_GAP if prof == "h100-sxm" else "")
+    for size, d, a, L, prof, gb, mb, rec, tok, mfu in (
+        ("7B", 4096, 32, 32, "h100-sxm", 48, 6, "none", 10643, 0.4644),
+        ("13B", 5120, 40, 40, "h100-sxm", 16, 2, "none", 4792, 0.3979),
+        ("30B", 7168, 56, 48, "h100-sxm", 504, 3, "full", 2002, 0.3811),
+        ("7B", 4096, 32, 32, "a100-80g", 96, 6, "none", 4641, 0.6423),
+        ("13B", 5120, 40, 40, "a100-80g", 48, 2, "none", 2262, 0.5957),
+        ("30B", 7168, 56, 48, "a100-80g", 504, 3, "full", 916, 0.553),
+    )
+]
+
+
 def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assumptions | None = None
             ) -> Prediction | None:
     """The fastest completion of the run's stated layout that fits (else the fastest, with
@@ -128,10 +206,15 @@ def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assump
     return best
 
 
-# The bounds test_planner_published.py enforces: today's errors (mean 7.2%, worst row -11%,
-# Llama 3 405B on 16,384 GPUs) rounded up, so a change that predicts the runs worse fails.
-MEAN_ABS_ERROR_BOUND = 0.08
-WORST_ROW_BOUND = 0.12
+# The bounds test_planner_published.py enforces. Over the rows without a ``gap``: today's
+# errors (mean 8.3%, worst row -17%, torchtitan's Llama 3 70B) rounded up, inside issue 20's
+# goal (10% mean, 20% per row), so a change that predicts these runs worse fails. Over the
+# rows with a ``gap`` (the three MosaicML H100 rows, +20% to +38% today): each row's error
+# rounded up, so the known gap cannot silently widen; a fix that closes it should clear the
+# row's ``gap`` and let it join the bounded set.
+MEAN_ABS_ERROR_BOUND = 0.09
+WORST_ROW_BOUND = 0.18
+GAP_ROW_BOUND = 0.40
 
 
 def relative_errors(profiles=None) -> dict[str, float]:
@@ -149,31 +232,45 @@ def _err(pred: float, pub: float) -> str:
     return f"{pred / pub - 1:+.0%}"
 
 
+def _summary(errors: list[float], what: str) -> str:
+    mean_abs = sum(abs(e) for e in errors) / len(errors)
+    worst = max(errors, key=abs)
+    geo = math.exp(sum(math.log1p(e) for e in errors) / len(errors))
+    return (f"{what}: mean absolute relative error over {len(errors)} runs {mean_abs:.1%}, worst row {worst:+.1%}, "
+            f"geometric-mean ratio predicted/published {geo:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the validation table as Markdown."""
     profiles = list_profiles()
     print("| run | layout (tp/pp/dp, chosen mb, schedule) | published TFLOP/s per GPU | predicted | error "
           "| published MFU | predicted MFU |")
     print("|---|---|---|---|---|---|---|")
-    errors = []
+    errors, bounded = [], []
     for run in RUNS:
         p = predict(run, profiles)
+        label = run.label + (" (known gap)" if run.gap else "")
+        pub = f"{run.tflops:.0f}" + (f" ({run.tokens_per_gpu:,.0f} tokens/s)" if run.tokens_per_gpu else "")
         if p is None:
-            print(f"| {run.label} | profile {run.profile} not installed | {run.tflops:g} | - | - | - | - |")
+            print(f"| {label} | profile {run.profile} not installed | {pub} | - | - | - | - |")
             continue
         lay = p.layout
-        errors.append(p.tflops_per_device / run.tflops - 1)
+        e = p.tflops_per_device / run.tflops - 1
+        errors.append(e)
+        if not run.gap:
+            bounded.append(e)
         mfu_pub = f"{run.mfu:.0%}" if run.mfu is not None else "-"
-        print(f"| {run.label} | {lay.tp}/{lay.pp}/{lay.dp}, mb {lay.micro_batch}, {lay.schedule_label}, "
-              f"zero {lay.zero}, recompute {lay.recompute} | {run.tflops:g} | {p.tflops_per_device:.0f} | "
+        print(f"| {label} | {lay.tp}/{lay.pp}/{lay.dp}, mb {lay.micro_batch}, {lay.schedule_label}, "
+              f"zero {lay.zero}, recompute {lay.recompute} | {pub} | {p.tflops_per_device:.0f} | "
               f"{_err(p.tflops_per_device, run.tflops)} | {mfu_pub} | {p.mfu:.1%}"
               + ("" if p.fits else f" (predicted not to fit: {p.memory.total / 2**30:.0f} GiB > "
                                    f"{p.memory_limit_bytes / 2**30:.0f} GiB usable)") + " |")
     if errors:
-        mean_abs = sum(abs(e) for e in errors) / len(errors)
-        print(f"\nmean absolute relative error over {len(errors)} runs: {mean_abs:.1%}; "
-              f"geometric-mean ratio predicted/published: "
-              f"{math.exp(sum(math.log1p(e) for e in errors) / len(errors)):.3f}")
+        print()
+        print(_summary(errors, "all rows"))
+        if bounded and len(bounded) < len(errors):
+            print()
+            print(_summary(bounded, "rows without a known gap"))
     return 0
 
 
