@@ -44,12 +44,11 @@ def check_compile(enabled: bool, backend_name: str, descriptor) -> str | None:
     return cb
 
 
-def apply_compile(model: nn.Module, compile_backend: str) -> int:
-    """Compile the ``forward`` of every block in ``model.layers``; returns how many."""
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise ConfigError(f"train.compile = true: {type(model).__name__} has no .layers of blocks to compile")
-    for block in layers:
+def apply_compile(blocks: list[nn.Module], compile_backend: str) -> int:
+    """Compile the ``forward`` of every block (the family's ``blocks(model)``); returns how many."""
+    if not blocks:
+        raise ConfigError("train.compile = true: the model family lists no blocks to compile (ModelFamily.blocks)")
+    for block in blocks:
         block.forward = torch.compile(block.forward, backend=compile_backend)
-    log.info("train.compile: %d blocks compiled with torch.compile backend %r", len(layers), compile_backend)
-    return len(layers)
+    log.info("train.compile: %d blocks compiled with torch.compile backend %r", len(blocks), compile_backend)
+    return len(blocks)

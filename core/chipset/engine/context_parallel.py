@@ -201,11 +201,13 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), blk[0].to(k.dtype), blk[1].to(v.dtype), None
 
 
-def apply_cp(model: nn.Module, *, cp: ContextParallel) -> nn.Module:
-    """Make ``model`` train on this rank's share of each sequence, attending over all of it."""
+def apply_cp(model: nn.Module, attention: list[nn.Module], *, cp: ContextParallel) -> nn.Module:
+    """Make ``model`` train on this rank's share of each sequence, attending over all of it:
+    ``model.seq_layout`` says which tokens this rank holds, and every module of ``attention``
+    (the family's attention modules, ``ModelFamily.attention``) gets the cp core as ``attend``."""
     if cp.size == 1:
         return model
     model.seq_layout = cp
-    for block in model.layers:
-        block.self_attn.attend = cp.attend
+    for module in attention:
+        module.attend = cp.attend
     return model

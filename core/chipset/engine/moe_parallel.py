@@ -1,6 +1,7 @@
 """MoE layers under tensor, sequence and context parallelism.
 
-Tensor parallelism (``apply_tp_moe``): the experts and the router are *replicated* over
+Tensor parallelism (the transformer family's plan: ``sequence_norm`` in front of each MoE
+layer, ``sequence_gathered`` on it; engine/tensor_parallel.py): the experts and the router are *replicated* over
 the tp ranks, not split. Without sequence parallelism every tp rank holds the same
 tokens, so each computes the same routing and the same expert outputs, and the gradients
 reaching the MoE (and leaving it) are the full ones on every rank: the router and expert
@@ -34,70 +35,12 @@ import torch
 from torch import nn
 
 from chipset.engine.context_parallel import ContextParallel
-from chipset.engine.tensor_parallel import TPContext, all_gather_along, copy_to_group, gather_along
+from chipset.engine.tensor_parallel import all_gather_along
 from chipset.models.moe import MoE
 
-__all__ = ["apply_tp_moe", "apply_cp_moe", "CPRouting"]
+__all__ = ["apply_cp_moe", "CPRouting"]
 
 _SEQ = 1
-
-
-class _GatherSeqKeepSlice(torch.autograd.Function):
-    """All-gather along the sequence forward; backward keeps this rank's slice of a gradient
-    that every rank holds whole (the MoE's backward is replicated over tp)."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp, ctx.n = tp, x.shape[_SEQ]
-        return gather_along(x, _SEQ, tp.collective, tp.group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.narrow(_SEQ, ctx.tp.rank * ctx.n, ctx.n).contiguous(), None
-
-
-class _SliceSeqGatherGrad(torch.autograd.Function):
-    """This rank's slice of a sequence every rank holds whole; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, y, tp):
-        ctx.tp = tp
-        n = y.shape[_SEQ] // tp.size
-        return y.narrow(_SEQ, tp.rank * n, n).contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        return gather_along(g, _SEQ, ctx.tp.collective, ctx.tp.group), None
-
-
-class SeqParallelNorm(nn.Module):
-    """RMSNorm on this rank's sequence slice whose replicated weight's gradient is summed over tp."""
-
-    def __init__(self, norm: nn.Module, tp: TPContext):
-        super().__init__()
-        self.tp = tp
-        self.weight = norm.weight  # same Parameter: name and init kept
-        self.eps = norm.eps
-        self._k = norm._k
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._k.rms_norm(x, copy_to_group(self.weight, self.tp.collective, self.tp.group), self.eps)
-
-
-def _moe_blocks(model: nn.Module) -> list[nn.Module]:
-    return [b for b in model.layers if isinstance(b.mlp, MoE)]
-
-
-def apply_tp_moe(model: nn.Module, *, tp: TPContext) -> nn.Module:
-    """Replicate the MoE layers over tp (after :func:`~chipset.engine.tensor_parallel.apply_tp`,
-    which leaves MoE blocks' MLP side alone). Only sequence parallelism needs anything here."""
-    if tp.size == 1 or not tp.sequence_parallel:
-        return model
-    for block in _moe_blocks(model):
-        block.post_attention_layernorm = SeqParallelNorm(block.post_attention_layernorm, tp)
-        block.mlp.register_forward_pre_hook(lambda _m, args, tp=tp: (_GatherSeqKeepSlice.apply(args[0], tp),))
-        block.mlp.register_forward_hook(lambda _m, _args, y, tp=tp: _SliceSeqGatherGrad.apply(y, tp))
-    return model
 
 
 class CPRouting:
@@ -126,6 +69,7 @@ def apply_cp_moe(model: nn.Module, *, cp: ContextParallel) -> nn.Module:
     if cp.size == 1:
         return model
     layout = CPRouting(cp)
-    for block in _moe_blocks(model):
-        block.mlp.seq_layout = layout
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.seq_layout = layout
     return model

@@ -37,6 +37,7 @@ from torch import nn
 
 from chipset.errors import ConfigError
 from chipset.interfaces import Collective, Group
+from chipset.models.family import PLAN_STYLES, plan_matches
 
 __all__ = [
     "TPContext",
@@ -46,9 +47,8 @@ __all__ = [
     "TPRegionNorm",
     "enter_region",
     "vocab_parallel_cross_entropy",
-    "apply_tp",
     "apply_plan",
-    "check_tp_divides",
+    "gather_sequence_around",
     "gather_full_parameters",
     "is_tp_sharded",
     "logical_slice",
@@ -357,92 +357,108 @@ class _VocabParallelLoss:
         return vocab_parallel_cross_entropy(logits, target, tp=self.tp, vocab_size=self.vocab_size)
 
 
-# --- applying tp to the reference transformer --------------------------------------------------
+# --- sequence parallelism around a replicated module -------------------------------------------
 
 
-def check_tp_divides(tp: int, *, heads: int, kv_heads: int, intermediate: int) -> list[str]:
-    """Problems that stop ``tp`` from splitting the model (messages quote the numbers)."""
-    problems = []
-    if tp > 1:
-        if heads % tp:
-            problems.append(f"tp ({tp}) must divide heads ({heads}) (model.num_attention_heads)")
-        if kv_heads % tp:
-            problems.append(f"tp ({tp}) must divide kv heads ({kv_heads}) (model.num_key_value_heads)")
-        if intermediate % tp:
-            problems.append(f"tp ({tp}) must divide the MLP width ({intermediate}) (model.intermediate_size)")
-    return problems
+class _GatherSeqKeepSlice(torch.autograd.Function):
+    """All-gather along the sequence forward; backward keeps this rank's slice of a gradient
+    that every rank holds whole (the module's backward is replicated over tp)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp, ctx.n = tp, x.shape[_SEQ]
+        return gather_along(x, _SEQ, tp.collective, tp.group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.narrow(_SEQ, ctx.tp.rank * ctx.n, ctx.n).contiguous(), None
 
 
-def apply_tp(model: nn.Module, *, tp: TPContext) -> nn.Module:
-    """Replace the projections, embedding, logit layer, loss and norms of the reference
-    Transformer by tensor-parallel versions, in place.
+class _SliceSeqGatherGrad(torch.autograd.Function):
+    """This rank's slice of a sequence every rank holds whole; backward all-gathers the gradient."""
 
-    The model must hold the full, single-process initialised weights; each rank keeps its
-    slice. Logits come out split over the vocabulary; ``model.loss`` uses the
-    vocab-parallel cross-entropy.
-    """
-    cfg = model.cfg
-    kv = cfg.num_key_value_heads or cfg.num_attention_heads
-    problems = check_tp_divides(tp.size, heads=cfg.num_attention_heads, kv_heads=kv,
-                                intermediate=cfg.intermediate_size)
-    if problems:
-        raise ConfigError("cannot apply tensor parallelism: " + "; ".join(problems) + "; choose another parallel.tp")
-    if tp.size == 1:
-        return model
+    @staticmethod
+    def forward(ctx, y, tp):
+        ctx.tp = tp
+        n = y.shape[_SEQ] // tp.size
+        return y.narrow(_SEQ, tp.rank * n, n).contiguous()
 
-    def column(lin):  # behind a TPRegionNorm: the norm's output has entered the region
-        return ColumnParallelLinear(lin.weight, tp, enter_region=False, full_bias=lin.bias)
+    @staticmethod
+    def backward(ctx, g):
+        return gather_along(g, _SEQ, ctx.tp.collective, ctx.tp.group), None
 
-    # Each norm feeds only column-parallel projections (Block.forward, OutputHead.forward),
-    # so the region is entered at the norm: 2 entries per block, 1 in the head.
-    for block in model.layers:
-        a = block.self_attn
-        a.q_proj, a.k_proj, a.v_proj = column(a.q_proj), column(a.k_proj), column(a.v_proj)
-        a.o_proj = RowParallelLinear(a.o_proj.weight, tp)
-        a.n_heads //= tp.size
-        a.n_kv //= tp.size
-        if hasattr(a, "q_norm"):  # per-head norms see this rank's heads: weight gradient summed over tp
-            a.q_norm, a.k_norm = TPHeadNorm(a.q_norm, tp), TPHeadNorm(a.k_norm, tp)
-        block.input_layernorm = TPRegionNorm(block.input_layernorm, tp)
-        m = block.mlp
-        if not hasattr(m, "gate_proj"):  # MoE: replicated over tp (engine/moe_parallel.py)
-            continue
-        m.gate_proj, m.up_proj = column(m.gate_proj), column(m.up_proj)
-        m.down_proj = RowParallelLinear(m.down_proj.weight, tp)
-        block.post_attention_layernorm = TPRegionNorm(block.post_attention_layernorm, tp)
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, tp)
-    model.head.norm = TPRegionNorm(model.head.norm, tp)
-    model.head.lm_head = column(model.head.lm_head)
-    if cfg.tie_word_embeddings:  # both are vocabulary rows split the same way: share the slice
-        model.head.lm_head.weight = model.embed_tokens.weight
-    model.loss_fn = _VocabParallelLoss(tp, cfg.vocab_size)
-    return model
+
+def gather_sequence_around(module: nn.Module, tp: TPContext) -> None:
+    """Run ``module`` (replicated over tp) on whole sequences under sequence parallelism: its
+    input is all-gathered over tp and its output cut back to this rank's slice (one all-gather
+    each way); inside it every tp rank computes the same, as without sequence parallelism."""
+    module.register_forward_pre_hook(lambda _m, args: (_GatherSeqKeepSlice.apply(args[0], tp), *args[1:]))
+    module.register_forward_hook(lambda _m, _args, y: _SliceSeqGatherGrad.apply(y, tp))
+
+
+# --- applying a model family's tensor-parallel plan -------------------------------------------------
+
+LINEAR_STYLES = ("colwise", "colwise_in_region", "rowwise", "vocab_head")
+NORM_STYLES = ("region_norm", "head_norm", "sequence_norm")
+
+
+def _split(name: str, mod: nn.Module, style: str, tp: TPContext) -> nn.Module | None:
+    """The tensor-parallel replacement of ``mod`` for ``style`` (None: leave it)."""
+    if style in LINEAR_STYLES and type(mod) is not nn.Linear:
+        raise ConfigError(f"tp_plan: {name} is {type(mod).__name__}; only nn.Linear can be {style}")
+    if style == "vocab_embedding" and type(mod) is not nn.Embedding:
+        raise ConfigError(f"tp_plan: {name} is {type(mod).__name__}; only nn.Embedding can be vocab_embedding")
+    if style in NORM_STYLES and not all(hasattr(mod, a) for a in ("weight", "eps", "_k")):
+        raise ConfigError(f"tp_plan: {name} is {type(mod).__name__}; {style} needs an RMSNorm "
+                          "(weight, eps and the backend's kernels)")
+    if style in ("colwise", "colwise_in_region", "vocab_head"):
+        return ColumnParallelLinear(mod.weight, tp, enter_region=style == "colwise", full_bias=mod.bias)
+    if style == "rowwise":
+        return RowParallelLinear(mod.weight, tp, full_bias=mod.bias)
+    if style == "vocab_embedding":
+        return VocabParallelEmbedding(mod.weight, tp)
+    if style == "region_norm":
+        return TPRegionNorm(mod, tp)
+    if style == "head_norm" or (style == "sequence_norm" and tp.sequence_parallel):
+        return TPHeadNorm(mod, tp)
+    if style == "sequence_gathered" and tp.sequence_parallel:
+        gather_sequence_around(mod, tp)
+    return None
 
 
 def apply_plan(model: nn.Module, plan: dict[str, str], *, tp: TPContext) -> nn.Module:
-    """Split the ``nn.Linear`` modules a family's ``tp_plan`` names (chipset.models.family), in place.
+    """Apply a model family's tensor-parallel ``plan`` (module-name pattern -> style, see
+    :data:`chipset.models.family.PLAN_STYLES`) to ``model`` in place. Parameter names stay the same.
 
-    ``colwise``: :class:`ColumnParallelLinear` (its input enters the tp region);
-    ``rowwise``: :class:`RowParallelLinear` (outputs summed over tp, bias added after the sum);
-    ``replicated``: left as is. Parameter names stay the same.
+    The model holds the full, single-process weights; each rank keeps its slice. A Parameter
+    shared by two split modules (tied input and output embeddings) stays shared: both split it
+    the same way. With a ``vocab_head`` the model's ``loss_fn`` becomes the vocabulary-parallel
+    cross-entropy over the split logits.
     """
-    from chipset.models.family import plan_matches
-
     if tp.size == 1:
         return model
+    unknown = sorted({s for s in plan.values() if s not in PLAN_STYLES})
+    if unknown:
+        raise ConfigError(f"tp_plan styles {', '.join(unknown)}: expected one of {', '.join(PLAN_STYLES)}")
+    shared: dict[int, nn.Parameter] = {}  # id of an original weight -> its split
+    vocab = None
     for name, style in plan_matches(model, plan).items():
-        if style == "replicated":
-            continue
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        lin = getattr(parent, leaf)
-        if type(lin) is not nn.Linear:
-            raise ConfigError(f"tp_plan: {name} is {type(lin).__name__}; only nn.Linear can be {style}")
-        if style == "colwise":
-            new = ColumnParallelLinear(lin.weight, tp, full_bias=lin.bias)
-        else:
-            new = RowParallelLinear(lin.weight, tp, full_bias=lin.bias)
+        old = getattr(parent, leaf)
+        new = _split(name, old, style, tp)
+        if new is None:
+            continue
+        if style in ("vocab_embedding", "vocab_head"):
+            key = id(old.weight)
+            if key in shared:
+                new.weight = shared[key]
+            shared[key] = new.weight
+        if style == "vocab_head":
+            vocab = old.out_features
         setattr(parent, leaf, new)
+    if vocab is not None:
+        model.loss_fn = _VocabParallelLoss(tp, vocab)
     return model
 
 

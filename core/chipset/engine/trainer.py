@@ -28,7 +28,7 @@ from chipset.engine.data_parallel import DataParallel
 from chipset.engine.evaluate import Evaluator
 from chipset.engine.expert_parallel import apply_ep
 from chipset.engine.metrics import StepMetrics, trace_range
-from chipset.engine.moe_parallel import apply_cp_moe, apply_tp_moe
+from chipset.engine.moe_parallel import apply_cp_moe
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.pipeline import build_pipeline
 from chipset.engine.precision import DTYPE_BY_NAME, LossScaler
@@ -42,9 +42,8 @@ from chipset.engine.rundir import (
     strict_dumps,
 )
 from chipset.engine.signals import stop_point
-from chipset.engine.tensor_parallel import TPContext, apply_plan, apply_tp
+from chipset.engine.tensor_parallel import TPContext, apply_plan
 from chipset.errors import ChipsetError, ConfigError
-from chipset.models import Transformer
 from chipset.models.family import TransformerFamily, bind, layout_problems
 from chipset.models.registry import resolve_family
 
@@ -101,23 +100,22 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
         # With init_from the weights come from the file into the shards this rank holds (wrap):
         # the parameters are built on the meta device, so no rank holds or initialises the whole model.
         with torch.device("meta") if cfg.model.init_from else contextlib.nullcontext():
-            model = Transformer(cfg.model, backend.kernels, seed=tr.seed)
+            model = family.build(cfg, backend.kernels)
     else:
-        model = _build_family(family, cfg, backend, dims, par)
-    if dims.tp_enabled and isinstance(family, TransformerFamily):
+        model = _build_family(family, cfg)
+    if dims.tp_enabled:  # the family's plan; the engine names no module (models/family.py)
         tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
-        apply_tp(model, tp=tp)
-        apply_tp_moe(model, tp=tp)
+        apply_plan(model, family.plan(cfg), tp=tp)
     if dims.cp_enabled:
         cp = ContextParallel(col, dims.group("cp", col), backend.kernels, attention=par.cp_attention)
-        apply_cp(model, cp=cp)
+        apply_cp(model, family.attention(model), cp=cp)
         apply_cp_moe(model, cp=cp)
     if dims.ep_enabled:
         apply_ep(model, dims=dims, collective=col)
     apply_recompute(model, mode=tr.recompute)
     compile_backend = check_compile(tr.compile, backend.name, backend.record.descriptor)
     if compile_backend is not None:  # per block, before the engine wraps the model (engine/compile.py)
-        apply_compile(model, compile_backend)
+        apply_compile(family.blocks(model), compile_backend)
     return model
 
 
@@ -182,18 +180,13 @@ def train_step(engine, batches, lr: float) -> tuple[float, dict]:
     return float(loss_t), stats
 
 
-def _build_family(family, cfg: RunConfig, backend, dims: ParallelDims, par) -> torch.nn.Module:
+def _build_family(family, cfg: RunConfig) -> torch.nn.Module:
     """A model of another family: built with the run's seed (same weights on every rank), given
-    the family's units() and loss(), and split by its tp_plan when tp > 1."""
+    the family's units(), loss() and pipeline chain (models/family.py ``bind``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
         model = family.build(cfg)
-    bind(family, model, cfg)
-    if dims.tp_enabled:
-        tp = TPContext(backend.collective, dims.group("tp", backend.collective),
-                       sequence_parallel=par.sequence_parallel)
-        apply_plan(model, family.tp_plan, tp=tp)
-    return model
+    return bind(family, model, cfg)
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:

@@ -26,7 +26,26 @@ LAYOUTS = ("dp", "zero1", "zero2", "zero3", "tp", "sp", "pp", "ep", "cp")
 """Names a family lists in :attr:`ModelFamily.layouts`: data parallelism (ZeRO 0 is plain
 dp), ZeRO stages 1-3, tensor, sequence, pipeline, expert and context parallelism."""
 
-PLAN_STYLES = ("colwise", "rowwise", "replicated")
+PLAN_STYLES = {
+    "colwise": "nn.Linear: output features (and bias) split over tp; the input enters the tp region",
+    "colwise_in_region": "nn.Linear: as colwise, reading the output of a region_norm (the region is "
+                         "entered once there for every projection that reads it)",
+    "rowwise": "nn.Linear: input features split; partial outputs summed over tp, then the bias added once",
+    "vocab_embedding": "nn.Embedding: vocabulary rows split (padded to a multiple of tp); partial "
+                       "embeddings summed",
+    "vocab_head": "nn.Linear: logits split over the (padded) vocabulary, reading a region_norm's output; "
+                  "the loss becomes the vocabulary-parallel cross-entropy (model.loss_fn)",
+    "region_norm": "RMSNorm (weight, eps, kernels): its output enters the tp region once for the "
+                   "colwise_in_region / vocab_head layers reading it",
+    "head_norm": "RMSNorm over each head of a head-split tensor: its weight's gradient is summed over tp",
+    "sequence_norm": "RMSNorm that, with sequence parallelism, runs on this rank's sequence slice in front "
+                     "of a sequence_gathered module (weight gradient summed over tp); unchanged without",
+    "sequence_gathered": "a replicated module that needs whole sequences: with sequence parallelism its "
+                         "input is gathered over tp and its output sliced back; unchanged without",
+    "replicated": "left whole on every rank (the default for anything the plan does not name)",
+}
+"""The tensor-parallel plan's vocabulary, style -> what the engine does with the module
+(engine/tensor_parallel.py applies it; docs/models.md, "Writing a tensor-parallel plan")."""
 
 
 class ModelFamily:
@@ -44,12 +63,29 @@ class ModelFamily:
     ZeRO stage) in ``parallel.*`` is refused before launch with exit 2."""
 
     tp_plan: dict[str, str] = {}
-    """Tensor-parallel plan: module-name pattern (``fnmatch``, e.g. ``"mlp.*.fc1"``) to
-    ``colwise`` (output features split over tp; input enters the tp region), ``rowwise``
-    (input features split, outputs summed over tp, bias added once after the sum) or
-    ``replicated``. Only ``nn.Linear`` modules can be split. A ``colwise`` layer must be
-    followed (through element-wise ops only) by the ``rowwise`` layer that consumes its
-    split output, as in Megatron-LM's MLP. Needed when ``"tp"`` is in :attr:`layouts`."""
+    """Tensor-parallel plan: module-name pattern (``fnmatch``, e.g. ``"mlp.*.fc1"``) to a style
+    of :data:`PLAN_STYLES`; the first matching pattern wins. The usual pair: ``colwise``
+    (output features split over tp; input enters the tp region) followed, through element-wise
+    ops only, by the ``rowwise`` layer that consumes its split output (input features split,
+    outputs summed over tp, bias added once after the sum), as in Megatron-LM's MLP. Needed
+    when ``"tp"`` is in :attr:`layouts`; :meth:`plan` returns it."""
+
+    def plan(self, cfg) -> dict[str, str]:
+        """The tensor-parallel plan for ``cfg`` (override when it depends on the config, e.g.
+        which layers are mixture-of-experts). Default: :attr:`tp_plan`."""
+        return dict(self.tp_plan)
+
+    def attention(self, model: nn.Module) -> list[nn.Module]:
+        """Attention modules whose core context parallelism replaces: each has an ``attend``
+        attribute (None: its own causal attention over ``(q, k, v)`` of shape ``[b, heads,
+        s, d]``; the engine sets a callable computing the same over the cp-sharded sequence).
+        Needed when ``"cp"`` is in :attr:`layouts`. Default: every submodule with ``attend``."""
+        return [m for m in model.modules() if hasattr(m, "attend")]
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The repeated blocks ``train.compile`` compiles one by one (regional compilation).
+        Default: :meth:`units`."""
+        return self.units(model)
 
     def build(self, cfg) -> nn.Module:
         """The model for ``cfg`` (a :class:`chipset.config.RunConfig`), float32, on the CPU.
@@ -207,32 +243,35 @@ def plan_matches(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 
 def plan_problems(family: ModelFamily, cfg) -> list[str]:
-    """Problems of ``family.tp_plan`` on the model of ``cfg``, built on the meta device."""
+    """Problems of ``family.plan(cfg)`` on the model of ``cfg``, built on the meta device."""
     tp = cfg.parallel.tp
-    bad = [f"{p} = {s!r}" for p, s in family.tp_plan.items() if s not in PLAN_STYLES]
+    plan = family.plan(cfg)
+    bad = [f"{p} = {s!r}" for p, s in plan.items() if s not in PLAN_STYLES]
     if bad:
         return [f"model family {family.name!r}: tp_plan entries {', '.join(bad)}: expected "
                 f"{', '.join(PLAN_STYLES)}"]
     with torch.device("meta"):
         model = family.build(cfg)
     modules = dict(model.named_modules())
-    matched = plan_matches(model, family.tp_plan)
+    matched = plan_matches(model, plan)
     problems = []
-    if not any(s in ("colwise", "rowwise") for s in matched.values()):
+    if not any(s in ("colwise", "colwise_in_region", "rowwise", "vocab_head", "vocab_embedding")
+               for s in matched.values()):
         problems.append(f"model family {family.name!r}: tp_plan splits no module of the model; "
                         "name its nn.Linear layers colwise/rowwise or use parallel.tp = 1")
     for name, style in matched.items():
-        if style == "replicated":
-            continue
         mod = modules[name]
-        if type(mod) is not nn.Linear:
-            problems.append(f"tp_plan: {name} is {type(mod).__name__}; only nn.Linear can be {style}")
+        need = {"colwise": nn.Linear, "colwise_in_region": nn.Linear, "rowwise": nn.Linear,
+                "vocab_head": nn.Linear, "vocab_embedding": nn.Embedding}.get(style)
+        if need is not None and type(mod) is not need:
+            problems.append(f"tp_plan: {name} is {type(mod).__name__}; only nn.{need.__name__} can be {style}")
             continue
-        size = mod.out_features if style == "colwise" else mod.in_features
-        if size % tp:
-            what = "out_features" if style == "colwise" else "in_features"
-            problems.append(f"tp_plan: {name} ({style}) has {what} = {size}, not divisible by "
-                            f"parallel.tp = {tp}; choose a tp that divides it")
+        if style in ("colwise", "colwise_in_region", "rowwise"):
+            size = mod.out_features if style != "rowwise" else mod.in_features
+            if size % tp:
+                what = "out_features" if style != "rowwise" else "in_features"
+                problems.append(f"tp_plan: {name} ({style}) has {what} = {size}, not divisible by "
+                                f"parallel.tp = {tp}; choose a tp that divides it")
     return problems
 
 
@@ -251,3 +290,35 @@ class TransformerFamily(ModelFamily):
         from chipset.models.transformer import Transformer
 
         return Transformer(cfg.model, kernels, seed=cfg.train.seed)
+
+    def plan(self, cfg) -> dict[str, str]:
+        """Megatron-LM's split, one tp region per norm: the norm in front of q, k, v (gate, up;
+        the logits) enters the region once for all of them. Vocabulary-parallel embedding and
+        logits (with their loss). Mixture-of-experts layers are replicated over tp (with
+        sequence parallelism they see whole sequences): engine/moe_parallel.py says why."""
+        from chipset.models.moe import is_moe_layer
+
+        m = cfg.model
+        out = {"embed_tokens": "vocab_embedding", "head.norm": "region_norm", "head.lm_head": "vocab_head"}
+        for i in range(m.num_hidden_layers):
+            b = f"layers.{i}"
+            out[f"{b}.input_layernorm"] = "region_norm"
+            for x in ("q_proj", "k_proj", "v_proj"):
+                out[f"{b}.self_attn.{x}"] = "colwise_in_region"
+            out[f"{b}.self_attn.o_proj"] = "rowwise"
+            if m.qk_norm:  # per-head norms see this rank's heads
+                out[f"{b}.self_attn.q_norm"] = out[f"{b}.self_attn.k_norm"] = "head_norm"
+            if is_moe_layer(m, i):
+                out[f"{b}.post_attention_layernorm"] = "sequence_norm"
+                out[f"{b}.mlp"] = "sequence_gathered"
+            else:
+                out[f"{b}.post_attention_layernorm"] = "region_norm"
+                out[f"{b}.mlp.gate_proj"] = out[f"{b}.mlp.up_proj"] = "colwise_in_region"
+                out[f"{b}.mlp.down_proj"] = "rowwise"
+        return out
+
+    def attention(self, model: nn.Module) -> list[nn.Module]:
+        return [block.self_attn for block in model.layers]
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.layers)

@@ -94,13 +94,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.q_proj(x)
         # Shapes from the projection: a sequence-parallel projection gathers the sequence.
+        # Head counts from the widths: a tensor-parallel rank holds whole heads of q, k and v.
         b, s = q.shape[0], q.shape[1]
-        q = q.view(b, s, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.n_kv, self.head_dim)
+        q = q.view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recompute: keep the projections, drop the s x s attention scores.
             out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)

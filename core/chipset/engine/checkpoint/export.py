@@ -154,14 +154,22 @@ def _write_hf(reader, kind, shapes, hf_cfg, tmp: Path, dtype, max_bytes: int, fa
 
 
 def _write_torch(reader, kind, shapes, cfg: RunConfig, tmp: Path, dtype) -> None:
-    """``model.pt``: the state dict of :class:`chipset.models.Transformer` (chipset names), and its
+    """``model.pt``: the state dict of the run's model family's module (its own names), and its
     ``[model]`` config as ``config.json`` (``ModelConfig(**json)`` rebuilds the module)."""
     import dataclasses
+
+    from chipset.models.family import meta_model
+    from chipset.models.registry import resolve_family
 
     buf = {n: (s, torch.empty(s, dtype=torch.float32)) for n, s in shapes.items()}
     _read(reader, {f"{kind}.{n}": v for n, v in buf.items()})
     sd = {n: t.to(dtype) for n, (_, t) in buf.items()}
-    if cfg.model.tie_word_embeddings:  # the module's state_dict lists the shared weight under both names
-        sd["head.lm_head.weight"] = sd["embed_tokens.weight"]
+    # A module's state_dict lists a shared (tied) weight under each of its names; the
+    # checkpoint holds it once, under the first.
+    first: dict[int, str] = {}
+    for name, p in meta_model(resolve_family(cfg.model.family), cfg).named_parameters(remove_duplicate=False):
+        if id(p) in first and name not in sd:
+            sd[name] = sd[first[id(p)]]
+        first.setdefault(id(p), name)
     torch.save(sd, tmp / "model.pt")
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg.model), indent=2) + "\n")
