@@ -132,7 +132,7 @@ def test_custom_family_two_ranks_match_one_process(tmp_path, reference, layout):
 @pytest.mark.parametrize("nproc, sets, expected", [
     (2, ("parallel.pp=2",), "does not support pp"),
     (3, ("parallel.tp=3",), "fc1 (colwise) has out_features = 32, not divisible by parallel.tp = 3"),
-    (1, ("train.recompute=\"full\"",), "has no recompute yet"),
+    (1, ("train.recompute=\"selective\"",), "model family 'tiny-cnn' supports full, none; use one of those"),
 ])
 def test_unsupported_layout_refused_before_launch(tmp_path, nproc, sets, expected):
     """Refused in the launcher (exit 2), before any rank starts or the run directory exists."""

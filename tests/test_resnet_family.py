@@ -49,6 +49,37 @@ def test_flops_per_sample_equals_what_torch_counts():
     assert fam.flops_per_sample(cfg) == counter.get_total_flops() / x.shape[0]
 
 
+def test_full_recompute_runs_each_block_again_in_backward_with_equal_gradients():
+    """train.recompute = "full" for a family: each block's forward runs a second time in
+    backward (its activations were not kept) and the gradients are those of a plain step."""
+    from chipset.engine.recompute import apply_recompute
+
+    cfg = _cfg()
+    fam = ResNetFamily()
+    x, y = fam.data(cfg).batch(0)
+    grads, runs = [], []
+    for mode in ("none", "full"):
+        torch.manual_seed(0)
+        model = fam.build(cfg)
+        count = [0]
+        for block in fam.blocks(model):
+            original = block.forward
+
+            def counted(*a, _f=original, **k):
+                count[0] += 1
+                return _f(*a, **k)
+
+            block.forward = counted
+        apply_recompute(model, mode=mode, family=fam)
+        fam.loss(model, x, y).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        runs.append(count[0])
+    units = len(fam.blocks(model))
+    assert runs == [units, 2 * units]
+    for n, g in grads[0].items():
+        assert torch.equal(grads[1][n], g), n
+
+
 def test_images_are_the_same_on_every_layout():
     """Two dp ranks' shares, concatenated, are the one-process batch; another seed differs."""
     data = SyntheticImages(CLASSES, BATCH, seed=3)
@@ -115,7 +146,8 @@ def reference(tmp_path_factory):
     # Pipeline stages cut from the chain stem, block 0, block 1, head (2 micro-batches).
     (2, ("parallel.pp=2", "parallel.micro_batches=2"), {"dp": 1, "pp": 2}),
     (4, ("parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"), {"dp": 2, "pp": 2, "zero": 3}),
-], ids=["dp2", "zero3", "pp2", "dp2-pp2-zero3"])
+    (2, ("parallel.zero=3", 'train.recompute="full"'), {"dp": 2, "zero": 3}),
+], ids=["dp2", "zero3", "pp2", "dp2-pp2-zero3", "zero3-recompute"])
 def test_parallel_runs_match_one_process(tmp_path, reference, nproc, sets, want):
     r = _train(tmp_path / "run", nproc, *sets)
     assert r.returncode == 0, r.stderr[-3000:]

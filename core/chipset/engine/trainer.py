@@ -112,7 +112,7 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
         apply_cp_moe(model, cp=cp)
     if dims.ep_enabled:
         apply_ep(model, dims=dims, collective=col)
-    apply_recompute(model, mode=tr.recompute)
+    apply_recompute(model, mode=tr.recompute, family=family)
     compile_backend = check_compile(tr.compile, backend.name, backend.record.descriptor)
     if compile_backend is not None:  # per block, before the engine wraps the model (engine/compile.py)
         apply_compile(family.blocks(model), compile_backend)

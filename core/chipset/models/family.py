@@ -83,9 +83,20 @@ class ModelFamily:
         return [m for m in model.modules() if hasattr(m, "attend")]
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """The repeated blocks ``train.compile`` compiles one by one (regional compilation).
-        Default: :meth:`units`."""
+        """The repeated blocks ``train.compile`` compiles one by one (regional compilation) and
+        ``train.recompute = "full"`` recomputes one by one in backward. Default: :meth:`units`."""
         return self.units(model)
+
+    recompute_modes: frozenset[str] = frozenset({"none", "full"})
+    """``train.recompute`` modes this family supports (others are refused before launch)."""
+
+    def apply_recompute(self, model: nn.Module, mode: str) -> None:
+        """Make ``model`` recompute activations in backward instead of keeping them: ``full``
+        runs each of :meth:`blocks` under ``torch.utils.checkpoint`` (only its input is kept;
+        its forward runs again, through the module's hooks, when backward reaches it)."""
+        if mode == "full":
+            for block in self.blocks(model):
+                recompute_block(block)
 
     def build(self, cfg) -> nn.Module:
         """The model for ``cfg`` (a :class:`chipset.config.RunConfig`), float32, on the CPU.
@@ -99,9 +110,8 @@ class ModelFamily:
 
     def units(self, model: nn.Module) -> list[nn.Module]:
         """Submodules gathered one at a time under ZeRO-3; together they must hold every
-        parameter exactly once. (Recompute by unit is not yet applied to families other than
-        the built-in transformer: train.recompute must be none.) Default: ``model.units()`` if
-        the module has it, else its top-level children with parameters."""
+        parameter exactly once. Default: ``model.units()`` if the module has it, else its
+        top-level children with parameters."""
         own = getattr(type(model), "units", None)
         if callable(own):
             return list(own(model))
@@ -152,6 +162,32 @@ class ModelFamily:
         with torch.device("meta"):
             model = self.build(cfg)
         return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+def recompute_block(block: nn.Module) -> None:
+    """Run ``block`` under non-reentrant activation checkpointing whenever gradients are on.
+
+    The checkpointed function calls the module again (``block(...)``), so its forward hooks
+    (ZeRO-3's gather and release) run in the forward and again in the recomputation; a flag
+    makes that inner call run the original forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+    inside = [False]
+
+    def run(*args, **kwargs):
+        inside[0] = True
+        try:
+            return block(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def checkpointed(*args, **kwargs):
+        if inside[0] or not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
 
 
 def bind(family: ModelFamily, model: nn.Module, cfg=None) -> nn.Module:
@@ -216,9 +252,10 @@ def layout_problems(family: ModelFamily, cfg) -> list[str]:
     if isinstance(family, TransformerFamily):
         return problems
     problems += list(family.problems(cfg)) if callable(getattr(family, "problems", None)) else []
-    if cfg.train.recompute != "none":
-        problems.append(f"train.recompute = {cfg.train.recompute!r}: model family {family.name!r} has no "
-                        "recompute yet; use train.recompute = \"none\"")
+    modes = getattr(family, "recompute_modes", frozenset({"none"}))
+    if cfg.train.recompute not in modes:
+        problems.append(f"train.recompute = {cfg.train.recompute!r}: model family {family.name!r} supports "
+                        f"{', '.join(sorted(modes))}; use one of those")
     if cfg.train.eval_every:
         problems.append(f"train.eval_every = {cfg.train.eval_every}: evaluation runs only for the built-in "
                         "transformer family yet; use 0")
@@ -316,6 +353,16 @@ class TransformerFamily(ModelFamily):
                 out[f"{b}.mlp.gate_proj"] = out[f"{b}.mlp.up_proj"] = "colwise_in_region"
                 out[f"{b}.mlp.down_proj"] = "rowwise"
         return out
+
+    recompute_modes = frozenset({"none", "selective", "full"})
+
+    def apply_recompute(self, model: nn.Module, mode: str) -> None:
+        """The decoder recomputes itself (chipset.models.transformer): ``selective`` the
+        attention core, ``full`` each block."""
+        model.recompute = mode
+        for m in model.modules():
+            if hasattr(m, "recompute_core"):
+                m.recompute_core = mode == "selective"
 
     def attention(self, model: nn.Module) -> list[nn.Module]:
         return [block.self_attn for block in model.layers]
