@@ -38,6 +38,19 @@ def run_metrics(run_dir: Path) -> tuple[list[float], list[float]]:
     return [r["loss"] for r in recs], [r["grad_norm"] for r in recs]
 
 
+def assert_run_matches(run_dir: Path, reference: tuple[list[float], list[float]], *, n: int, depth: int,
+                       layout: dict[str, int]) -> None:
+    """A ``chipset train`` run in ``run_dir`` equals the one-process ``reference`` (its
+    ``run_metrics``) step by step, the reference really trained, and the run used ``layout``
+    (keys of summary.json's layout, e.g. ``{"dp": 2, "pp": 2}``)."""
+    losses, norms = run_metrics(run_dir)
+    assert_losses_close(losses, reference[0], n=n, depth=depth)
+    assert_grad_norms_close(norms, reference[1], n=n, depth=depth)
+    assert reference[0][-1] < reference[0][0], "the reference run did not train (its loss did not fall)"
+    got = json.loads((Path(run_dir) / "summary.json").read_text())["layout"]
+    assert {k: got[k] for k in layout} == layout, got
+
+
 def reduction_rtol(n: int, depth: int) -> float:
     """Relative error of one forward/backward pass whose longest chain has ``depth`` reductions of <= ``n`` terms.
 

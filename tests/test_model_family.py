@@ -20,7 +20,7 @@ from torch import nn
 
 import parity
 from chipset.models.family import ModelFamily
-from testenv import clean_env
+from testenv import family_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -88,13 +88,6 @@ N_REDUCE = BATCH * IMAGE * IMAGE
 DEPTH = 2 * 6 + 1
 
 
-def _env(extra_path: str = str(HERE)) -> dict[str, str]:
-    env = clean_env()
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = extra_path + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def _train(run_dir: Path, nproc: int, *sets: str, family_spec: str = "test_model_family:family",
            env: dict | None = None) -> subprocess.CompletedProcess:
     args = ["--set", f'model.family="{family_spec}"', "--set", f"train.steps={STEPS}",
@@ -103,7 +96,7 @@ def _train(run_dir: Path, nproc: int, *sets: str, family_spec: str = "test_model
         args += ["--set", s]
     return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
                            "--run-dir", str(run_dir), *args],
-                          capture_output=True, text=True, env=env or _env(), timeout=600)
+                          capture_output=True, text=True, env=env or family_env(str(HERE)), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +158,7 @@ def test_entry_point_families_listed_broken_one_isolated_good_one_trains(tmp_pat
     site = tmp_path / "site"
     _install_family(site, "chipset-cnn", "cnn", "from test_model_family import family\n")
     _install_family(site, "chipset-broken-model", "broken", "raise ImportError('needs libfoo 2')\n")
-    env = _env(f"{site}:{HERE}")
+    env = family_env(str(site), str(HERE))
     r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -189,6 +182,6 @@ def test_custom_model_example_trains(tmp_path):
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(ROOT / "examples" / "custom-model.toml"),
                         "--nproc", "2", "--run-dir", str(run), "--set", "train.steps=3"],
-                       capture_output=True, text=True, env=_env(str(ROOT / "examples")), timeout=600)
+                       capture_output=True, text=True, env=family_env(str(ROOT / "examples")), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == 3

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import parity
 from chipset.config import load_config
 from chipset.models.resnet import IMAGE_SIZE, ResNetFamily, SyntheticImages
-from testenv import clean_env
+from testenv import family_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,8 +65,8 @@ def test_full_recompute_runs_each_block_again_in_backward_with_equal_gradients()
         for block in fam.blocks(model):
             original = block.forward
 
-            def counted(*a, _f=original, **k):
-                count[0] += 1
+            def counted(*a, _f=original, _count=count, **k):
+                _count[0] += 1
                 return _f(*a, **k)
 
             block.forward = counted
@@ -116,19 +116,12 @@ def summed_gradients() -> SummedGradients:
     return SummedGradients()
 
 
-def _env() -> dict[str, str]:
-    env = clean_env()
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(HERE) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def _train(run_dir: Path, nproc: int, *sets: str, family: str = "resnet", cwd=None) -> subprocess.CompletedProcess:
     args = [f'model.family="{family}"', *SIZE, f"train.steps={STEPS}", f"train.global_batch={BATCH}",
             "train.lr=0.01", "train.checkpoint_every=0", *sets]
     return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
                            "--run-dir", str(run_dir), *[a for s in args for a in ("--set", s)]],
-                          capture_output=True, text=True, env=_env(), timeout=600, cwd=cwd)
+                          capture_output=True, text=True, env=family_env(str(HERE)), timeout=600, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -151,12 +144,7 @@ def reference(tmp_path_factory):
 def test_parallel_runs_match_one_process(tmp_path, reference, nproc, sets, want):
     r = _train(tmp_path / "run", nproc, *sets)
     assert r.returncode == 0, r.stderr[-3000:]
-    losses, norms = parity.run_metrics(tmp_path / "run")
-    parity.assert_losses_close(losses, reference[0], n=N_REDUCE, depth=DEPTH)
-    parity.assert_grad_norms_close(norms, reference[1], n=N_REDUCE, depth=DEPTH)
-    assert reference[0][-1] < reference[0][0]  # it really trained
-    layout = json.loads((tmp_path / "run" / "summary.json").read_text())["layout"]
-    assert {k: layout[k] for k in want} == want
+    parity.assert_run_matches(tmp_path / "run", reference, n=N_REDUCE, depth=DEPTH, layout=want)
 
 
 @pytest.mark.multirank
@@ -178,7 +166,7 @@ def test_parity_check_rejects_summed_gradients(tmp_path, reference):
 def test_listed_as_built_in_and_counted_for_mfu(tmp_path):
     """`chipset models` lists it; a run on a backend that declares its peak reports MFU from
     the family's flops_per_sample (samples/s x FLOPs per sample / peak)."""
-    env = _env()
+    env = family_env(str(HERE))
     listed = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
                             capture_output=True, text=True, env=env, timeout=300)
     fams = {f["name"]: f for f in json.loads(listed.stdout)["families"]}
@@ -205,7 +193,7 @@ def test_listed_as_built_in_and_counted_for_mfu(tmp_path):
      "parallel.pipeline_split = '1,2' sums to 3 units, expected the model's 4 pipeline units"),
     (("parallel.pp=2", "parallel.virtual_stages=4", 'parallel.schedule="interleaved_1f1b"', "parallel.micro_batches=2"),
      "pp*virtual_stages (8) exceeds the model's 4 pipeline units (stem, blocks.0, blocks.1, head)"),
-    (('data.source="text"', 'data.path="corpus.txt"', "model.vocab_size=256"), "model family 'resnet' trains on synthetic images only"),
+    (('data.source="text"', 'data.path="corpus.txt"', "model.vocab_size=256"), "model family 'resnet' trains on images, synthetic or from a folder"),
 ])
 def test_unsupported_layouts_are_refused_before_launch(tmp_path, sets, expected):
     run = tmp_path / "run"
@@ -213,3 +201,73 @@ def test_unsupported_layouts_are_refused_before_launch(tmp_path, sets, expected)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert expected in r.stderr
     assert not run.exists()
+
+
+# --- data.source = "images": a folder of class sub-folders ------------------------------------
+
+COLOURS = {"red": (200, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 200)}
+
+
+def _image_folder(root: Path) -> Path:
+    """Three classes of six noisy solid-colour images, two sizes (resized on load), plus files
+    that are not images (ignored)."""
+    Image = pytest.importorskip("PIL.Image")
+    gen = torch.Generator().manual_seed(0)
+    for name, rgb in COLOURS.items():
+        (root / name).mkdir(parents=True)
+        for i in range(6):
+            side = 16 if i % 2 else 24
+            px = (torch.tensor(rgb).view(1, 1, 3) + 40 * torch.randn(side, side, 3, generator=gen)).clamp(0, 255)
+            Image.fromarray(px.to(torch.uint8).numpy(), "RGB").save(root / name / f"{i:03d}.png")
+    (root / "README.txt").write_text("not a class")
+    (root / "red" / "notes.txt").write_text("not an image")
+    return root
+
+
+def test_image_folder_labels_by_sorted_folder_and_shares_batches_across_layouts(tmp_path):
+    from chipset.models.resnet import ImageFolder
+
+    data = ImageFolder(_image_folder(tmp_path / "imgs"), global_batch=6, seed=1)
+    assert data.classes == ["blue", "green", "red"] and len(data) == 18
+    x, y = data.batch(4)  # step 4 crosses into the second epoch (18 images, 6 per step)
+    assert x.shape == (6, 3, IMAGE_SIZE, IMAGE_SIZE) and -1 <= float(x.min()) and float(x.max()) <= 1
+    for img, label in zip(x, y, strict=True):  # each image's strongest channel is its folder's colour
+        assert int(img.mean(dim=(1, 2)).argmax()) == {"red": 0, "green": 1, "blue": 2}[data.classes[label]]
+    halves = [data.batch(4, dp_rank=r, dp=2) for r in (0, 1)]
+    assert torch.equal(torch.cat([h[0] for h in halves]), x) and torch.equal(torch.cat([h[1] for h in halves]), y)
+    epoch = torch.cat([data.batch(s)[1] for s in range(3)])  # one epoch: every image exactly once
+    assert sorted(epoch.tolist()) == sorted(data.labels.tolist())
+
+
+@pytest.mark.multirank
+def test_image_folder_trains_on_two_ranks_like_one_process(tmp_path):
+    folder = _image_folder(tmp_path / "imgs")
+    sets = ('data.source="images"', f'data.path="{folder}"', "model.vocab_size=3")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _train(one, 1, *sets).returncode == 0
+    r = _train(two, 2, *sets, "parallel.zero=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = parity.run_metrics(one), parity.run_metrics(two)
+    # Longest reduction: a convolution weight's gradient over batch x image positions, as above.
+    parity.assert_losses_close(got[0], want[0], n=N_REDUCE, depth=DEPTH)
+    parity.assert_grad_norms_close(got[1], want[1], n=N_REDUCE, depth=DEPTH)
+
+
+def test_image_folder_problems_are_refused_before_launch(tmp_path):
+    folder = _image_folder(tmp_path / "imgs")
+    cases = [
+        (("model.vocab_size=5",), "model.vocab_size (5) is the number of classes, and data.path has 3 class "
+                                  "folders (blue, green, red); set model.vocab_size = 3"),
+        (("model.vocab_size=3", f'data.path="{tmp_path / "nope"}"'), "expected a folder with one sub-folder"),
+    ]
+    (tmp_path / "empty" / "cats").mkdir(parents=True)
+    cases.append((("model.vocab_size=1", f'data.path="{tmp_path / "empty"}"'), "class folder(s) cats hold no image"))
+    for extra, expected in cases:
+        run = tmp_path / "run"
+        r = _train(run, 1, 'data.source="images"', f'data.path="{folder}"', *extra)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert expected in r.stderr
+        assert not run.exists()
+    (folder / "green" / "broken.png").write_bytes(b"not a png")
+    r = _train(tmp_path / "run", 1, 'data.source="images"', f'data.path="{folder}"', "model.vocab_size=3")
+    assert r.returncode == 2 and "broken.png is not a readable image" in r.stderr, r.stderr[-2000:]

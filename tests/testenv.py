@@ -31,3 +31,13 @@ def clean_env(*, keep_settings: bool = False) -> dict[str, str]:
          if not (k in drop if keep_settings else k.startswith("CHIPSET_"))}
     e.update(selection_env())
     return e
+
+
+def family_env(*paths: str) -> dict[str, str]:
+    """:func:`clean_env` for a ``chipset train`` subprocess that imports a model family from
+    ``paths`` (put first on PYTHONPATH, as a user's ``PYTHONPATH=. chipset train`` would), one
+    thread per rank."""
+    env = clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = ":".join([*paths, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    return env

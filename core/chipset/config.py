@@ -41,7 +41,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 RECOMPUTE = ("none", "selective", "full")
 ROUTERS = ("softmax", "sigmoid")
-DATA_SOURCES = ("synthetic", "text", "tokens", "hf")
+DATA_SOURCES = ("synthetic", "text", "tokens", "hf", "images")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
 
 
@@ -225,9 +225,9 @@ class DataConfig:
     """Where tokens come from."""
 
     source: str = "synthetic"
-    """Token source: synthetic (a seeded, learnable token stream), text (bytes of local text files, vocab 256) tokens (a folder made by `chipset data prepare`, or a flat uint16 .bin file) or hf (a local Hugging Face dataset saved with save_to_disk, tokenized once with data.tokenizer into a cache; needs the datasets package)."""
+    """Token source: synthetic (a seeded, learnable token stream), text (bytes of local text files, vocab 256) tokens (a folder made by `chipset data prepare`, or a flat uint16 .bin file) or hf (a local Hugging Face dataset saved with save_to_disk, tokenized once with data.tokenizer into a cache; needs the datasets package). Image families: synthetic, or images (data.path: one sub-folder of images per class; needs Pillow)."""
     path: str = ""
-    """text: a file or folder of .py/.txt/.md/.rst files (empty = the Python standard library's sources); tokens: the prepared folder or .bin file; hf: the saved dataset folder. Relative paths in a config file are resolved against the file's folder."""
+    """text: a file or folder of .py/.txt/.md/.rst files (empty = the Python standard library's sources); tokens: the prepared folder or .bin file; hf: the saved dataset folder; images: a folder of class sub-folders. Relative paths in a config file are resolved against the file's folder."""
     max_bytes: int = 1 << 20
     """text: read at most this many bytes."""
     tokenizer: str = ""
@@ -565,6 +565,9 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"train.recompute = {tr.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if da.source not in DATA_SOURCES:
         problems.append(f"data.source = {da.source!r}: expected one of {', '.join(DATA_SOURCES)}")
+    elif da.source == "images" and builtin:
+        problems.append("data.source = 'images' is for an image model family (model.family = \"resnet\"); "
+                        "the built-in transformer reads synthetic, text, tokens or hf")
     elif da.source == "text" and m.vocab_size < 256:
         problems.append(
             f"model.vocab_size ({m.vocab_size}) must be >= 256 for data.source = 'text' (one token per byte); "

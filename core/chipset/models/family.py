@@ -153,7 +153,11 @@ class ModelFamily:
     def problems(self, cfg) -> list[str]:
         """What this family cannot run in ``cfg`` beyond the layout (for example a data source
         it does not read): each a sentence saying what was found and what to do. Checked with
-        the layout before launch, so a bad config exits 2 before any rank starts. Default: none."""
+        the layout before launch, so a bad config exits 2 before any rank starts. Default: none,
+        except that the default token data cannot read ``data.source = "images"``."""
+        if cfg.data.source == "images":
+            return [f"data.source = 'images': model family {self.name!r} reads token sequences (data.*); "
+                    "images are for an image family such as resnet"]
         return []
 
     def flops_per_sample(self, cfg) -> float:

@@ -154,7 +154,7 @@ class GPT2Family(ModelFamily):
 
     def problems(self, cfg) -> list[str]:
         m, tp = cfg.model, cfg.parallel.tp
-        out = []
+        out = super().problems(cfg)  # the token data's own rules
         if m.num_attention_heads < 1 or m.hidden_size % m.num_attention_heads:
             out.append(f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size "
                        f"({m.hidden_size}) for model family 'gpt2'")

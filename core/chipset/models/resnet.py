@@ -1,7 +1,8 @@
 """A small ResNet image classifier: the non-transformer family shipped with chipset.
 
 It is written only against the family contract (chipset.models.family) and is the worked
-example of a model that is not a sequence model: its own data (synthetic images), its own
+example of a model that is not a sequence model: its own data (synthetic images, or a folder
+of class sub-folders with ``data.source = "images"``), its own
 FLOPs count, and pipeline stages cut from its chain of units (stem, residual blocks, pooled
 head); it has no tensor parallelism (nothing but the head is an ``nn.Linear``). Select it with ``model.family = "resnet"``
 (examples/resnet-tiny.toml, docs/models.md).
@@ -23,14 +24,16 @@ equals one process up to the order of floating-point sums.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chipset.errors import ConfigError
 from chipset.models.family import ModelFamily
 
-__all__ = ["ResNet", "ResNetFamily", "SyntheticImages", "family", "forward_flops", "tiny"]
+__all__ = ["ImageFolder", "ResNet", "ResNetFamily", "SyntheticImages", "family", "forward_flops", "tiny"]
 
 IMAGE_SIZE = 16
 CHANNELS = 3
@@ -128,6 +131,82 @@ class SyntheticImages:
         return (x.to(device), y.to(device)) if device is not None else (x, y)
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".webp")
+
+
+def image_folder_classes(root: str | Path) -> tuple[list[str], list[tuple[Path, int]], list[str]]:
+    """Class names (sorted sub-folders of ``root``), ``(file, label)`` for every image file in
+    them (sorted), and the problems found (each a sentence saying what to do)."""
+    root = Path(root)
+    if not str(root) or not root.is_dir():
+        return [], [], [f"data.path = {str(root)!r}: expected a folder with one sub-folder of images per class "
+                        "(data.source = \"images\")"]
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    files = [(f, label) for label, c in enumerate(classes) for f in sorted((root / c).iterdir())
+             if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES]
+    problems = []
+    if not classes:
+        problems.append(f"data.path = {str(root)!r} has no class sub-folders; put each class's images in "
+                        "a folder named after it (e.g. cats/001.png, dogs/001.png)")
+    empty = [c for label, c in enumerate(classes) if not any(lbl == label for _, lbl in files)]
+    if empty:
+        problems.append(f"data.path = {str(root)!r}: class folder(s) {', '.join(empty)} hold no image "
+                        f"({', '.join(IMAGE_SUFFIXES)}); add images or remove the folder")
+    return classes, files, problems
+
+
+class ImageFolder:
+    """Labelled images from a folder of class sub-folders, resized to ``size`` x ``size`` RGB.
+
+    Every image is decoded once (Pillow) into memory when the data is built, scaled to [-1, 1].
+    Sample ``i`` of the infinite stream is image ``perm_e[i mod n]`` of epoch ``e = i // n``,
+    where ``perm_e`` is a permutation drawn from ``(seed, e)``: a step's global batch is the
+    same whatever the dp degree, and each dp rank takes its contiguous share.
+    """
+
+    def __init__(self, root: str | Path, global_batch: int, seed: int = 0, size: int = IMAGE_SIZE):
+        try:
+            from PIL import Image
+        except ImportError as exc:
+            raise ConfigError("data.source = \"images\" decodes images with Pillow, which is not installed; "
+                              "pip install pillow") from exc
+        self.classes, files, problems = image_folder_classes(root)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        images = []
+        for f, _ in files:
+            try:
+                with Image.open(f) as im:
+                    im = im.convert("RGB").resize((size, size), Image.BILINEAR)
+                    data = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"data.path: {f} is not a readable image ({exc}); remove it or fix it") from exc
+            images.append(data.view(size, size, CHANNELS).permute(2, 0, 1).float() / 127.5 - 1.0)
+        self.images = torch.stack(images)
+        self.labels = torch.tensor([label for _, label in files], dtype=torch.long)
+        self.global_batch, self.seed = global_batch, seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _index(self, i: int) -> int:
+        epoch, pos = divmod(i, len(self))
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(len(self), generator=torch.Generator().manual_seed(
+                self.seed * 1_000_003 + epoch))}
+        return int(self._perms[epoch][pos])
+
+    def batch(self, step: int, dp_rank: int = 0, dp: int = 1, micro: int = 0, micro_batches: int = 1,
+              device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        per_rank = self.global_batch // dp
+        mb = per_rank // micro_batches
+        first = step * self.global_batch + dp_rank * per_rank + micro * mb
+        idx = torch.tensor([self._index(first + j) for j in range(mb)])
+        x, y = self.images[idx], self.labels[idx]
+        return (x.to(device), y.to(device)) if device is not None else (x, y)
+
+
 def forward_flops(width: int, blocks: int, classes: int, size: int = IMAGE_SIZE, channels: int = CHANNELS) -> int:
     """Multiply-add FLOPs (2 per MAC) of one sample's forward through convolutions and the head.
 
@@ -158,12 +237,22 @@ class ResNetFamily(ModelFamily):
         return ResNet(m.hidden_size, m.num_hidden_layers, m.vocab_size)
 
     def problems(self, cfg) -> list[str]:
-        if cfg.data.source != "synthetic":
-            return [f"data.source = {cfg.data.source!r}: model family 'resnet' trains on synthetic images "
-                    "only; use data.source = \"synthetic\""]
+        da = cfg.data
+        if da.source == "images":
+            classes, _, problems = image_folder_classes(da.path)
+            if not problems and len(classes) != cfg.model.vocab_size:
+                problems.append(f"model.vocab_size ({cfg.model.vocab_size}) is the number of classes, and "
+                                f"data.path has {len(classes)} class folders ({', '.join(classes[:8])}"
+                                f"{', ...' if len(classes) > 8 else ''}); set model.vocab_size = {len(classes)}")
+            return problems
+        if da.source != "synthetic":
+            return [f"data.source = {da.source!r}: model family 'resnet' trains on images, synthetic or from "
+                    "a folder; use data.source = \"synthetic\" or \"images\""]
         return []
 
-    def data(self, cfg) -> SyntheticImages:
+    def data(self, cfg) -> SyntheticImages | ImageFolder:
+        if cfg.data.source == "images":
+            return ImageFolder(cfg.data.path, cfg.train.global_batch, cfg.data.seed)
         return SyntheticImages(cfg.model.vocab_size, cfg.train.global_batch, cfg.data.seed)
 
     def flops_per_sample(self, cfg) -> float:
