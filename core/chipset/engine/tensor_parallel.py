@@ -398,7 +398,8 @@ def gather_sequence_around(module: nn.Module, tp: TPContext) -> None:
 
 # --- applying a model family's tensor-parallel plan -------------------------------------------------
 
-LINEAR_STYLES = ("colwise", "colwise_in_region", "rowwise", "vocab_head")
+LINEAR_STYLES = ("colwise", "colwise_in_region", "rowwise", "vocab_head", "vocab_head_in_region")
+VOCAB_STYLES = ("vocab_embedding", "vocab_head", "vocab_head_in_region")
 NORM_STYLES = ("region_norm", "head_norm", "sequence_norm")
 
 
@@ -411,8 +412,9 @@ def _split(name: str, mod: nn.Module, style: str, tp: TPContext) -> nn.Module | 
     if style in NORM_STYLES and not all(hasattr(mod, a) for a in ("weight", "eps", "_k")):
         raise ConfigError(f"tp_plan: {name} is {type(mod).__name__}; {style} needs an RMSNorm "
                           "(weight, eps and the backend's kernels)")
-    if style in ("colwise", "colwise_in_region", "vocab_head"):
-        return ColumnParallelLinear(mod.weight, tp, enter_region=style == "colwise", full_bias=mod.bias)
+    if style in ("colwise", "colwise_in_region", "vocab_head", "vocab_head_in_region"):
+        return ColumnParallelLinear(mod.weight, tp, enter_region=style in ("colwise", "vocab_head"),
+                                    full_bias=mod.bias)
     if style == "rowwise":
         return RowParallelLinear(mod.weight, tp, full_bias=mod.bias)
     if style == "vocab_embedding":
@@ -449,12 +451,12 @@ def apply_plan(model: nn.Module, plan: dict[str, str], *, tp: TPContext) -> nn.M
         new = _split(name, old, style, tp)
         if new is None:
             continue
-        if style in ("vocab_embedding", "vocab_head"):
+        if style in VOCAB_STYLES:
             key = id(old.weight)
             if key in shared:
                 new.weight = shared[key]
             shared[key] = new.weight
-        if style == "vocab_head":
+        if style in ("vocab_head", "vocab_head_in_region"):
             vocab = old.out_features
         setattr(parent, leaf, new)
     if vocab is not None:

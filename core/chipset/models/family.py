@@ -33,10 +33,11 @@ PLAN_STYLES = {
     "rowwise": "nn.Linear: input features split; partial outputs summed over tp, then the bias added once",
     "vocab_embedding": "nn.Embedding: vocabulary rows split (padded to a multiple of tp); partial "
                        "embeddings summed",
-    "vocab_head": "nn.Linear: logits split over the (padded) vocabulary, reading a region_norm's output; "
-                  "the loss becomes the vocabulary-parallel cross-entropy (model.loss_fn)",
+    "vocab_head": "nn.Linear: logits split over the (padded) vocabulary (the input enters the tp region, "
+                  "as colwise); the loss becomes the vocabulary-parallel cross-entropy (model.loss_fn)",
+    "vocab_head_in_region": "nn.Linear: as vocab_head, reading the output of a region_norm",
     "region_norm": "RMSNorm (weight, eps, kernels): its output enters the tp region once for the "
-                   "colwise_in_region / vocab_head layers reading it",
+                   "colwise_in_region / vocab_head_in_region layers reading it",
     "head_norm": "RMSNorm over each head of a head-split tensor: its weight's gradient is summed over tp",
     "sequence_norm": "RMSNorm that, with sequence parallelism, runs on this rank's sequence slice in front "
                      "of a sequence_gathered module (weight gradient summed over tp); unchanged without",
@@ -134,12 +135,13 @@ class ModelFamily:
 
     def loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Scalar mean loss of one micro-batch. Default: ``model.loss`` if the module has it,
-        else :meth:`output_loss` of ``model(inputs)``. (Under pp the engine computes
-        ``output_loss`` of the last unit's output instead: keep the two consistent.)"""
+        else :meth:`output_loss` of ``model(inputs)`` (the vocabulary-parallel cross-entropy
+        instead when the plan's ``vocab_head`` split the logits). Under pp the engine computes
+        the same from the last unit's output: keep the two consistent."""
         own = getattr(type(model), "loss", None)
         if callable(own):
             return own(model, inputs, targets)
-        return self.output_loss(model(inputs), targets)
+        return model_output_loss(self, model)(model(inputs), targets)
 
     def data(self, cfg):
         """The training data: an object with ``batch(step, dp_rank, dp, micro, micro_batches,
@@ -194,6 +196,20 @@ def recompute_block(block: nn.Module) -> None:
     block.forward = checkpointed
 
 
+def model_output_loss(family: ModelFamily, model: nn.Module):
+    """``family.output_loss``, or the engine's vocabulary-parallel cross-entropy once a tensor-
+    parallel plan split ``model``'s logits over the vocabulary (``model.loss_fn``, set by a
+    ``vocab_head``): logits that are one rank's slice need the loss that sums over tp ranks."""
+
+    def output_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        split = getattr(model, "loss_fn", None)
+        if split is not None:
+            return split(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+        return family.output_loss(outputs, targets)
+
+    return output_loss
+
+
 def bind(family: ModelFamily, model: nn.Module, cfg=None) -> nn.Module:
     """Give ``model`` what the engine calls, from ``family``: ``units()``, ``loss()`` and, for
     pipeline parallelism, ``pipeline_units()``, ``output_loss()`` and ``unit_shapes(inputs)``
@@ -204,7 +220,7 @@ def bind(family: ModelFamily, model: nn.Module, cfg=None) -> nn.Module:
     object.__setattr__(model, "units", lambda: family.units(model))
     object.__setattr__(model, "loss", lambda inputs, targets: family.loss(model, inputs, targets))
     object.__setattr__(model, "pipeline_units", lambda: family.pipeline_units(model))
-    object.__setattr__(model, "output_loss", family.output_loss)
+    object.__setattr__(model, "output_loss", model_output_loss(family, model))
     if cfg is not None:
         object.__setattr__(model, "unit_shapes", lambda inputs: unit_shapes(family, cfg, inputs))
     return model
@@ -296,14 +312,15 @@ def plan_problems(family: ModelFamily, cfg) -> list[str]:
     modules = dict(model.named_modules())
     matched = plan_matches(model, plan)
     problems = []
-    if not any(s in ("colwise", "colwise_in_region", "rowwise", "vocab_head", "vocab_embedding")
-               for s in matched.values()):
+    if not any(s in ("colwise", "colwise_in_region", "rowwise", "vocab_head", "vocab_head_in_region",
+                     "vocab_embedding") for s in matched.values()):
         problems.append(f"model family {family.name!r}: tp_plan splits no module of the model; "
                         "name its nn.Linear layers colwise/rowwise or use parallel.tp = 1")
     for name, style in matched.items():
         mod = modules[name]
         need = {"colwise": nn.Linear, "colwise_in_region": nn.Linear, "rowwise": nn.Linear,
-                "vocab_head": nn.Linear, "vocab_embedding": nn.Embedding}.get(style)
+                "vocab_head": nn.Linear, "vocab_head_in_region": nn.Linear,
+                "vocab_embedding": nn.Embedding}.get(style)
         if need is not None and type(mod) is not need:
             problems.append(f"tp_plan: {name} is {type(mod).__name__}; only nn.{need.__name__} can be {style}")
             continue
@@ -340,7 +357,7 @@ class TransformerFamily(ModelFamily):
         from chipset.models.moe import is_moe_layer
 
         m = cfg.model
-        out = {"embed_tokens": "vocab_embedding", "head.norm": "region_norm", "head.lm_head": "vocab_head"}
+        out = {"embed_tokens": "vocab_embedding", "head.norm": "region_norm", "head.lm_head": "vocab_head_in_region"}
         for i in range(m.num_hidden_layers):
             b = f"layers.{i}"
             out[f"{b}.input_layernorm"] = "region_norm"

@@ -141,10 +141,12 @@ class GPT2Family(ModelFamily):
     layouts = frozenset(x for x in LAYOUTS if x not in ("sp", "ep", "cp"))
     tp_plan = {
         # Megatron-LM's split: q, k, v and the MLP's first layer by output columns (whole heads
-        # per rank), the attention output and the MLP's second layer by input rows.
+        # per rank), the attention output and the MLP's second layer by input rows; the token
+        # embedding and the logits by vocabulary rows (the loss then sums over tp ranks).
         "h.*.attn.q_proj": "colwise", "h.*.attn.k_proj": "colwise", "h.*.attn.v_proj": "colwise",
         "h.*.attn.o_proj": "rowwise",
         "h.*.mlp.fc_in": "colwise", "h.*.mlp.fc_out": "rowwise",
+        "embed.wte": "vocab_embedding", "head.lm_head": "vocab_head",
     }
 
     def build(self, cfg) -> GPT2:
