@@ -73,6 +73,17 @@ _MULTIRANK = re.compile(r"run_jobs\(|--nproc|torch\.distributed\.run|\btorchrun\
                         r"\"conformance\", \"--backend\"|chipset conformance")
 
 
+def _suite_function(obj, mod) -> bool:
+    """Whether ``obj`` is the test module's own function or one it imported from a helper
+    module of this folder (testenv, parity, ...): the scan follows those, not chipset's."""
+    if obj.__module__ == mod.__name__:
+        return True
+    try:
+        return Path(inspect.getsourcefile(obj)).resolve().parent == Path(__file__).resolve().parent
+    except TypeError:
+        return False
+
+
 def _sources(item) -> str:
     """The test's source, its fixtures' sources, and the module functions they name (to a fixpoint).
 
@@ -95,7 +106,7 @@ def _sources(item) -> str:
             continue
         texts.append(text)
         for name, obj in vars(mod).items():
-            if inspect.isfunction(obj) and obj.__module__ == mod.__name__ and re.search(rf"\b{name}\(", text):
+            if inspect.isfunction(obj) and _suite_function(obj, mod) and re.search(rf"\b{name}\(", text):
                 funcs.append(obj)
     # Parametrized commands (e.g. the docs' console examples) carry their --nproc in a parameter.
     callspec = getattr(item, "callspec", None)

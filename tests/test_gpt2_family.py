@@ -10,7 +10,6 @@ must reject it.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import parity
 from chipset.config import load_config
 from chipset.models import gpt2
-from testenv import family_env
+from testenv import chipset_train, family_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -101,9 +100,7 @@ def heads_from_config() -> HeadsFromConfig:
 def _train(run_dir: Path, nproc: int, *sets: str, family: str = "gpt2") -> subprocess.CompletedProcess:
     args = [f'model.family="{family}"', *SIZE, f"train.steps={STEPS}", f"train.global_batch={BATCH}",
             "train.lr=0.01", "train.checkpoint_every=0", *sets]
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
-                           "--run-dir", str(run_dir), *[a for s in args for a in ("--set", s)]],
-                          capture_output=True, text=True, env=family_env(str(HERE)), timeout=900)
+    return chipset_train(run_dir, nproc, args, env=family_env(str(HERE)), timeout=900)
 
 
 @pytest.fixture(scope="module")

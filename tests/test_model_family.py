@@ -20,7 +20,7 @@ from torch import nn
 
 import parity
 from chipset.models.family import ModelFamily
-from testenv import family_env
+from testenv import chipset_train, family_env
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -90,13 +90,8 @@ DEPTH = 2 * 6 + 1
 
 def _train(run_dir: Path, nproc: int, *sets: str, family_spec: str = "test_model_family:family",
            env: dict | None = None) -> subprocess.CompletedProcess:
-    args = ["--set", f'model.family="{family_spec}"', "--set", f"train.steps={STEPS}",
-            "--set", f"train.global_batch={BATCH}", "--set", "train.lr=0.01"]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
-                           "--run-dir", str(run_dir), *args],
-                          capture_output=True, text=True, env=env or family_env(str(HERE)), timeout=600)
+    args = [f'model.family="{family_spec}"', f"train.steps={STEPS}", f"train.global_batch={BATCH}", "train.lr=0.01"]
+    return chipset_train(run_dir, nproc, [*args, *sets], env=env or family_env(str(HERE)))
 
 
 @pytest.fixture(scope="module")

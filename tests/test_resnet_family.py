@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import parity
 from chipset.config import load_config
 from chipset.models.resnet import IMAGE_SIZE, ResNetFamily, SyntheticImages
-from testenv import family_env
+from testenv import chipset_train, family_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -119,9 +119,7 @@ def summed_gradients() -> SummedGradients:
 def _train(run_dir: Path, nproc: int, *sets: str, family: str = "resnet", cwd=None) -> subprocess.CompletedProcess:
     args = [f'model.family="{family}"', *SIZE, f"train.steps={STEPS}", f"train.global_batch={BATCH}",
             "train.lr=0.01", "train.checkpoint_every=0", *sets]
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
-                           "--run-dir", str(run_dir), *[a for s in args for a in ("--set", s)]],
-                          capture_output=True, text=True, env=family_env(str(HERE)), timeout=600, cwd=cwd)
+    return chipset_train(run_dir, nproc, args, env=family_env(str(HERE)), timeout=600, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

@@ -41,3 +41,13 @@ def family_env(*paths: str) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = ":".join([*paths, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     return env
+
+
+def chipset_train(run_dir, nproc: int, sets, *, env: dict[str, str], timeout: int = 600, cwd=None):
+    """``chipset train --nproc N --run-dir DIR --set k=v ...`` as a subprocess (output captured)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
+                           "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)

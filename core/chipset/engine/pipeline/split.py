@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from chipset.errors import ConfigError
 from chipset.models.moe import MoE
 
-__all__ = ["StageSpec", "StageModel", "balanced_runs", "parse_split", "split_model"]
+__all__ = ["StageSpec", "StageModel", "balanced_runs", "parse_split", "read_counts", "split_model"]
 
 
 @dataclass(frozen=True)
@@ -46,18 +46,23 @@ class StageSpec:
         return ", ".join(parts)
 
 
-def parse_split(text: str, parts: int, num_layers: int) -> list[int]:
-    """``"2,2"`` -> [2, 2]; the list must have ``parts`` entries summing to ``num_layers``."""
+def read_counts(text: str, parts: int, what: str) -> tuple[list[int], list[str]]:
+    """``parallel.pipeline_split`` as integers (ConfigError if it is not a comma-separated list
+    of ``what`` counts), and the problem of an entry count other than ``parts``."""
     try:
         counts = [int(x) for x in text.replace(" ", "").split(",")]
     except ValueError:
         raise ConfigError(
-            f"parallel.pipeline_split = {text!r}: expected comma-separated block counts per virtual stage, "
+            f"parallel.pipeline_split = {text!r}: expected comma-separated {what} counts per virtual stage, "
             f"e.g. \"{','.join(['1'] * parts)}\""
         ) from None
-    problems = []
-    if len(counts) != parts:
-        problems.append(f"has {len(counts)} entries, expected pp*virtual_stages = {parts}")
+    return counts, ([] if len(counts) == parts else
+                    [f"has {len(counts)} entries, expected pp*virtual_stages = {parts}"])
+
+
+def parse_split(text: str, parts: int, num_layers: int) -> list[int]:
+    """``"2,2"`` -> [2, 2]; the list must have ``parts`` entries summing to ``num_layers``."""
+    counts, problems = read_counts(text, parts, "block")
     if sum(counts) != num_layers:
         problems.append(f"sums to {sum(counts)} blocks, expected model.num_hidden_layers = {num_layers}")
     if any(c < 0 for c in counts):

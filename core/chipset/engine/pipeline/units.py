@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from chipset.engine.pipeline.split import balanced_runs
+from chipset.engine.pipeline.split import balanced_runs, read_counts
 from chipset.errors import ConfigError
 
 __all__ = ["UnitSpec", "UnitStageModel", "chain_problems", "parse_unit_split", "split_units", "unit_names"]
@@ -55,14 +55,7 @@ def unit_names(model: nn.Module) -> list[str]:
 
 def parse_unit_split(text: str, parts: int, units: int) -> list[int]:
     """``"2,3"`` -> [2, 3]: units per virtual stage, ``parts`` entries of at least 1 summing to ``units``."""
-    try:
-        counts = [int(x) for x in text.replace(" ", "").split(",")]
-    except ValueError:
-        raise ConfigError(f"parallel.pipeline_split = {text!r}: expected comma-separated unit counts per "
-                          f"virtual stage, e.g. \"{','.join(['1'] * parts)}\"") from None
-    problems = []
-    if len(counts) != parts:
-        problems.append(f"has {len(counts)} entries, expected pp*virtual_stages = {parts}")
+    counts, problems = read_counts(text, parts, "unit")
     if sum(counts) != units:
         problems.append(f"sums to {sum(counts)} units, expected the model's {units} pipeline units")
     if any(c < 1 for c in counts):
