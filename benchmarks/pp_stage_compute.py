@@ -3,7 +3,7 @@
 Size M of vs_plain_torch.py (hidden 256, 4 blocks, 8/4 heads, SwiGLU 688, vocab 1024), one
 micro-batch of 4 x 128 tokens, fp32, one thread. Stage 1 of 2 (blocks 2-3, norm, logits,
 loss) runs forward + backward from a hidden-state input; stage 0 (embedding, blocks 0-1) from
-token ids with a unit output gradient. chipset's side is its ``StageModel`` on the ``cpu``
+token ids with a unit output gradient. chipset's side is its ``UnitStageModel`` on the ``cpu``
 backend's kernels; the plain side is benchmarks/plain_torch_lm.py's ``Stage``. Each is warmed
 up, then timed 15 times; the table prints the medians, twice, interleaved.
 
@@ -22,8 +22,8 @@ import torch
 
 import chipset
 from chipset.config import load_config
-from chipset.engine.pipeline.split import StageModel, split_model
-from chipset.models.family import TransformerFamily
+from chipset.engine.pipeline.units import UnitStageModel, split_units
+from chipset.models.family import TransformerFamily, bind
 
 HIDDEN, LAYERS, HEADS, KV, FFN, VOCAB, SEQ, BATCH = 256, 4, 8, 4, 688, 1024, 128, 4
 
@@ -43,23 +43,24 @@ def main() -> None:
                              f"model.num_hidden_layers={LAYERS}", f"model.num_attention_heads={HEADS}",
                              f"model.num_key_value_heads={KV}", f"model.intermediate_size={FFN}",
                              f"model.max_position_embeddings={SEQ}", f"train.seq_len={SEQ}"])
-    model = TransformerFamily().build(cfg, chipset.backend("cpu").kernels)
-    specs = split_model(model, 2)
-    first, last = StageModel(model, [specs[0]]), StageModel(model, [specs[1]])
+    family = TransformerFamily()
+    model = bind(family, family.build(cfg, chipset.backend("cpu").kernels), cfg)
+    specs = split_units(model, 2)
+    first, last = UnitStageModel(model, [specs[0]]), UnitStageModel(model, [specs[1]])
     p_first, p_last = plain.Stage(a, 0, LAYERS // 2, True, False), plain.Stage(a, LAYERS // 2, LAYERS, False, True)
     tokens, targets = torch.randint(VOCAB, (BATCH, SEQ)), torch.randint(VOCAB, (BATCH, SEQ))
     hidden = torch.randn(BATCH, SEQ, HIDDEN)
 
     def chipset_last():
         x = hidden.clone().requires_grad_(True)
-        last.loss(last.chunk_forward(0, x, SEQ), targets).backward()
+        last.loss(last.chunk_forward(0, x), targets).backward()
 
     def plain_last():
         x = hidden.clone().requires_grad_(True)
         plain.loss_fn(p_last(x), targets).backward()
 
     def chipset_first():
-        out = first.chunk_forward(0, tokens, SEQ)
+        out = first.chunk_forward(0, tokens)
         out.backward(torch.ones_like(out))
 
     def plain_first():

@@ -43,17 +43,13 @@ class _Half(nn.Module):
         self.embed = model.embed_tokens if first else None
         self.layers = nn.ModuleList(model.layers[lo:hi])
         self.head = model.head if last else None
-        self.register_buffer("cos", model.rope_cos, persistent=False)
-        self.register_buffer("sin", model.rope_sin, persistent=False)
         self.delay = delay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
-        s = x.shape[1]
-        cos, sin = self.cos[:s], self.sin[:s]
-        for block in self.layers:
-            x = block(x, cos, sin)
+        for block in self.layers:  # each block reads its rotary tables from the model's Rotary
+            x = block(x)
         if self.head is not None:
             x = self.head(x)
         if self.delay[0]:

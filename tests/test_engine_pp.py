@@ -37,7 +37,7 @@ from chipset.engine.pipeline import (
     make_schedule,
     one_f_one_b,
     parse_split,
-    split_model,
+    split_units,
 )
 from chipset.errors import ConfigError
 from multirank import merge as _merge
@@ -171,16 +171,28 @@ def test_render_prints_a_timeline_and_every_instruction():
 
 
 def test_split_balances_parameters_and_accepts_an_explicit_split():
-    from chipset.config import ModelConfig
+    from chipset.config import RunConfig
     from chipset.kernels import KernelRegistry
-    from chipset.models import Transformer
+    from chipset.models.family import TransformerFamily, meta_model
 
-    model = Transformer(ModelConfig(**BASE["model"]), KernelRegistry("reference"))
-    specs = split_model(model, 2)
-    assert specs[0].embed and not specs[0].head and specs[-1].head and not specs[-1].embed
-    assert [s.last - s.first for s in specs] == [3, 3]
-    assert [s.last - s.first for s in split_model(model, 8)] == [0, 1, 1, 1, 1, 1, 1, 0]
-    assert [s.last - s.first for s in split_model(model, 2, "1,5")] == [1, 5]
+    model = meta_model(TransformerFamily(), RunConfig.from_dict(BASE))  # 6 blocks: chain of 8 units
+    specs = split_units(model, 2)
+    assert specs[0].names[0] == "embed_tokens" and specs[-1].names[-1] == "head"
+    assert [s.last - s.first for s in specs] == [4, 4]
+    assert [s.last - s.first for s in split_units(model, 8)] == [1] * 8
+    # The transformer's pipeline_split counts blocks; the embedding and head join the end stages.
+    assert [s.names for s in split_units(model, 2, "1,5")] == [
+        ("embed_tokens", "layers.0"), ("layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "head")]
+    assert [s.last - s.first for s in split_units(model, 3, "0,6,0")] == [1, 6, 1]
+    # The family states its boundary shapes (MoE routing cannot run on the meta device): they
+    # are what the chain computes there with the reference kernels.
+    with torch.device("meta"):
+        ref = TransformerFamily().build(RunConfig.from_dict(BASE), KernelRegistry("reference"))
+    x, shapes = torch.zeros(3, 16, dtype=torch.long, device="meta"), []
+    for unit in ref.units():
+        x = unit(x)
+        shapes.append(x.shape)
+    assert TransformerFamily().unit_shapes(RunConfig.from_dict(BASE), torch.zeros(3, 16, dtype=torch.long)) == shapes
     with pytest.raises(ConfigError, match="sums to 5 blocks, expected model.num_hidden_layers = 6"):
         parse_split("1,4", 2, 6)
     with pytest.raises(ConfigError, match="has 3 entries, expected"):
@@ -213,7 +225,7 @@ def test_print_schedule_prints_and_exits_without_training(capsys):
     assert rc == 0
     assert "pipeline schedule 1f1b: 2 ranks, 4 micro-batches" in out
     assert "rank 1: .  F0 B0 B0" in out
-    assert "virtual stage 0 (rank 0): embedding, blocks 0-1" in out
+    assert "virtual stage 0 (rank 0): units 0-2 (embed_tokens, layers.0, layers.1)" in out
     assert "step " not in out  # nothing trained
 
 

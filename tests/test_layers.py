@@ -34,7 +34,8 @@ LATE = {
     ("config.py", "models"): "an HF config.json is translated by the HF family (model.hf_config)",
     ("config.py", "engine"): "pipeline layout problems are the pipeline splitter's own rules",
     ("models/family.py", "engine"): "a token family's default data is the engine's token dataset, and a "
-                                    "family's pipeline chain is checked by the engine's splitter",
+                                    "family's pipeline chain is checked and its pipeline_split read by "
+                                    "the engine's splitter rules",
     ("planner/model.py", "models"): "a train config naming an HF model is planned from its config.json, "
                                     "translated by the HF family (models/hf/plan.py)",
     ("models/hf/weights.py", "engine"): "loading HF weights into a layout needs the checkpoint's shard layout",

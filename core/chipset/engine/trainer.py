@@ -90,7 +90,8 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
 
 def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn.Module:
     """``family``'s model for ``cfg``, split for ``dims`` (tp, cp, ep), with recompute and compile
-    applied: this rank's share, not yet wrapped. Refuses a layout the family does not support."""
+    applied, bound to the family (models/family.py ``bind``: units, loss, pipeline chain): this
+    rank's share, not yet wrapped. Refuses a layout the family does not support."""
     col = backend.collective
     par, tr = cfg.parallel, cfg.train
     problems = layout_problems(family, cfg)
@@ -112,11 +113,12 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
         apply_cp_moe(model, cp=cp)
     if dims.ep_enabled:
         apply_ep(model, dims=dims, collective=col)
-    apply_recompute(model, mode=tr.recompute, family=family)
     compile_backend = check_compile(tr.compile, backend.name, backend.record.descriptor)
     if compile_backend is not None:  # per block, before the engine wraps the model (engine/compile.py)
         apply_compile(family.blocks(model), compile_backend)
-    return model
+    # After compile: a recomputed block checkpoints its compiled forward, from eager code.
+    apply_recompute(model, mode=tr.recompute, family=family)
+    return bind(family, model, cfg)
 
 
 def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
@@ -181,12 +183,11 @@ def train_step(engine, batches, lr: float) -> tuple[float, dict]:
 
 
 def _build_family(family, cfg: RunConfig) -> torch.nn.Module:
-    """A model of another family: built with the run's seed (same weights on every rank), given
-    the family's units(), loss() and pipeline chain (models/family.py ``bind``)."""
+    """A model of another family, built with the run's seed (same weights on every rank)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
         model = family.build(cfg)
-    return bind(family, model, cfg)
+    return model
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:

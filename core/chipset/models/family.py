@@ -127,6 +127,31 @@ class ModelFamily:
         Default: :meth:`units`, so a family whose ZeRO-3 units already chain needs nothing more."""
         return self.units(model)
 
+    def pipeline_counts(self, model: nn.Module, text: str, parts: int) -> list[int]:
+        """Units per virtual stage for ``parallel.pipeline_split = text`` (``parts`` =
+        pp x virtual_stages entries), ConfigError when it does not fit. Default: the text
+        counts pipeline units, at least one per stage, summing to the chain's length."""
+        from chipset.engine.pipeline.units import parse_unit_split
+
+        return parse_unit_split(text, parts, len(self.pipeline_units(model)))
+
+    def aux_loss(self, model: nn.Module, units: list[nn.Module]) -> torch.Tensor | None:
+        """Extra loss terms the modules ``units`` added in their last forward (a mixture of
+        experts' load-balancing loss, say), weighted and summed; None when there are none. A
+        pipeline stage adds those of its own units to its backward. Default: ``model.aux_loss
+        (units)`` if the module has it, else None."""
+        own = getattr(type(model), "aux_loss", None)
+        return own(model, units) if callable(own) else None
+
+    def unit_shapes(self, cfg, inputs: torch.Tensor) -> list[torch.Size]:
+        """The output shape of each of :meth:`pipeline_units` for a micro-batch shaped like
+        ``inputs`` (whole sequences: the engine divides dimension 1 under context and sequence
+        parallelism); the tensors pipeline stages exchange are allocated from it. Default:
+        found by building the model for ``cfg`` and running the chain on the meta device (no
+        memory, no communication). Override it when a unit cannot run there (data-dependent
+        shapes such as a mixture of experts' routing)."""
+        return meta_unit_shapes(self, cfg, inputs)
+
     def output_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Scalar mean loss of a micro-batch from the model's outputs. The default :meth:`loss`
         and the last pipeline stage use it. Default: cross-entropy of the logits (classes last)
@@ -199,7 +224,12 @@ def recompute_block(block: nn.Module) -> None:
 def model_output_loss(family: ModelFamily, model: nn.Module):
     """``family.output_loss``, or the engine's vocabulary-parallel cross-entropy once a tensor-
     parallel plan split ``model``'s logits over the vocabulary (``model.loss_fn``, set by a
-    ``vocab_head``): logits that are one rank's slice need the loss that sums over tp ranks."""
+    ``vocab_head``): logits that are one rank's slice need the loss that sums over tp ranks.
+    A module with its own ``output_loss`` method computes it itself."""
+
+    own = getattr(type(model), "output_loss", None)
+    if callable(own):  # the module computes it itself (the built-in transformer)
+        return lambda outputs, targets: own(model, outputs, targets)
 
     def output_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         split = getattr(model, "loss_fn", None)
@@ -212,31 +242,41 @@ def model_output_loss(family: ModelFamily, model: nn.Module):
 
 def bind(family: ModelFamily, model: nn.Module, cfg=None) -> nn.Module:
     """Give ``model`` what the engine calls, from ``family``: ``units()``, ``loss()`` and, for
-    pipeline parallelism, ``pipeline_units()``, ``output_loss()`` and ``unit_shapes(inputs)``
-    (each unit's output shape for a micro-batch, found by running the family's model for
-    ``cfg`` on the meta device: no memory, no communication, whatever the layout).
+    pipeline parallelism, ``pipeline_units()``, ``pipeline_counts(text, parts)``,
+    ``aux_loss(units)``, ``output_loss()`` and ``unit_shapes(inputs)`` (each unit's output
+    shape for a micro-batch, found by running the family's model for ``cfg`` on the meta
+    device with the core's reference kernels: no memory, no communication, whatever the layout).
 
     Plain instance attributes: parameter names and the module's class stay unchanged."""
     object.__setattr__(model, "units", lambda: family.units(model))
-    object.__setattr__(model, "loss", lambda inputs, targets: family.loss(model, inputs, targets))
+    object.__setattr__(model, "loss", lambda inputs, targets, **kw: family.loss(model, inputs, targets, **kw))
     object.__setattr__(model, "pipeline_units", lambda: family.pipeline_units(model))
+    object.__setattr__(model, "pipeline_counts", lambda text, parts: family.pipeline_counts(model, text, parts))
+    object.__setattr__(model, "aux_loss", lambda units: family.aux_loss(model, units))
     object.__setattr__(model, "output_loss", model_output_loss(family, model))
     if cfg is not None:
-        object.__setattr__(model, "unit_shapes", lambda inputs: unit_shapes(family, cfg, inputs))
+        own = getattr(family, "unit_shapes", None)  # a duck-typed family may lack it
+        object.__setattr__(model, "unit_shapes", lambda inputs: own(cfg, inputs) if callable(own)
+                           else meta_unit_shapes(family, cfg, inputs))
     return model
+
+
+def build_for(family: ModelFamily, cfg, kernels=None) -> nn.Module:
+    """``family.build(cfg)`` (the built-in transformer also takes its kernel set)."""
+    if isinstance(family, TransformerFamily):
+        return family.build(cfg, kernels)
+    return family.build(cfg)
 
 
 def meta_model(family: ModelFamily, cfg, kernels=None) -> nn.Module:
     """``family``'s model for ``cfg`` on the meta device (shapes and names only, nothing
     allocated), bound to the family; ``kernels`` is the built-in transformer's kernel set."""
     with torch.device("meta"):
-        if isinstance(family, TransformerFamily):
-            return family.build(cfg, kernels)
-        return bind(family, family.build(cfg))
+        return bind(family, build_for(family, cfg, kernels), cfg)
 
 
 @torch.no_grad()
-def unit_shapes(family: ModelFamily, cfg, inputs: torch.Tensor) -> list[torch.Size]:
+def meta_unit_shapes(family: ModelFamily, cfg, inputs: torch.Tensor) -> list[torch.Size]:
     """The output shape of each of ``family.pipeline_units`` for a micro-batch shaped like
     ``inputs``, from the unsplit model built and run on the meta device."""
     with torch.device("meta"):
@@ -336,9 +376,9 @@ def plan_problems(family: ModelFamily, cfg) -> list[str]:
 class TransformerFamily(ModelFamily):
     """The built-in decoder (chipset.models.transformer), with MoE and Hugging Face configs.
 
-    Its tensor, sequence, context and expert parallelism are applied by the engine's
-    transformer-specific passes (engine/tensor_parallel.py, moe_parallel.py, ...), so it
-    supports every layout and its module names are unchanged.
+    It goes through the same contract as any family: its tensor-parallel plan, attention
+    modules, blocks and pipeline chain (``Transformer.units``: embedding, blocks, head). It
+    supports every layout; expert parallelism finds its MoE layers by type.
     """
 
     name = "transformer"
@@ -378,12 +418,33 @@ class TransformerFamily(ModelFamily):
     recompute_modes = frozenset({"none", "selective", "full"})
 
     def apply_recompute(self, model: nn.Module, mode: str) -> None:
-        """The decoder recomputes itself (chipset.models.transformer): ``selective`` the
-        attention core, ``full`` each block."""
-        model.recompute = mode
+        """``selective``: each attention module recomputes its core (the s x s scores) in
+        backward; ``full``: each block is recomputed, as for any family."""
         for m in model.modules():
             if hasattr(m, "recompute_core"):
                 m.recompute_core = mode == "selective"
+        super().apply_recompute(model, mode)
+
+    def loss(self, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, aux: bool = True) -> torch.Tensor:
+        """The decoder's own loss; ``aux = False`` (evaluation) leaves out the MoE balancing loss."""
+        return type(model).loss(model, tokens, targets, aux)
+
+    def unit_shapes(self, cfg, inputs: torch.Tensor) -> list[torch.Size]:
+        """Hidden states ``(batch, seq, hidden)`` out of the embedding and every block, logits out
+        of the head (a MoE layer's routing cannot run on the meta device)."""
+        b, s = inputs.shape
+        m = cfg.model
+        return [torch.Size((b, s, m.hidden_size))] * (m.num_hidden_layers + 1) + [torch.Size((b, s, m.vocab_size))]
+
+    def pipeline_counts(self, model: nn.Module, text: str, parts: int) -> list[int]:
+        """``parallel.pipeline_split`` counts blocks here (``"3,2,2,1"``): the embedding joins
+        the first virtual stage and the head the last, which may hold no block."""
+        from chipset.engine.pipeline.split import parse_split
+
+        counts = parse_split(text, parts, len(model.layers))
+        counts[0] += 1
+        counts[-1] += 1
+        return counts
 
     def attention(self, model: nn.Module) -> list[nn.Module]:
         return [block.self_attn for block in model.layers]

@@ -5,17 +5,22 @@ Every numerical primitive goes through the backend's kernel registry
 ``kernels.scaled_dot_product_attention``, ``kernels.cross_entropy``), so a backend's
 fused kernels are used where it registers them and the core references elsewhere.
 
-Recompute is data on the model: ``block.recompute`` is ``"none"``, ``"selective"``
-(the attention core is recomputed in backward) or ``"full"`` (the whole block is).
-The engine sets it (:func:`chipset.engine.recompute.apply_recompute`).
+Recompute is set by the family (:meth:`chipset.models.family.TransformerFamily.apply_recompute`):
+``Attention.recompute_core`` recomputes the attention core in backward (``"selective"``);
+``"full"`` runs each block under activation checkpointing.
+
+Rotary tables live in one :class:`Rotary` shared by every attention module: a block called
+alone (a pipeline stage runs blocks one by one) finds its own cosines and sines, at the
+positions ``seq_layout`` gives its tokens.
 
 Parallelism is data on the model too, swapped in by the engine's ``apply_*`` functions
 (the model never imports torch.distributed): ``Attention.attend`` (the attention core
 over ``(q, k, v)``; None = the kernel's causal attention), ``Transformer.loss_fn`` (None
 = the cross-entropy kernel), ``Transformer.seq_layout`` (None = every rank sees whole
-sequences; else an object with ``local(t)`` selecting this rank's tokens along dim 1 and
-``positions(s, device)`` giving their positions), and the projection, embedding and norm
-submodules themselves (replaced by tensor-parallel layers of the same parameter names).
+sequences; else an object with ``local(t)`` selecting this rank's tokens along dim 1,
+``positions(s, device)`` giving their positions and ``size``, the number of shares), and
+the projection, embedding and norm submodules themselves (replaced by tensor-parallel
+layers of the same parameter names).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from chipset.config import ModelConfig
 from chipset.kernels import KernelRegistry
 from chipset.models.moe import MoE, is_moe_layer
 
-__all__ = ["Transformer", "Block", "OutputHead", "head_dim", "rope_inv_freq"]
+__all__ = ["Transformer", "Block", "OutputHead", "Rotary", "head_dim", "rope_inv_freq"]
 
 
 def head_dim(cfg: ModelConfig) -> int:
@@ -55,6 +60,59 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return (1 - smooth) * inv / factor + smooth * inv
 
 
+class Rotary:
+    """Rotary cosines and sines for every position up to ``max_position_embeddings``.
+
+    The tables are computed once, on first use, in float64 and kept in float32 on the host;
+    what a forward reads is cached per (length, device, dtype), so no step rebuilds or casts
+    them. Not a module: nothing of it is saved, moved or cast with the parameters.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        self._cfg = cfg
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # built on first use
+        self.layout = None  # the model's seq_layout (context parallel): which positions this rank holds
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self._build()[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self._build()[1]
+
+    def _build(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            ang = torch.outer(torch.arange(self._cfg.max_position_embeddings, dtype=torch.float64, device="cpu"),
+                              rope_inv_freq(self._cfg))
+            ang = torch.cat((ang, ang), dim=-1)
+            self._tables = (ang.cos().float(), ang.sin().float())
+        return self._tables
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` at ``positions`` (not cached), in ``dtype`` on their device."""
+        pos = positions.to("cpu")
+        return (self.cos[pos].to(positions.device, dtype), self.sin[pos].to(positions.device, dtype))
+
+    def tables(self, s: int, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of shape ``[s, head_dim]`` for the ``s`` tokens this rank holds of each
+        sequence: positions ``0..s-1``, or with a ``layout`` its share of a sequence of
+        ``s * layout.size`` tokens."""
+        layout = self.layout
+        key = (s, str(device), dtype, id(layout))
+        hit = self._cache.get(key)
+        if hit is None:
+            with torch.inference_mode(False), torch.no_grad():
+                if layout is None:
+                    hit = (self.cos[:s].to(device, dtype), self.sin[:s].to(device, dtype))
+                else:
+                    pos = layout.positions(s * layout.size, "cpu")
+                    hit = (self.cos[pos].to(device, dtype), self.sin[pos].to(device, dtype))
+            self._cache[key] = hit
+        return hit
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, kernels: KernelRegistry):
         super().__init__()
@@ -67,7 +125,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry):
+    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry, rotary: Rotary | None = None):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads or cfg.num_attention_heads
@@ -81,6 +139,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
         self._k = kernels
+        self.rotary = rotary if rotary is not None else Rotary(cfg)
         self.recompute_core = False
         self.attend = None  # pluggable attention core (context parallel); None = causal kernel
 
@@ -91,7 +150,9 @@ class Attention(nn.Module):
             return self.attend(q, k, v)
         return self._k.scaled_dot_product_attention(q, k, v, causal=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``cos``/``sin``: the rotary tables of ``x``'s positions (None: from :attr:`rotary`)."""
         q = self.q_proj(x)
         # Shapes from the projection: a sequence-parallel projection gathers the sequence.
         # Head counts from the widths: a tensor-parallel rank holds whole heads of q, k and v.
@@ -101,6 +162,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if cos is None:
+            cos, sin = self.rotary.tables(s, q.device, q.dtype)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recompute: keep the projections, drop the s x s attention scores.
@@ -125,14 +188,15 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry, *, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, kernels: KernelRegistry, *, moe: bool = False, rotary: Rotary | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = Attention(cfg, kernels)
+        self.self_attn = Attention(cfg, kernels, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp = MoE(cfg, kernels) if moe else MLP(cfg, kernels)  # MoE: models/moe.py
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -157,20 +221,15 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self._k = kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg)
         self.layers = nn.ModuleList(
-            Block(cfg, kernels, moe=is_moe_layer(cfg, i)) for i in range(cfg.num_hidden_layers)
+            Block(cfg, kernels, moe=is_moe_layer(cfg, i), rotary=self.rotary) for i in range(cfg.num_hidden_layers)
         )
         self.head = OutputHead(cfg, kernels)
         if cfg.tie_word_embeddings:  # one Parameter, named embed_tokens.weight
             self.head.lm_head.weight = self.embed_tokens.weight
-        self.recompute = "none"
         self.loss_fn = None  # pluggable (vocab-parallel cross-entropy); None = the kernel
         self.seq_layout = None  # pluggable (context parallel): which tokens this rank holds
-        inv = rope_inv_freq(cfg)
-        ang = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64, device="cpu"), inv)
-        ang = torch.cat((ang, ang), dim=-1)
-        self.register_buffer("rope_cos", ang.cos().float(), persistent=False)
-        self.register_buffer("rope_sin", ang.sin().float(), persistent=False)
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -190,34 +249,54 @@ class Transformer(nn.Module):
         """The modules whose parameters are gathered together under ZeRO-3, in forward order."""
         return [self.embed_tokens, *self.layers, self.head]
 
+    @property
+    def seq_layout(self):
+        """Which tokens of each sequence this rank holds (None: all); the rotary tables follow it."""
+        return self.rotary.layout
+
+    @seq_layout.setter
+    def seq_layout(self, layout) -> None:
+        self.rotary.layout = layout
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of ``tokens`` at ``positions`` (default ``0..s-1``)."""
-        s = tokens.shape[1]
-        cos = self.rope_cos[:s] if positions is None else self.rope_cos[positions]
-        sin = self.rope_sin[:s] if positions is None else self.rope_sin[positions]
-        cos = cos.to(self.embed_tokens.weight.dtype)
-        sin = sin.to(self.embed_tokens.weight.dtype)
+        """Logits of ``tokens`` at ``positions`` (default: ``0..s-1``, or this rank's share of
+        them under ``seq_layout``)."""
+        dtype = self.embed_tokens.weight.dtype
+        if positions is None:
+            cos, sin = self.rotary.tables(tokens.shape[1], tokens.device, dtype)
+        else:
+            cos, sin = self.rotary.at(positions, dtype)
         x = self.embed_tokens(tokens)
         for block in self.layers:
-            if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, use_reentrant=False)
-            else:
-                x = block(x, cos, sin)
+            x = block(x, cos, sin)
         return self.head(x)
+
+    def output_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``logits``: the vocabulary-parallel ``loss_fn`` when
+        tensor parallelism split them, else the backend's cross-entropy kernel."""
+        loss_fn = self.loss_fn or self._k.cross_entropy
+        return loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def aux_loss(self, modules) -> torch.Tensor | None:
+        """``router_aux_loss_coef`` x the summed load-balancing losses of the MoE layers among
+        ``modules`` (and their submodules) after their forward; None when there are none."""
+        seen, moe = set(), []
+        for mod in modules:
+            for m in mod.modules():
+                if isinstance(m, MoE) and id(m) not in seen:
+                    seen.add(id(m))
+                    moe.append(m)
+        if not moe or not self.cfg.router_aux_loss_coef:
+            return None
+        return self.cfg.router_aux_loss_coef * torch.stack([m.aux_loss for m in moe]).sum()
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, aux: bool = True) -> torch.Tensor:
         """Mean next-token cross-entropy (float32) over the tokens this rank holds.
 
         ``aux``: add a MoE model's load-balancing loss (training); evaluation leaves it out.
         """
-        positions = None
         if self.seq_layout is not None:
-            positions = self.seq_layout.positions(tokens.shape[1], tokens.device)
             tokens, targets = self.seq_layout.local(tokens), self.seq_layout.local(targets)
-        logits = self(tokens, positions)
-        loss_fn = self.loss_fn or self._k.cross_entropy
-        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        moe = [m for m in self.modules() if isinstance(m, MoE)]
-        if aux and moe and self.cfg.router_aux_loss_coef:  # MoE load-balancing loss (models/moe.py)
-            loss = loss + self.cfg.router_aux_loss_coef * torch.stack([m.aux_loss for m in moe]).sum()
-        return loss
+        loss = self.output_loss(self(tokens), targets)
+        extra = self.aux_loss([self]) if aux else None
+        return loss if extra is None else loss + extra

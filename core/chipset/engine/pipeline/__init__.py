@@ -3,8 +3,9 @@
 * :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B as per-rank instruction lists.
 * :mod:`.check` — a simulator proving a schedule deadlock-free with matching transfers,
   before anything runs; also its timeline and bubble.
-* :mod:`.split` — the built-in transformer cut into stages (balanced by parameters or explicit).
-* :mod:`.units` — any other family's chain of pipeline units cut the same way.
+* :mod:`.split` — the rules of a split: ``parallel.pipeline_split`` read, a chain balanced.
+* :mod:`.units` — a family's chain of pipeline units cut into stages (balanced by parameters
+  or explicit), a rank's stages as one module under single-process names.
 * :mod:`.runtime` — :class:`PipelineEngine` executes a schedule with batched p2p, data
   parallelism (ZeRO 0-3) over each stage's parameters; with context parallelism each cp
   rank pipelines its share of every sequence, with sequence parallelism each tp rank sends
@@ -25,7 +26,7 @@ from chipset.engine.pipeline.schedules import (
     make_schedule,
     one_f_one_b,
 )
-from chipset.engine.pipeline.split import StageModel, StageSpec, parse_split, split_model
+from chipset.engine.pipeline.split import parse_split
 from chipset.engine.pipeline.units import UnitSpec, UnitStageModel, split_units
 from chipset.errors import ConfigError
 
@@ -37,8 +38,6 @@ __all__ = [
     "PipelineSchedule",
     "ScheduleError",
     "SimResult",
-    "StageModel",
-    "StageSpec",
     "UnitSpec",
     "UnitStageModel",
     "build_pipeline",
@@ -51,7 +50,6 @@ __all__ = [
     "parse_split",
     "pipeline_problems",
     "schedule_for",
-    "split_model",
     "split_units",
 ]
 
@@ -102,13 +100,9 @@ def pipeline_problems(cfg, builtin: bool = True) -> list[str]:
 
 
 def build_pipeline(par, model, backend, dims, **dp_kwargs) -> PipelineEngine:
-    """This rank's :class:`PipelineEngine` for ``model`` under ``par`` (a ParallelConfig)."""
+    """This rank's :class:`PipelineEngine` for ``model`` (bound to its family) under ``par``."""
     sched = schedule_for(par)
-    parts = par.pp * par.virtual_stages
-    if callable(getattr(model, "pipeline_units", None)):  # a family's chain of units (units.py)
-        specs = split_units(model, parts, par.pipeline_split)
-    else:
-        specs = split_model(model, parts, par.pipeline_split)
+    specs = split_units(model, par.pp * par.virtual_stages, par.pipeline_split)
     return PipelineEngine(model, backend, dims, sched, specs, **dp_kwargs)
 
 
@@ -121,20 +115,13 @@ def describe_pipeline(cfg, kernels, family=None) -> str:
     family = family if family is not None else TransformerFamily()
     par = cfg.parallel
     sched = schedule_for(par)
-    parts = par.pp * par.virtual_stages
     model = meta_model(family, cfg, kernels)  # shapes only: no memory, no initialisation cost
-    if isinstance(family, TransformerFamily):
-        specs = split_model(model, parts, par.pipeline_split)
-        pieces = [([model.embed_tokens] if s.embed else []) + [model.layers[i] for i in s.layers] +
-                  ([model.head] if s.head else []) for s in specs]
-    else:
-        specs = split_units(model, parts, par.pipeline_split)
-        units = model.pipeline_units()
-        pieces = [units[s.first:s.last] for s in specs]
+    specs = split_units(model, par.pp * par.virtual_stages, par.pipeline_split)
+    units = model.pipeline_units()
     how = "explicit: " + par.pipeline_split if par.pipeline_split else "balanced by parameter count"
     lines = [f"pipeline split ({how}):"]
-    for spec, mods in zip(specs, pieces, strict=True):
-        n = sum(p.numel() for m in mods for p in m.parameters())
+    for spec in specs:
+        n = sum(p.numel() for m in units[spec.first:spec.last] for p in m.parameters())
         rank, chunk = sched.locate(spec.virtual_stage)
         chunk_txt = f", chunk {chunk}" if sched.virtual_stages > 1 else ""
         lines.append(f"  virtual stage {spec.virtual_stage} (rank {rank}{chunk_txt}): {spec.describe()}  [{n} params]")

@@ -1,7 +1,7 @@
 """Executing a pipeline schedule: one optimizer step = one pass over this rank's instructions.
 
 :class:`PipelineEngine` holds this rank's pieces of the model (a
-:class:`~chipset.engine.pipeline.split.StageModel`) wrapped in a
+:class:`~chipset.engine.pipeline.units.UnitStageModel`) wrapped in a
 :class:`~chipset.engine.data_parallel.DataParallel` over the dp dimension, so ZeRO,
 bucketing, clipping, AdamW and mixed precision are the data-parallel engine's own.
 
@@ -12,8 +12,8 @@ as one ``backend.collective.batch_p2p`` in the schedule's order and waited on as
 
 Loss: the last virtual stage computes each micro-batch's mean cross-entropy and
 back-propagates ``loss * scale / m``, exactly as the single-process gradient-accumulation
-loop does; every virtual stage holding MoE layers adds their load-balancing loss
-(``StageModel.aux_loss``) to its own backward the same way and to the micro-batch's
+loop does; every virtual stage whose units add an auxiliary loss (MoE load balancing:
+``UnitStageModel.aux_loss``) adds it to its own backward the same way and to the micro-batch's
 reported loss; the m losses (summed over stages) reach every pipeline rank through one
 all-reduce over the pp group. Gradient norm and fp16 overflow are summed over the pp group too
 (``DataParallel.norm_groups``), so clipping sees the whole model's norm.
@@ -31,7 +31,6 @@ from chipset.engine.metrics import trace_range
 from chipset.engine.parallel_dims import ParallelDims
 from chipset.engine.pipeline.check import check_schedule
 from chipset.engine.pipeline.schedules import Instruction, Op, PipelineSchedule
-from chipset.engine.pipeline.split import StageModel, StageSpec
 from chipset.engine.pipeline.units import UnitSpec, UnitStageModel
 from chipset.engine.tensor_parallel import logical_slice
 from chipset.interfaces import P2POp
@@ -48,7 +47,7 @@ class PipelineEngine:
     """
 
     def __init__(self, model, backend, dims: ParallelDims, schedule: PipelineSchedule,
-                 specs: list[StageSpec] | list[UnitSpec], **dp_kwargs):
+                 specs: list[UnitSpec], **dp_kwargs):
         self.backend = backend
         self.collective = backend.collective
         self.dims = dims
@@ -62,12 +61,9 @@ class PipelineEngine:
         self.pp_rank = self.pp_group.ranks.index(col.rank())
         self.specs = specs
         self.my_specs = [specs[schedule.virtual_stage(self.pp_rank, c)] for c in range(v)]
-        # A family's chain of units (engine/pipeline/units.py) or the built-in transformer's split.
-        chain = specs and isinstance(specs[0], UnitSpec)
-        stage = UnitStageModel if chain else StageModel
-        self.unit_shapes = model.unit_shapes if chain else None
+        stage = UnitStageModel  # runs of the family's chain of units (engine/pipeline/units.py)
+        self.unit_shapes = model.unit_shapes
         self._shapes: dict[tuple, list[torch.Size]] = {}
-        self.hidden_size = None if chain else model.cfg.hidden_size
         # Logical (single-process) shape of every parameter of the whole model: a checkpoint
         # written or read by one stage is checked against all of it (checkpoint/layout.py).
         # ep-sharded experts hold E/ep rows of their logical [E, ...] tensors.
@@ -163,16 +159,17 @@ class PipelineEngine:
 
     def _boundary_shape(self, inputs: torch.Tensor, vs: int, leaving: bool) -> tuple[int, ...]:
         """Shape of the activation entering (or, ``leaving``, leaving) virtual stage ``vs`` for
-        a micro-batch ``inputs``: this rank's share of the hidden states for the transformer,
-        the family's unit output shape (found once per input shape on the meta device) else."""
-        if self.unit_shapes is None:
-            n_seqs, seq_len = inputs.shape
-            return (n_seqs, seq_len // self.seq_shards, self.hidden_size)
+        a micro-batch ``inputs``: the family's unit output shape (found once per input shape on
+        the meta device), its sequence dimension (1) divided among cp ranks and, with sequence
+        parallelism, tp ranks: each sends only the share it holds."""
         key = (tuple(inputs.shape), inputs.dtype)
         if key not in self._shapes:
             self._shapes[key] = self.unit_shapes(inputs)
         spec = self.specs[vs]
-        return tuple(self._shapes[key][(spec.last if leaving else spec.first) - 1])
+        shape = list(self._shapes[key][(spec.last if leaving else spec.first) - 1])
+        if self.seq_shards > 1:
+            shape[1] //= self.seq_shards
+        return tuple(shape)
 
     def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """Run the schedule over ``batches`` (one (tokens, targets) per micro-batch); the m losses."""
@@ -186,8 +183,7 @@ class PipelineEngine:
             if b.grad is not None and any(p.grad is None for p in b.params):
                 b.grad.zero_()  # someone ran model.zero_grad(set_to_none=True): re-attach the views
                 b._bind_grads()
-        seq_len = None
-        if self.unit_shapes is None:
+        if self.seq_shards > 1:
             seq_len = batches[0][0].shape[1]
             if seq_len % self.seq_shards:
                 raise ValueError(f"sequence length {seq_len} is not divisible by cp*tp(sequence parallel) = "
@@ -259,7 +255,7 @@ class PipelineEngine:
                 tokens, targets = batches[ins.mb]
                 x = self.model.local(tokens) if vs == 0 else inputs[key]
                 with e._saved_param_hooks():  # ZeRO-3: saved weights re-gathered in backward
-                    out = self.model.chunk_forward(ins.chunk, x, seq_len)
+                    out = self.model.chunk_forward(ins.chunk, x)
                 aux = self.model.aux_loss(ins.chunk)  # MoE: each stage adds its layers' aux loss
                 if vs == last_vs:
                     loss = self.model.loss(out, self.model.local(targets))

@@ -1,14 +1,16 @@
-"""Pipeline stages of any model family: contiguous runs of its pipeline units.
+"""Pipeline stages of a model family: contiguous runs of its pipeline units.
 
 A family (chipset.models.family) describes its model as a chain of units
 (``ModelFamily.pipeline_units``): applied one after another they compute the model's forward.
 The chain is cut into ``pp * virtual_stages`` runs, balanced by parameter count or as given
-by ``parallel.pipeline_split`` (units per virtual stage). A rank's runs live in one
-:class:`UnitStageModel` whose parameter names are the single-process names, so data
-parallelism, ZeRO, checkpoints and digests see one model whatever the split.
+by ``parallel.pipeline_split`` (read by the family: ``ModelFamily.pipeline_counts``). A rank's
+runs live in one :class:`UnitStageModel` whose parameter names are the single-process names,
+so data parallelism, ZeRO, checkpoints and digests see one model whatever the split.
 
-Nothing here knows a family's modules: it reads the chain, its parameters and, for the
-shapes of the tensors passed between stages, ``model.unit_shapes(inputs)``.
+Nothing here knows a family's modules: it reads the chain, its parameters, the family's
+auxiliary losses (``model.aux_loss(units)``), the model's ``seq_layout`` under context
+parallelism and, for the shapes of the tensors passed between stages,
+``model.unit_shapes(inputs)``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def split_units(model: nn.Module, parts: int, explicit: str = "") -> list[UnitSp
     names = unit_names(model)
     units = model.pipeline_units()
     if explicit:
-        counts = parse_unit_split(explicit, parts, len(units))
+        counts = model.pipeline_counts(explicit, parts)
     else:
         if parts > len(units):
             raise ConfigError(f"pp*virtual_stages ({parts}) exceeds the model's {len(units)} pipeline units "
@@ -97,8 +99,10 @@ def _attach(root: nn.Module, name: str, module: nn.Module) -> None:
 class UnitStageModel(nn.Module):
     """The pipeline units one rank holds, under their single-process names.
 
-    Same interface as the transformer's stage model for the runtime: ``chunk_forward``,
-    ``loss``, ``aux_loss``, ``local`` and ``units``.
+    What the runtime calls: ``chunk_forward(c, x)`` runs chunk ``c`` (token ids or inputs in on
+    the first virtual stage, outputs of the last unit out), ``aux_loss(c)`` its units' extra
+    loss terms, ``loss`` the family's output loss, ``local`` this rank's share of a sequence
+    batch under context parallelism, ``units`` what ZeRO-3 gathers.
     """
 
     def __init__(self, model: nn.Module, specs: list[UnitSpec]):
@@ -110,21 +114,25 @@ class UnitStageModel(nn.Module):
             for i, name in zip(range(spec.first, spec.last), spec.names, strict=True):
                 _attach(self, name, units[i])
         self._loss = model.output_loss
+        self._aux = model.aux_loss
+        self._layout = getattr(model, "seq_layout", None)  # context parallel: this rank's tokens
 
     def units(self) -> list[nn.Module]:
         """What ZeRO-3 gathers together, in forward order: this rank's units that hold parameters."""
         return [u for chunk in self._chunks for u in chunk if any(True for _ in u.parameters())]
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
-        return t
+        """This rank's tokens of ``t`` (batch, seq): all of them, or its cp share."""
+        return t if self._layout is None else self._layout.local(t)
 
-    def chunk_forward(self, chunk: int, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+    def chunk_forward(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
         for unit in self._chunks[chunk]:
             x = unit(x)
         return x
 
-    def aux_loss(self, chunk: int) -> None:
-        return None
+    def aux_loss(self, chunk: int) -> torch.Tensor | None:
+        """The family's auxiliary loss of chunk ``chunk``'s units after its forward (None: none)."""
+        return self._aux(self._chunks[chunk])
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self._loss(outputs, targets)

@@ -1,0 +1,79 @@
+"""No code outside the families' own folder names a family's modules.
+
+The engine, the library API, the command line and the conformance suite reach a model only
+through the family contract (chipset.models.family). This test collects every submodule
+name of the built-in families' models (built on the meta device) and looks for them in
+those packages' source as attribute accesses and string constants.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+CORE = Path(__file__).resolve().parents[1] / "core" / "chipset"
+SCANNED = ["engine", "api.py", "cli", "conformance"]
+
+# Same spelling, other meaning: (file, name) -> what it is.
+NOT_A_MODULE = {
+    ("engine/trainer.py", "blocks"): "the contract's ModelFamily.blocks(model)",
+    ("cli/plan.py", "layers"): "the planner's ModelSpec.layers (a count)",
+    ("cli/plan_config.py", "layers"): "the planner's ModelSpec.layers (a count)",
+    ("cli/plan_config.py", "mlp"): "the planner's ModelSpec.mlp field (a kind of MLP)",
+    ("cli/plan_config.py", "norm"): "the planner's ModelSpec.norm field (a kind of norm)",
+}
+
+
+def _module_names() -> set[str]:
+    from chipset.config import load_config
+    from chipset.models.family import meta_model
+    from chipset.models.registry import resolve_family
+
+    names = set()
+    for family in ("transformer", "gpt2", "resnet"):
+        cfg = load_config(None, [f'model.family="{family}"'])
+        for name, _ in meta_model(resolve_family(family), cfg).named_modules():
+            names |= {part for part in name.split(".") if part and not part.isdigit()}
+    return names
+
+
+def _uses(source: str, names: set[str]):
+    for node in ast.walk(ast.parse(source)):
+        value = node.attr if isinstance(node, ast.Attribute) else (
+            node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+        if value in names:
+            yield value, node.lineno
+
+
+def _scan(names: set[str]) -> list[str]:
+    found = []
+    for entry in SCANNED:
+        paths = [CORE / entry] if entry.endswith(".py") else sorted((CORE / entry).rglob("*.py"))
+        for path in paths:
+            rel = path.relative_to(CORE).as_posix()
+            for name, line in _uses(path.read_text(), names):
+                if (rel, name) not in NOT_A_MODULE:
+                    found.append(f"{rel}:{line} names {name!r}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def module_names():
+    names = _module_names()
+    assert {"embed_tokens", "self_attn", "lm_head", "wte", "stem"} <= names  # the collection works
+    return names
+
+
+def test_no_engine_api_cli_or_conformance_file_names_a_family_module(module_names):
+    found = _scan(module_names)
+    assert not found, "a family's module named outside chipset/models:\n" + "\n".join(found)
+    still = {(rel, n) for rel, n in NOT_A_MODULE if any(True for _ in _uses((CORE / rel).read_text(), {n}))}
+    assert still == set(NOT_A_MODULE), "NOT_A_MODULE lists names that are gone: remove them"
+
+
+def test_the_scan_sees_a_module_name(module_names):
+    # Negative control: the engine's old pipeline split read these names.
+    src = "def f(model):\n    return [model.embed_tokens, *model.layers, model.head]\n"
+    assert sorted(n for n, _ in _uses(src, module_names)) == ["embed_tokens", "head", "layers"]
