@@ -77,6 +77,12 @@ class PipelineEngine:
             sm = stage(model, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
             self._owners[r] = [(n, t.shape) for n, t in sm.named_parameters()]
         self.model = stage(model, self.my_specs)
+        # The units other ranks hold move to the meta device: this rank keeps none of their
+        # memory, although ``model`` (still referenced by its family's bound methods) lives on.
+        held = {id(m) for m in self.model.modules()}
+        for unit in model.pipeline_units():
+            if id(unit) not in held:
+                unit.to("meta")
         # Stages exchange hidden states as this rank holds them: its cp share of each sequence
         # and, with sequence parallelism, its tp slice of that (tp ranks send only their slice).
         sp = any(getattr(getattr(mod, "tp", None), "sequence_parallel", False) for mod in model.modules())
