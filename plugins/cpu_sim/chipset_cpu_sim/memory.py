@@ -3,9 +3,9 @@
 Mechanism: once a process binds to a simulated device (``set_device``), a
 TorchDispatchMode sees the outputs of every aten op. Each storage seen for the first
 time is charged to the current device (``allocated`` += its exact ``nbytes``) and a
-``weakref.finalize`` on the storage credits it back when torch frees it. Storage
-Python objects are preserved by torch, so the finaliser fires exactly when the memory
-is released, whatever view kept it alive.
+weak reference to the storage with a callback credits it back when torch frees it.
+Storage Python objects are preserved by torch, so the callback fires exactly when the
+memory is released, whatever view kept it alive.
 
 Allocator model (documented, like a caching allocator): blocks are rounded up to
 512 bytes (``active``); freed blocks stay ``reserved`` in a cache until
@@ -26,8 +26,8 @@ capacity first, and allocated/active follow the new size (shrinking to 0 credits
 bytes back, the freed block goes to the cache). A tensor-level ``resize_`` (an aten op)
 is re-synchronised the next time the dispatcher sees the storage.
 
-Overhead: one Python call per aten op (measured in docs/cpu_sim.md and
-benchmarks/sim_accounting_overhead.py).
+Overhead: one Python call per aten op, on top of torch's own cost of a Python dispatch
+mode (measured in docs/benchmarks.md with benchmarks/sim_accounting_overhead.py).
 """
 
 from __future__ import annotations
@@ -85,11 +85,15 @@ class _Tracker(TorchDispatchMode):
         return self._track(func, args, kwargs or {})
 
     def _track(self, func, args, kwargs):
-        if _ALIASING.get(func) or (func not in _ALIASING and _aliasing(func)):
+        alias = _ALIASING.get(func)
+        if alias is None:
+            alias = _aliasing(func)
+        if alias:
             return func(*args, **kwargs)
-        planned = _factory_bytes(func, args, kwargs)
-        if planned:
-            self.memory._check_capacity(planned)
+        if _SIZE_ARG.get(func, 0) >= 0:  # a factory op, or one not seen yet
+            planned = _factory_bytes(func, args, kwargs)
+            if planned:
+                self.memory._check_capacity(planned)
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             if out.device.type == "cpu":
@@ -159,6 +163,13 @@ def _factory_bytes(func, args, kwargs) -> int | None:
         return None
 
 
+class _StorageRef(weakref.ref):
+    """A weak reference to a charged storage that remembers its key (cheaper per allocation
+    than ``weakref.finalize``, which the tracker paid on about half of a step's ops)."""
+
+    __slots__ = ("key",)
+
+
 class SimMemory(Memory):
     backend_name = "cpu_sim"
 
@@ -167,12 +178,16 @@ class SimMemory(Memory):
         self._counters = [_Counters() for _ in range(device.device_count())]
         self._charged: dict[int, tuple[int, int]] = {}
         """storage key -> (device index, bytes charged)"""
+        self._refs: dict[int, _StorageRef] = {}
+        """storage key -> the weak reference whose callback credits it back"""
         self._lock = threading.RLock()
         self._mode: _Tracker | None = None
+        self._current = 0  # the device set_device bound this process to
         device.on_set_device(self._bind)
 
     # --- accounting ----------------------------------------------------------
     def _bind(self, index: int) -> None:
+        self._current = index
         if self._mode is None:
             self._mode = _Tracker(self)
             self._mode.__enter__()  # stays active for the life of the process
@@ -221,17 +236,29 @@ class SimMemory(Memory):
             if entry[1] != n:  # resized by an op since we last saw it
                 self._resize(key, n, check=True)
             return
-        idx = self.device.current_device()
+        idx = self._current
         c = self._counters[idx]
-        need = _round(n)
+        need = (n + BLOCK - 1) // BLOCK * BLOCK
         with self._lock:
-            self._check_capacity_locked(idx, n)
+            if c.active + need > self.device.profile.memory:
+                self._check_capacity_locked(idx, n)
             self._charged[key] = (idx, n)
             c.allocated += n
             c.active += need
             c.cached = max(0, c.cached - need)
-            self._peaks(c)
-        weakref.finalize(s, self._release, key)
+            if c.allocated > c.peak_allocated:
+                c.peak_allocated = c.allocated
+            if c.active > c.peak_active:
+                c.peak_active = c.active
+            if c.active + c.cached > c.peak_reserved:
+                c.peak_reserved = c.active + c.cached
+        ref = _StorageRef(s, self._freed)
+        ref.key = key
+        self._refs[key] = ref
+
+    def _freed(self, ref: _StorageRef) -> None:
+        self._refs.pop(ref.key, None)
+        self._release(ref.key)
 
     @staticmethod
     def _peaks(c: _Counters) -> None:
@@ -241,7 +268,7 @@ class SimMemory(Memory):
 
     def _check_capacity(self, n: int) -> None:
         with self._lock:
-            self._check_capacity_locked(self.device.current_device(), n)
+            self._check_capacity_locked(self._current, n)
 
     def _check_capacity_locked(self, idx: int, n: int, need: int | None = None) -> None:
         c = self._counters[idx]
