@@ -244,8 +244,7 @@ def bind(family: ModelFamily, model: nn.Module, cfg=None) -> nn.Module:
     """Give ``model`` what the engine calls, from ``family``: ``units()``, ``loss()`` and, for
     pipeline parallelism, ``pipeline_units()``, ``pipeline_counts(text, parts)``,
     ``aux_loss(units)``, ``output_loss()`` and ``unit_shapes(inputs)`` (each unit's output
-    shape for a micro-batch, found by running the family's model for ``cfg`` on the meta
-    device with the core's reference kernels: no memory, no communication, whatever the layout).
+    shape for a micro-batch: ``family.unit_shapes(cfg, inputs)``).
 
     Plain instance attributes: parameter names and the module's class stay unchanged."""
     object.__setattr__(model, "units", lambda: family.units(model))
