@@ -18,6 +18,11 @@ over the step loop (``VmHWM`` after resetting it through ``/proc/self/clear_refs
 
     torchrun --standalone --nproc-per-node=2 benchmarks/plain_torch_lm.py --mode ddp \\
         --hidden 128 --layers 4 --heads 4 --kv-heads 2 --ffn 344 --vocab 256 --seq 128 --batch 16 --steps 10
+
+``--profile-steps A:B --trace-dir DIR`` records steps A..B (1-based, inclusive) with
+``torch.profiler`` and writes each rank's chrome trace to ``DIR/rank{r}.json``, the same
+file layout as ``chipset train --set train.profile_steps=A:B`` (benchmarks/trace_compare.py
+reads both).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import time
 
 import torch
@@ -131,6 +137,8 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--profile-steps", default="", help="A:B, 1-based steps to record with torch.profiler")
+    ap.add_argument("--trace-dir", default="traces", help="where each rank's chrome trace goes")
     a = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -200,10 +208,21 @@ def main() -> None:
     dist.barrier()
     peak_reset()
     times = []
-    for _ in range(a.steps):
+    first, last = (int(x) for x in a.profile_steps.split(":")) if a.profile_steps else (0, -1)
+    prof = None
+    for i in range(1, a.steps + 1):
+        if i == first:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
         t0 = time.perf_counter()
-        step()
+        with torch.profiler.record_function(f"ProfilerStep#{i}") if prof else contextlib.nullcontext():
+            step()
         times.append(time.perf_counter() - t0)
+        if prof is not None and i == last:
+            prof.__exit__(None, None, None)
+            os.makedirs(a.trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(a.trace_dir, f"rank{rank}.json"))
+            prof = None
     peaks = torch.zeros(world, dtype=torch.float64)
     peaks[rank] = peak_rss()
     dist.all_reduce(peaks)
