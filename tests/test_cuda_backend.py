@@ -112,13 +112,20 @@ def test_streams_and_events_wrap_torch_cuda_objects(device, fake):
     assert e.torch_event.recorded_on is s.torch_stream
     s.wait_event(e)
     assert s.torch_stream.waited_events == [e.torch_event]
+    before = device.current_stream()
+    assert device.current_stream() is before  # one wrapper per stream, though torch.cuda hands out fresh objects
     with s.context():
-        assert fake.current_stream() is s.torch_stream
+        assert fake.current_stream() == s.torch_stream
+        assert device.current_stream() is s
+    assert device.current_stream() is before
     end = device.event(enable_timing=True)
     end.record()
     assert e.elapsed_time(end) == 1.5
+    # The interface's RuntimeError, whatever torch raises (2.11 raises ValueError).
     with pytest.raises(RuntimeError, match="enable_timing"):
         device.event().elapsed_time(end)
+    with pytest.raises(RuntimeError, match="recorded"):
+        device.event(enable_timing=True).elapsed_time(end)
 
 
 # --- Memory --------------------------------------------------------------------------

@@ -62,7 +62,13 @@ class FakeTorchForProbe:
 
 
 class _FakeStream:
-    def __init__(self):
+    """Like ``torch.cuda.Stream``: ``torch.cuda.current_stream()`` hands out a fresh Python
+    object per call, equal (and hashing equal) to every other object of the same stream."""
+
+    _ids = iter(range(1, 1 << 30))
+
+    def __init__(self, stream_id: int | None = None):
+        self.stream_id = next(self._ids) if stream_id is None else stream_id
         self.synchronized = 0
         self.waited_events: list = []
         self.waited_streams: list = []
@@ -78,6 +84,12 @@ class _FakeStream:
 
     def query(self):
         return True
+
+    def __eq__(self, other):
+        return isinstance(other, _FakeStream) and other.stream_id == self.stream_id
+
+    def __hash__(self):
+        return hash(self.stream_id)
 
 
 class _FakeEvent:
@@ -98,8 +110,11 @@ class _FakeEvent:
         return True
 
     def elapsed_time(self, end):
+        # torch 2.11 on an H200 raised ValueError for both (older torch: RuntimeError).
         if not (self.enable_timing and end.enable_timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+            raise ValueError("Both events must be created with argument 'enable_timing=True'.")
+        if "unrecorded" in (self.recorded_on, end.recorded_on):
+            raise ValueError("Both events must be recorded before calculating elapsed time.")
         return 1.5
 
 
@@ -170,7 +185,7 @@ class FakeCuda:
         self.rng[i] = state.clone()
 
     def current_stream(self):
-        return self._current_stream
+        return _FakeStream(self._current_stream.stream_id)  # a fresh object, as torch.cuda does
 
     @contextlib.contextmanager
     def stream(self, s):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -48,8 +49,14 @@ class CudaEvent(Event):
         return bool(self.torch_event.query())
 
     def elapsed_time(self, end: Event) -> float:
-        # torch raises RuntimeError for non-timing or unrecorded events, as the interface asks.
-        return float(self.torch_event.elapsed_time(end.torch_event))
+        # The interface asks for RuntimeError on non-timing or unrecorded events; torch 2.11
+        # raises ValueError for both (seen on an H200), older releases RuntimeError.
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("elapsed_time needs both events created with enable_timing=True")
+        try:
+            return float(self.torch_event.elapsed_time(end.torch_event))
+        except ValueError as exc:
+            raise RuntimeError(f"elapsed_time: {exc}") from exc
 
 
 class CudaStream(Stream):
@@ -87,6 +94,9 @@ class CudaDevice(Device):
 
     def __init__(self, cuda=None) -> None:
         self._cuda = cuda if cuda is not None else torch.cuda
+        # One wrapper per torch stream, so current_stream() inside ``s.context()`` is ``s``
+        # itself: torch.cuda.current_stream() returns a fresh, equal object on every call.
+        self._wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         if self.device_count() == 0:
             visible = os.environ.get(VISIBLE_ENV)
             hint = f" ({VISIBLE_ENV}={visible!r})" if visible is not None else ""
@@ -151,11 +161,17 @@ class CudaDevice(Device):
         self._cuda.set_rng_state(state, i)
 
     # --- streams and events ----------------------------------------------------
+    def _wrap(self, raw) -> CudaStream:
+        w = self._wrappers.get(raw)
+        if w is None:
+            w = self._wrappers[raw] = CudaStream(self._cuda, raw)
+        return w
+
     def stream(self) -> Stream:
-        return CudaStream(self._cuda, self._cuda.Stream())
+        return self._wrap(self._cuda.Stream())
 
     def current_stream(self) -> Stream:
-        return CudaStream(self._cuda, self._cuda.current_stream())
+        return self._wrap(self._cuda.current_stream())
 
     def event(self, enable_timing: bool = False) -> Event:
         return CudaEvent(self._cuda, enable_timing)

@@ -48,16 +48,21 @@ def scaled_dot_product_attention(q, k, v, mask=None, causal=False, scale=None):
     """The reference's semantics on torch's SDPA (bottom-right causal, GQA, bool/float mask)."""
     sq, sk = q.shape[-2], k.shape[-2]
     gqa = k.shape[-3] != q.shape[-3]
-    if not causal or (sq == sk and mask is None):
-        # Square causal: torch's top-left alignment equals the reference's bottom-right.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     if mask is None:
+        if not causal or sq == sk:
+            # Square causal: torch's top-left alignment equals the reference's bottom-right.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
         from torch.nn.attention.bias import causal_lower_right  # keeps the flash path open
 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale, enable_gqa=gqa)
-    allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-    combined = mask & allowed if mask.dtype == torch.bool else mask.masked_fill(~allowed, float("-inf"))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=combined, scale=scale, enable_gqa=gqa)
+    if causal:
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+        mask = mask & allowed if mask.dtype == torch.bool else mask.masked_fill(~allowed, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    # A query row with no key to attend: the reference gives zeros. torch's CUDA kernels gave
+    # finite non-zero rows on an H200 (torch 2.11); the CPU kernel gives zeros.
+    attends = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask > float("-inf")).any(-1, keepdim=True)
+    return out.masked_fill(~attends, 0.0)
 
 
 # --- fused AdamW ---------------------------------------------------------------------------
