@@ -153,13 +153,14 @@ _MPT = ("seq 2048, one node of 8 GPUs, Composer FSDP FULL_SHARD (ZeRO-3), amp_bf
         "precision (gradients reduced in fp32: modelled as bf16, the reduction being hidden behind compute on "
         "NVLink); activation checkpointing as the table's column (True = every block, modelled as full); "
         "micro-batch and gradient accumulation as stated; not stated: software versions")
-_H100_GAP = ("H100 rows of this table (its software stack, versions not stated) run 20-38% below the h100-sxm profile's efficiencies "
+_H100_GAP = ("H100 rows of this table (its software stack, versions not stated) run 19-36% below the h100-sxm profile's efficiencies "
              "(0.70 matmul, 0.40 attention) while the same table's A100 rows and Llama 3's H100 rows are "
              "predicted within 12%; no principled term found (docs/planner.md)")
 RUNS += [
     _tokens_run(f"MPT-{size} {'H100' if prof == 'h100-sxm' else 'A100'}, 8 GPUs",
                 f"{_FOUNDRY}, {'H100 80GB BF16' if prof == 'h100-sxm' else 'A100 80GB'} table", _mpt(d, a, L), prof,
-                8, gb, mb, rec, tok, mfu, notes=_MPT, gap=_H100_GAP if prof == "h100-sxm" else "")
+                8, gb, mb, rec, tok, mfu, notes=_MPT,
+                gap=_H100_GAP if prof == "h100-sxm" and size != "30B" else "")
     for size, d, a, L, prof, gb, mb, rec, tok, mfu in (
         ("7B", 4096, 32, 32, "h100-sxm", 48, 6, "none", 10643, 0.4644),
         ("13B", 5120, 40, 40, "h100-sxm", 16, 2, "none", 4792, 0.3979),
@@ -207,13 +208,14 @@ def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assump
 
 
 # The bounds test_planner_published.py enforces. Over the rows without a ``gap``: today's
-# errors (mean 8.3%, worst row -17%, torchtitan's Llama 3 70B) rounded up, inside issue 20's
-# goal (10% mean, 20% per row), so a change that predicts these runs worse fails. Over the
-# rows with a ``gap`` (the three MosaicML H100 rows, +20% to +38% today): each row's error
-# rounded up, so the known gap cannot silently widen; a fix that closes it should clear the
-# row's ``gap`` and let it join the bounded set.
+# mean error (8.5%) rounded up, and issue 20's per-row goal (20%; today's worst row is
+# +19%, MosaicML's MPT-30B on H100, whose gap flag was cleared when the H200-measured GEMM
+# curve, chipset.planner.measured, brought it from +20% to +19%), so a change that predicts
+# these runs worse fails. Over the rows with a ``gap`` (MosaicML's MPT-7B and 13B on H100,
+# +23% and +36% today): each row's error rounded up, so the known gap cannot silently widen;
+# a fix that closes it should clear the row's ``gap`` and let it join the bounded set.
 MEAN_ABS_ERROR_BOUND = 0.09
-WORST_ROW_BOUND = 0.18
+WORST_ROW_BOUND = 0.20
 GAP_ROW_BOUND = 0.40
 
 
