@@ -21,7 +21,7 @@ def test_gpu_check_without_a_gpu_records_each_step_with_the_reason(tmp_path):
     steps = data["steps"]
     assert list(steps) == ["environment", "chipset_backends", "chipset_info", "probe_fork_safe", "interfaces",
                            "collective_nccl_world1", "kernels_vs_reference", "kernel_speed", "throughput",
-                           "train_gpt_1b", "conformance"]
+                           "gemm_curve", "train_gpt_1b", "engine_train", "plain_torch_gpu", "conformance"]
     assert steps["environment"]["ok"] and steps["environment"]["detail"]["torch"] == torch.__version__
     assert not data["all_ok"]
     assert "cuda is unavailable" in steps["chipset_backends"]["error"]
