@@ -12,9 +12,9 @@ The eager reference rounds every intermediate to the dtype; where rounded terms 
 (rotary's x1*cos - x2*sin, swiglu's gate gradient) its error is far above the dtype's
 tolerance of the result, and a correct kernel that rounds differently makes errors of the
 same size at other elements, so comparing the two directly fails it
-(chipset.conformance.assert_close_to_exact). Tolerances: docs/formulas.md's table (chipset.conformance.TOLERANCES), or the
-backend's documented override in ``Capabilities.tolerances`` keyed ``"kernel/dtype"`` or
-``"dtype"``.
+(chipset.conformance.assert_close_to_exact). Tolerances: docs/formulas.md's table
+(chipset.conformance.TOLERANCES), or the backend's documented override in
+``Capabilities.tolerances`` keyed ``"kernel/dtype"`` or ``"dtype"``.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _run(fn, name, dt, dev, grad: bool, exact: bool = False):
 
 
 def _compare(got, want, name, dtype, caps, what, exact):
-    """Each of ``got`` no further from ``exact`` than ``want`` is, plus the tolerance (module doc)."""
+    """Each of ``got`` within the tolerance of ``exact``, widened by ``want``'s largest error (module doc)."""
     rtol, atol = tolerance(dtype, name, caps.tolerances)
     for i, (a, b, x) in enumerate(zip(got, want, exact, strict=True)):
         assert_close_to_exact(a, b, x, rtol, atol, f"{name} {what} output {i} at {dtype}")
