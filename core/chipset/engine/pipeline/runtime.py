@@ -61,7 +61,6 @@ class PipelineEngine:
         self.pp_rank = self.pp_group.ranks.index(col.rank())
         self.specs = specs
         self.my_specs = [specs[schedule.virtual_stage(self.pp_rank, c)] for c in range(v)]
-        stage = UnitStageModel  # runs of the family's chain of units (engine/pipeline/units.py)
         self.unit_shapes = model.unit_shapes
         self._shapes: dict[tuple, list[torch.Size]] = {}
         # Logical (single-process) shape of every parameter of the whole model: a checkpoint
@@ -74,9 +73,10 @@ class PipelineEngine:
         # Every rank learns every parameter's name, shape and owning stage (for full_parameters).
         self._owners: list[list[tuple[str, torch.Size]]] = [[] for _ in range(p)]
         for r in range(p):
-            sm = stage(model, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
+            sm = UnitStageModel(model, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
             self._owners[r] = [(n, t.shape) for n, t in sm.named_parameters()]
-        self.model = stage(model, self.my_specs)
+        # runs of the family's chain of units (engine/pipeline/units.py)
+        self.model = UnitStageModel(model, self.my_specs)
         # The units other ranks hold move to the meta device: this rank keeps none of their
         # memory, although ``model`` (still referenced by its family's bound methods) lives on.
         held = {id(m) for m in self.model.modules()}
