@@ -41,7 +41,7 @@ def _rounded_once(name, dt, scale_cos: float = 1.0):
 def _outputs(kernel, name, dt, grad):
     ref = REFERENCE_KERNELS[name]
     return (tk._run(kernel, name, dt, "cpu", grad), tk._run(ref, name, dt, "cpu", grad),
-            tk._run(ref, name, dt, "cpu", grad, exact=True))
+            tk._run(ref, name, dt, "cpu", grad, in_exact=True))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

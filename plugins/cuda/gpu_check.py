@@ -243,14 +243,6 @@ def _fwd_bwd(fn, args, kwargs, need, upstream=None):
     return out.detach(), [args[i].grad for i in need]
 
 
-def _exact(x):
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().double() if x.is_floating_point() else x.cpu()
-    return x
-
-
 KERNELS = ("rms_norm", "rotary_embedding", "swiglu", "cross_entropy", "scaled_dot_product_attention")
 
 
@@ -258,7 +250,7 @@ def kernels_vs_reference() -> dict:
     import torch
 
     import chipset
-    from chipset.conformance import assert_close_to_exact, tolerance
+    from chipset.conformance import assert_close_to_exact, exact, tolerance
 
     b = chipset.backend("cuda")
     dev = b.device.torch_device()
@@ -275,11 +267,11 @@ def kernels_vs_reference() -> dict:
             got = _fwd_bwd(impl, args, kwargs, need, up)
             want = _fwd_bwd(ref, args, kwargs, need, up)
             # the exact answer: the reference in float64 on the CPU, from the same rounded inputs
-            exact = _fwd_bwd(ref, [_exact(a) for a in args], {k: _exact(v) for k, v in kwargs.items()}, need, _exact(up))
+            truth = _fwd_bwd(ref, [exact(a) for a in args], {k: exact(v) for k, v in kwargs.items()}, need, exact(up))
             rtol, atol = tolerance(dtype, name, b.capabilities.tolerances)
             row = {"impl": getattr(impl, "__module__", "?") + "." + impl.__name__, "rtol": rtol, "atol": atol}
-            pairs = [("forward", got[0], want[0], exact[0])]
-            pairs += [(f"grad{i}", x, y, z) for i, (x, y, z) in enumerate(zip(got[1], want[1], exact[1], strict=True))]
+            pairs = [("forward", got[0], want[0], truth[0])]
+            pairs += [(f"grad{i}", x, y, z) for i, (x, y, z) in enumerate(zip(got[1], want[1], truth[1], strict=True))]
             for what, x, y, z in pairs:
                 row[what] = {"max_err_vs_reference": float((x.double().cpu() - y.double().cpu()).abs().max()),
                              "max_err_vs_exact": float((x.double().cpu() - z).abs().max()),
@@ -511,8 +503,7 @@ def gemm_curve() -> dict:
 
     import chipset
     from chipset.planner.assumptions import Assumptions
-    from chipset.planner.kernels import gemm_time
-    from chipset.planner.measured import is_training_shape
+    from chipset.planner.measured import is_training_shape, relative_errors
 
     b = chipset.backend("cuda")
     props = b.device.properties(0)
@@ -528,13 +519,13 @@ def gemm_curve() -> dict:
         ms = _graph_ms(lambda x=x, w=w, out=out: torch.matmul(x, w, out=out))
         eff = 2 * M * N * K / (ms / 1e3) / peak
         d = min(M, N, K)
-        predicted = gemm_time(M, N, K, peak, props.memory_bandwidth, declared_e, declared_half)
+        (_, rel), = relative_errors(props, a, rows=[(M, N, K, ms * 1e3)])  # the planner's own gemm_time
         if is_training_shape(M, N, K):
             points.append((d, eff))
-            planner_errs.append(predicted / (ms / 1e3) - 1)
+            planner_errs.append(rel)
         rows.append({"mnk": [M, N, K], "us": round(ms * 1e3, 1), "tflops": round(eff * peak / 1e12, 1), "eff": round(eff, 3),
                      "planner_eff": round(declared_e * d / (d + declared_half), 3),
-                     "planner_us": round(predicted * 1e6, 1), "training_shape": is_training_shape(M, N, K)})
+                     "planner_us": round(ms * 1e3 * (1 + rel), 1), "training_shape": is_training_shape(M, N, K)})
         del x, w, out
     # fitted over the training shapes (chipset.planner.measured): small squares and a few
     # tokens are latency- and wave-bound, which the curve does not describe

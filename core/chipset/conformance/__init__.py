@@ -14,7 +14,7 @@ Skips are keyed on the backend's declared :class:`chipset.Capabilities`, never o
 
 from __future__ import annotations
 
-__all__ = ["GROUPS", "TOLERANCES", "assert_close_to_exact", "pytest_args", "tolerance"]
+__all__ = ["GROUPS", "TOLERANCES", "assert_close_to_exact", "exact", "pytest_args", "tolerance"]
 
 GROUPS: tuple[str, ...] = (
     "discovery",
@@ -49,6 +49,16 @@ def tolerance(dtype: str, kernel: str = "", overrides=None) -> tuple[float, floa
             rtol, atol = overrides[key]
             return float(rtol), float(atol)
     return TOLERANCES.get(dtype, (0.0, 0.0))
+
+
+def exact(x):
+    """``x`` as the exact computation of :func:`assert_close_to_exact` takes it: float
+    tensors in float64 on the CPU, other tensors on the CPU, anything else as it is."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().double() if x.is_floating_point() else x.cpu()
+    return x
 
 
 def assert_close_to_exact(got, want, exact, rtol: float, atol: float, label: str) -> None:

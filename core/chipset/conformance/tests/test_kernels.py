@@ -24,7 +24,7 @@ import zlib
 import pytest
 import torch
 
-from chipset.conformance import assert_close_to_exact, tolerance
+from chipset.conformance import assert_close_to_exact, exact, tolerance
 from chipset.kernels import REFERENCE_KERNELS
 
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,13 +62,6 @@ def _require(caps, dtype):
         pytest.skip(f"backend does not declare dtype {dtype}")
 
 
-def _exact(x):
-    """``x`` as the exact computation takes it: float tensors in float64 on the CPU."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().double() if x.is_floating_point() else x.cpu()
-    return x
-
-
 def _call(fn, args, kwargs, need, grad: bool, dt):
     if grad:
         args = [a.detach().requires_grad_(True) if i in need else a for i, a in enumerate(args)]
@@ -80,19 +73,19 @@ def _call(fn, args, kwargs, need, grad: bool, dt):
     return [args[i].grad for i in need]
 
 
-def _run(fn, name, dt, dev, grad: bool, exact: bool = False):
-    """Outputs (or input gradients) of ``fn`` on the suite's inputs; ``exact``: in float64 on
+def _run(fn, name, dt, dev, grad: bool, in_exact: bool = False):
+    """Outputs (or input gradients) of ``fn`` on the suite's inputs; ``in_exact``: in float64 on
     the CPU from the same dtype-rounded inputs and upstream gradient."""
     args, kwargs, need = _inputs(name, dt, dev)
-    if exact:
-        args, kwargs = [_exact(a) for a in args], {k: _exact(v) for k, v in kwargs.items()}
+    if in_exact:
+        args, kwargs = [exact(a) for a in args], {k: exact(v) for k, v in kwargs.items()}
     return _call(fn, args, kwargs, need, grad, dt)
 
 
-def _compare(got, want, name, dtype, caps, what, exact):
+def _compare(got, want, name, dtype, caps, what, exacts):
     """Each of ``got`` within the tolerance of ``exact``, widened by ``want``'s largest error (module doc)."""
     rtol, atol = tolerance(dtype, name, caps.tolerances)
-    for i, (a, b, x) in enumerate(zip(got, want, exact, strict=True)):
+    for i, (a, b, x) in enumerate(zip(got, want, exacts, strict=True)):
         assert_close_to_exact(a, b, x, rtol, atol, f"{name} {what} output {i} at {dtype}")
 
 
@@ -105,9 +98,9 @@ def test_forward_matches_reference(backend, caps, dev, name, dtype):
     impl = backend.kernels.select(name, *args, **kwargs)
     got = _run(impl, name, dt, dev, grad=False)
     want = _run(backend.kernels.reference(name), name, dt, dev, grad=False)
-    exact = _run(backend.kernels.reference(name), name, dt, dev, grad=False, exact=True)
+    truth = _run(backend.kernels.reference(name), name, dt, dev, grad=False, in_exact=True)
     assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
-    _compare(got, want, name, dtype, caps, "forward", exact)
+    _compare(got, want, name, dtype, caps, "forward", truth)
 
 
 @pytest.mark.parametrize("dtype", list(FLOATS))
@@ -119,8 +112,8 @@ def test_backward_matches_reference(backend, caps, dev, name, dtype):
     impl = backend.kernels.select(name, *args, **kwargs)
     got = _run(impl, name, dt, dev, grad=True)
     want = _run(backend.kernels.reference(name), name, dt, dev, grad=True)
-    exact = _run(backend.kernels.reference(name), name, dt, dev, grad=True, exact=True)
-    _compare(got, want, name, dtype, caps, "backward", exact)
+    truth = _run(backend.kernels.reference(name), name, dt, dev, grad=True, in_exact=True)
+    _compare(got, want, name, dtype, caps, "backward", truth)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -213,7 +206,7 @@ def test_argument_variants_match_reference(backend, caps, dev, case, dtype):
     name, args, kwargs = _variant_inputs(case, dt, dev)
     got = backend.kernels.select(name, *args, **kwargs)(*args, **kwargs)
     want = backend.kernels.reference(name)(*args, **kwargs)
-    exact = backend.kernels.reference(name)(*[_exact(a) for a in args], **{k: _exact(v) for k, v in kwargs.items()})
+    truth = backend.kernels.reference(name)(*[exact(a) for a in args], **{k: exact(v) for k, v in kwargs.items()})
     assert got.shape == want.shape and got.dtype == want.dtype, (
         f"{case}: got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}")
-    _compare([got.detach()], [want.detach()], name, dtype, caps, f"forward ({case})", [exact.detach()])
+    _compare([got.detach()], [want.detach()], name, dtype, caps, f"forward ({case})", [truth.detach()])
