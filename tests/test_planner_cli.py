@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -22,7 +23,9 @@ def _profiles(monkeypatch):
     """A known profile whatever the installed plugins declare."""
     import chipset.planner.cluster as cluster
 
-    monkeypatch.setattr(cluster, "all_profiles", lambda: {"plan-test": ("testbackend", DEV)})
+    declaring = dataclasses.replace(DEV, name="plan-declared", matmul_efficiency=0.7, attention_efficiency=0.4)
+    monkeypatch.setattr(cluster, "all_profiles", lambda: {"plan-test": ("testbackend", DEV),
+                                                          "plan-declared": ("testbackend", declaring)})
 
 
 def _plan(capsys, *args):
@@ -71,9 +74,29 @@ def test_bandwidth_overrides_change_the_prediction(capsys):
     assert slow[0]["step_time_s"] > base[0]["step_time_s"] >= fast[0]["step_time_s"]
 
 
+@pytest.mark.parametrize("profile", ["plan-test", "plan-declared"])
+def test_efficiency_and_optimizer_overrides_change_the_prediction(capsys, profile):
+    """--efficiency and --attention-efficiency apply whether or not the profile declares its own
+    (a profile's value used to win over --efficiency); --update-bytes slows the update."""
+    args = ["--preset", "llama2-7b", "--cluster", f"1x8:{profile}", "--global-batch", "8", "--json",
+            "--fix", "parallel.dp=8,parallel.tp=1,parallel.pp=1,parallel.cp=1,parallel.zero=1,"
+                     "parallel.micro_batch=1,parallel.schedule=1f1b,parallel.recompute=none"]
+    step = {}
+    for name, extra in (("base", []), ("gemm", ["--efficiency", "0.35"]),
+                        ("attention", ["--attention-efficiency", "0.1"]), ("update", ["--update-bytes", "320"])):
+        rc, out, _ = _plan(capsys, *args, *extra)
+        assert rc == 0
+        step[name] = json.loads(out)[0]["step_time_s"]
+    assert step["gemm"] > 1.5 * step["base"], step
+    assert step["attention"] > step["base"] and step["update"] > step["base"], step
+
+
 @pytest.mark.parametrize(("args", "message"), [
+    (["--preset", "tiny", "--cluster", "1x8:plan-test", "--efficiency", "1.5"], r"--efficiency must be .*\(0, 1\]"),
+    (["--preset", "tiny", "--cluster", "1x8:plan-test", "--attention-efficiency", "0"], "--attention-efficiency must be"),
+    (["--preset", "tiny", "--cluster", "1x8:plan-test", "--update-bytes", "-1"], "--update-bytes must be positive"),
     (["--preset", "tiny", "--cluster", "eight:plan-test"], "cannot parse cluster spec 'eight:plan-test'"),
-    (["--preset", "tiny", "--cluster", "1x8:nosuch"], "unknown device profile 'nosuch'.*known profiles: plan-test"),
+    (["--preset", "tiny", "--cluster", "1x8:nosuch"], "unknown device profile 'nosuch'.*known profiles: plan-declared, plan-test"),
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--fix", "parallel.tp=8"], r"tp \(8\) must divide heads"),
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--global-batch", "12", "--fix", "parallel.dp=8"],
      r"global batch \(12\) is not divisible by dp x micro-batch"),

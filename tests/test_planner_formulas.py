@@ -263,3 +263,27 @@ def test_the_launch_floor_does_not_touch_a_large_model():
     p = evaluate(m, Layout(dp=8, zero=1, micro_batch=1), TrainSpec(global_batch=64), Cluster(1, 8, DEV))
     assert p.breakdown["launch_floor"] < 0.05 * p.breakdown["roofline"]
     assert p.breakdown["compute"] == pytest.approx(p.breakdown["roofline"])
+
+
+def test_the_optimizer_update_moves_its_bytes_at_the_achievable_memory_bandwidth():
+    """A fused update moves 2(P + G + K) bytes per local parameter, an unfused one
+    ``update_bytes``; both at memory_efficiency of the bandwidth, as the other streaming kernels."""
+    from chipset.planner.assumptions import Assumptions
+    from chipset.planner.time import optimizer_time
+
+    a = Assumptions()
+    params, bw = 1e9, DEV.memory_bandwidth
+    fused = optimizer_time(TrainSpec(), params, bw, a)
+    assert fused == pytest.approx(2 * (2 + 2 + 12) * params / (bw * a.memory_efficiency), rel=1e-12)
+    assert optimizer_time(TrainSpec(update_bytes=92), params, bw, a) == pytest.approx(fused * 92 / 32, rel=1e-12)
+    assert optimizer_time(TrainSpec(), params, 0.0, a) == 0.0
+    # evaluate() charges it on the local shard (ZeRO-1 over 2 replicas updates half the parameters),
+    # never below the launch floor of the step's kernels.
+    m = dataclasses.replace(GPT3, layers=4, hidden=1024, heads=8, ffn_hidden=4096)
+    cl = Cluster(1, 2, DEV)
+    lay = Layout(dp=2, zero=1, micro_batch=1)
+    slow = evaluate(m, lay, TrainSpec(global_batch=2, update_bytes=320), cl)
+    fast = evaluate(m, lay, TrainSpec(global_batch=2), cl)
+    assert fast.breakdown["optimizer"] > a.kernels_per_step * a.kernel_launch_latency
+    assert slow.breakdown["optimizer"] == pytest.approx(10 * fast.breakdown["optimizer"], rel=1e-9)
+    assert slow.step_time_s - fast.step_time_s == pytest.approx(9 * fast.breakdown["optimizer"], rel=1e-9)

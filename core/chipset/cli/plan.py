@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -43,7 +44,14 @@ def add_parser(sub) -> None:
                    help="override the profile's per-device bandwidth across nodes, GB/s per direction")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype whose peak FLOP/s applies (default bfloat16)")
     p.add_argument("--efficiency", type=float, default=None, metavar="FRACTION",
-                   help="fraction of peak large GEMMs sustain (default 0.70; see docs/planner.md)")
+                   help="fraction of peak large GEMMs sustain (default: the profile's, e.g. 0.70 on H100; "
+                        "see docs/planner.md)")
+    p.add_argument("--attention-efficiency", type=float, default=None, metavar="FRACTION",
+                   help="fraction of peak the fused attention kernel sustains (default: the profile's, "
+                        "FlashAttention-2 class, e.g. 0.40 on H100)")
+    p.add_argument("--update-bytes", type=float, default=None, metavar="N",
+                   help="bytes the optimizer update moves per local parameter (default: one fused pass, "
+                        "2(P+G+K) = 32; torch.optim.AdamW(foreach=True) with norm clipping: 92)")
     p.add_argument("--list-profiles", action="store_true", help="list the device profiles installed plugins declare")
     p.set_defaults(run=run)
 
@@ -163,11 +171,20 @@ def run(args) -> int:
     cluster = resolve_cluster(args.cluster, args.intra_node_bw, args.inter_node_bw)
     fix = parse_fix(args.fix)
     a = Assumptions()
+    device = {}
+    for flag, field, value in (("--efficiency", "matmul_efficiency", args.efficiency),
+                               ("--attention-efficiency", "attention_efficiency", args.attention_efficiency)):
+        if value is not None:
+            if not 0 < value <= 1:
+                raise ConfigError(f"{flag} must be a fraction of peak in (0, 1] (found {value})")
+            device[field] = value
     if args.efficiency is not None:
-        if not 0 < args.efficiency <= 1:
-            raise ConfigError(f"--efficiency must be in (0, 1] (found {args.efficiency})")
         a = Assumptions(gemm_efficiency=args.efficiency)
-    train = TrainSpec(global_batch=args.global_batch, dtype=args.dtype)
+    if device:  # the profile's own values take precedence over Assumptions, so override them there
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **device))
+    if args.update_bytes is not None and not args.update_bytes > 0:
+        raise ConfigError(f"--update-bytes must be positive bytes per parameter (found {args.update_bytes})")
+    train = TrainSpec(global_batch=args.global_batch, dtype=args.dtype, update_bytes=args.update_bytes or 0.0)
     if args.write_config:
         from chipset.cli.plan_config import check_target
 

@@ -111,6 +111,12 @@ class TrainSpec:
     """Bytes per gradient element as communicated and stored (bf16 grads: 2)."""
     optimizer_bytes: int = 12
     """Optimizer bytes per parameter: fp32 master copy + Adam m and v = 12 (ZeRO's K)."""
+    update_bytes: float = 0.0
+    """Bytes the optimizer update and gradient clipping read and write per local parameter.
+    0 means one fused pass that reads and writes parameter, gradient and optimizer state once:
+    2(P + G + K), as chipset's fused AdamW does. An update built from separate elementwise
+    kernels moves more: torch.optim.AdamW with ``foreach=True`` makes eight passes over fp32
+    state, 80 bytes per parameter, and norm clipping reads and rescales the gradient, 12 more."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (ZeRO 0-2): reduce-scatters and optimizer temporaries work one
     bucket at a time (used by the reference-kernel memory model)."""

@@ -110,7 +110,7 @@ def evaluate_module(prof: ModuleProfile, lay, train, cl, assumptions=None):
     from chipset.planner.assumptions import Assumptions
     from chipset.planner.comm import data_parallel_items
     from chipset.planner.memory import MemoryBreakdown, zero_model_state_bytes
-    from chipset.planner.time import Prediction, dp_exposed_time
+    from chipset.planner.time import Prediction, dp_exposed_time, optimizer_time
 
     a = assumptions or Assumptions()
     peak = cl.device.peak_flops_for(train.dtype)
@@ -125,10 +125,8 @@ def evaluate_module(prof: ModuleProfile, lay, train, cl, assumptions=None):
     fwd_share = prof.forward_flops_per_sample / prof.train_flops_per_sample if prof.train_flops_per_sample else 1 / 3
     items = data_parallel_items(lay, train, cl, float(prof.params), 0.0, mb)
     exposed = dp_exposed_time(items, t_mb * fwd_share, t_mb * (1 - fwd_share), mb, a)
-    t_opt = 0.0
-    if cl.device.memory_bandwidth > 0:
-        shard = prof.params / lay.dp if lay.zero >= 1 else prof.params
-        t_opt = 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes) * shard / cl.device.memory_bandwidth
+    shard = prof.params / lay.dp if lay.zero >= 1 else prof.params
+    t_opt = optimizer_time(train, shard, cl.device.memory_bandwidth, a)
     step = t_mb * mb + exposed + t_opt
     n = lay.dp
     flops = prof.train_flops_per_sample * train.global_batch

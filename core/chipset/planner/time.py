@@ -10,8 +10,9 @@ and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2).
 Data parallel: gradient reduction overlaps the last micro-batch's backward, the parameter
 all-gather the first micro-batch's forward; ZeRO-3's per-micro-batch gathers overlap each
 micro-batch's forward and backward. Only the excess is exposed.
-Optimizer: the Adam update is memory-bound: it reads and writes P+G+K bytes per local
-(sharded) parameter.
+Optimizer: the Adam update is memory-bound: a fused one reads and writes P+G+K bytes per
+local (sharded) parameter, an unfused one ``TrainSpec.update_bytes``, at the achievable
+fraction of memory bandwidth.
 Launches: no micro-batch is faster than its kernels can be issued (kernels x the profile's
 kernel launch latency), nor the update than its per-step kernels; every step also pays the
 profile's host overhead. Both are negligible for large models and dominate tiny ones.
@@ -36,7 +37,8 @@ from chipset.planner.memory import (
 )
 from chipset.planner.model import ModelSpec
 
-__all__ = ["Prediction", "dp_exposed_time", "evaluate", "gemm_efficiency", "launch_floor", "bubble_fraction"]
+__all__ = ["Prediction", "dp_exposed_time", "evaluate", "gemm_efficiency", "launch_floor", "bubble_fraction",
+           "optimizer_time"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,16 @@ def dp_exposed_time(dp_items: list[CommItem], w_f: float, w_b: float, mb: int, a
             + mb * (exposed(grad_micro, w_b, fill) + exposed(param_micro, w_f, fill)))
 
 
+def optimizer_time(train: TrainSpec, params: float, bandwidth: float, a: Assumptions) -> float:
+    """Seconds the update of ``params`` local parameters takes: memory-bound, moving
+    ``train.update_bytes`` per parameter (2(P + G + K) for a fused update) at the achievable
+    fraction of the memory bandwidth (``Assumptions.memory_efficiency``); 0 without a bandwidth."""
+    if bandwidth <= 0:
+        return 0.0
+    per_param = train.update_bytes or 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes)
+    return per_param * params / (bandwidth * a.memory_efficiency)
+
+
 def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
              assumptions: Assumptions | None = None, seq_len: int | None = None,
              memory: MemoryBreakdown | None = None) -> Prediction:
@@ -185,15 +197,11 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     dp_exposed = dp_exposed_time(dp_items, t_compute * fwd_share, t_compute * bwd_share, mb, a, blocks)
     t_step_comm = _sum(items, phase="step")
 
-    t_opt = 0.0
-    if dev.memory_bandwidth > 0:
-        stages, expert = params_per_device(m, lay)
-        dense = max(stages.values())
-        n = lay.dp * lay.cp
-        shard = dense / n + expert / max(1, n // lay.ep) if lay.zero >= 1 else dense + expert
-        t_opt = 2 * (train.param_bytes + train.grad_bytes + train.optimizer_bytes) * shard / dev.memory_bandwidth
-
-    t_opt = max(t_opt, a.kernels_per_step * launch)
+    stages, expert = params_per_device(m, lay)
+    dense = max(stages.values())
+    n = lay.dp * lay.cp
+    shard = dense / n + expert / max(1, n // lay.ep) if lay.zero >= 1 else dense + expert
+    t_opt = max(optimizer_time(train, shard, dev.memory_bandwidth, a), a.kernels_per_step * launch)
     t_host = dev.step_host_overhead or a.step_host_overhead
     step = t_pipeline + dp_exposed + t_step_comm + t_opt + t_host
     n_dev = lay.world_size
