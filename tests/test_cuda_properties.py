@@ -40,6 +40,14 @@ def test_design_brief_bf16_peaks_match_the_table():
     assert profiles["h200"].peak_flops == profiles["h100-sxm"].peak_flops
 
 
+def test_only_hopper_declares_the_gemm_curve_measured_on_an_h200():
+    profiles = P.profiles()
+    for key in ("h100-sxm", "h100-pcie", "h100-nvl", "h200"):
+        assert profiles[key].matmul_half_dim == 128.0, key
+    for key in ("a100-80g", "a100-40g", "b200"):
+        assert profiles[key].matmul_half_dim == 0.0, key  # not measured: the planner's default
+
+
 def test_rows_are_dense_rates_with_the_expected_ratios():
     for key, spec in P.SPECS.items():
         assert spec.bf16 == spec.fp16, key

@@ -44,3 +44,22 @@ def test_zero3_exposed_communication_grows_as_the_per_device_batch_shrinks():
         exposed.append(p.breakdown["dp_exposed"] / p.step_time_s)
         assert p.breakdown["dp_exposed"] <= p.breakdown["dp_total"] * 1.3 + 1e-9
     assert exposed[1] > exposed[0] + 0.3
+
+
+def test_a_profiles_declared_gemm_curve_is_the_one_the_planner_uses():
+    """DeviceProperties.matmul_half_dim shapes every GEMM's efficiency; 0 falls back to
+    Assumptions.gemm_half_dim, so declaring the default changes nothing."""
+    import dataclasses
+
+    dev = list_profiles()["sim-generic"][1]
+    m = PRESETS["tiny"]
+    lay = Layout(dp=1, micro_batch=2)
+
+    def step(**declared):
+        cl = Cluster(1, 1, dataclasses.replace(dev, **declared), "sim-generic")
+        return evaluate(m, lay, TrainSpec(global_batch=2), cl).breakdown["roofline"]
+
+    default = step(matmul_half_dim=0.0)
+    assert step(matmul_half_dim=float(Assumptions().gemm_half_dim)) == default
+    assert step(matmul_half_dim=4096.0) > 1.5 * default  # a curve that needs wide GEMMs slows tiny ones
+    assert step(matmul_half_dim=1.0) < default

@@ -38,14 +38,20 @@ def test_training_shape_gemms_are_predicted_within_the_bounds(h200):
     assert worst <= WORST_BOUND, f"worst GEMM {worst:.1%} > {WORST_BOUND:.0%}"
 
 
-@pytest.mark.parametrize("change", [{"gemm_half_dim": 1024}, {"gemm_efficiency": 0.5}])
+@pytest.mark.parametrize("change", [{"matmul_half_dim": 1024.0}, {"matmul_efficiency": 0.5}])
 def test_the_bounds_fail_a_wrong_curve(h200, change):
-    """A half-dimension of 1024, or a 0.5 efficiency (with the profile's own left out), puts
-    the training shapes beyond the bounds: the check can fail."""
-    props = dataclasses.replace(h200, matmul_efficiency=0.0) if "gemm_efficiency" in change else h200
-    errors = [e for _, e in relative_errors(props, Assumptions(**change), rows=TRAINING_SHAPES)]
+    """A profile declaring a half-dimension of 1024, or a 0.5 efficiency, puts the training
+    shapes beyond the bounds: the check can fail."""
+    errors = [e for _, e in relative_errors(dataclasses.replace(h200, **change), rows=TRAINING_SHAPES)]
     mean, worst = _bounded(errors)
     assert mean > MEAN_BOUND or worst > WORST_BOUND
+
+
+def test_without_a_declared_curve_the_planners_default_applies(h200):
+    undeclared = dataclasses.replace(h200, matmul_half_dim=0.0)
+    wide = relative_errors(undeclared, Assumptions(gemm_half_dim=1024), rows=TRAINING_SHAPES)
+    assert wide != relative_errors(h200, Assumptions(gemm_half_dim=1024), rows=TRAINING_SHAPES)
+    assert relative_errors(undeclared) == relative_errors(h200)  # the declared curve is the default's
 
 
 def test_the_table_prints_every_row(h200, capsys):

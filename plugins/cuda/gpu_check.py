@@ -510,7 +510,7 @@ def gemm_curve() -> dict:
     dev = b.device.torch_device()
     peak = props.peak_flops.get("bfloat16", 0.0)
     a = Assumptions()
-    declared_e, declared_half = props.matmul_efficiency or a.gemm_efficiency, a.gemm_half_dim
+    declared_e, declared_half = props.matmul_efficiency or a.gemm_efficiency, props.matmul_half_dim or a.gemm_half_dim
     rows, points, planner_errs = [], [], []
     for M, N, K in GEMM_SHAPES:
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

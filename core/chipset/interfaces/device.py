@@ -57,6 +57,10 @@ class DeviceProperties:
     attention_efficiency: float = 0.0
     """Fraction of the dense peak a fused (flash) attention kernel sustains over forward and
     backward; 0.0 lets the planner use its default."""
+    matmul_half_dim: float = 0.0
+    """The shape of the device's GEMM efficiency curve: the smallest GEMM dimension d at which
+    a multiply reaches half of ``matmul_efficiency`` (the planner's curve is
+    matmul_efficiency · d / (d + matmul_half_dim)); 0.0 lets the planner use its default."""
     compute_capability: tuple[int, int] | None = None
     """Vendor compute capability where meaningful (CUDA ``(9, 0)``); else None."""
     multiprocessor_count: int | None = None

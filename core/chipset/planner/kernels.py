@@ -106,12 +106,13 @@ def _memory_bytes_per_token(m: ModelSpec, lay: Layout, e: float) -> float:
 
 def stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blocks: float,
                   peak: float, bandwidth: float, a: Assumptions, e_max: float, attn_eff: float,
-                  with_logits: bool = True) -> StageCompute:
-    """Compute seconds of one micro-batch of a stage of ``blocks`` blocks (see module doc)."""
+                  with_logits: bool = True, half_dim: float = 0.0) -> StageCompute:
+    """Compute seconds of one micro-batch of a stage of ``blocks`` blocks (see module doc);
+    ``half_dim``: the device's declared GEMM curve (0: ``Assumptions.gemm_half_dim``)."""
     e = train.param_bytes
     s_local = seq_len / lay.cp
     tokens = lay.micro_batch * s_local
-    half = a.gemm_half_dim
+    half = half_dim or a.gemm_half_dim
     mem_bw = bandwidth * a.memory_efficiency if bandwidth > 0 else 0.0
     # passes of the block's forward executed: forward, backward (2x), recompute
     full = 1.0 if lay.recompute == "full" else 0.0

@@ -63,7 +63,7 @@ def relative_errors(props, assumptions: Assumptions | None = None,
     e_max = props.matmul_efficiency or a.gemm_efficiency
     out = []
     for m, n, k, us in rows:
-        t = gemm_time(m, n, k, peak, props.memory_bandwidth, e_max, a.gemm_half_dim)
+        t = gemm_time(m, n, k, peak, props.memory_bandwidth, e_max, props.matmul_half_dim or a.gemm_half_dim)
         out.append(((m, n, k), t / (us * 1e-6) - 1))
     return out
 
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     props = profiles[PROFILE][1]
     a = Assumptions()
     e_max = props.matmul_efficiency or a.gemm_efficiency
-    print(f"Planner: efficiency {e_max} * d / (d + {a.gemm_half_dim}), d = min(M, N, K); {SOURCE}\n")
+    half = props.matmul_half_dim or a.gemm_half_dim
+    print(f"Planner: efficiency {e_max} * d / (d + {half:g}), d = min(M, N, K); {SOURCE}\n")
     print("| M x N x K | measured us | measured TFLOP/s | predicted us | predicted / measured | bounded |")
     print("|---|---|---|---|---|---|")
     train = []

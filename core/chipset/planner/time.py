@@ -2,7 +2,9 @@
 
 Per micro-batch on the busiest stage:
   compute = stage FLOPs / (peak · eff) + memory-bound bytes / memory bandwidth, where
-  eff = gemm_efficiency · d / (d + gemm_half_dim), d = min(h/tp, b·s/cp) (see Assumptions);
+  eff = gemm_efficiency · d / (d + gemm_half_dim), d = min(M, N, K) of each GEMM, both from
+  the device profile where it declares them (matmul_efficiency, matmul_half_dim), else
+  from Assumptions;
   plus tp all-reduces, ep all-to-alls and pipeline sends, which sit on the critical path,
   plus ring-attention K/V traffic beyond what attention compute hides.
 Pipeline: (m + (p-1)/v) micro-batch slots, i.e. a bubble of (p-1)/m for GPipe and 1F1B
@@ -89,7 +91,8 @@ def gemm_efficiency(m: ModelSpec, lay: Layout, seq_len: int, a: Assumptions,
     peak = dev.peak_flops_for(train.dtype) if dev is not None else 1e15
     bw = dev.memory_bandwidth if dev is not None else 0.0
     e_max = (dev.matmul_efficiency if dev is not None else 0.0) or a.gemm_efficiency
-    sc = stage_compute(m, lay, seq_len, train, 1, peak, bw, a, e_max, a.attention_efficiency)
+    sc = stage_compute(m, lay, seq_len, train, 1, peak, bw, a, e_max, a.attention_efficiency,
+                       half_dim=dev.matmul_half_dim if dev is not None else 0.0)
     return sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
 
 
@@ -173,7 +176,8 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     extra = {"none": 0, "selective": fw.attention_core, "full": fw.blocks}[lay.recompute]
     e_max = dev.matmul_efficiency or a.gemm_efficiency
     attn_eff = dev.attention_efficiency or a.attention_efficiency
-    sc = stage_compute(m, lay, s, train, blocks, peak, dev.memory_bandwidth, a, e_max, attn_eff)
+    sc = stage_compute(m, lay, s, train, blocks, peak, dev.memory_bandwidth, a, e_max, attn_eff,
+                       half_dim=dev.matmul_half_dim)
     eff = sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
     t_gemm, t_mem = sc.gemm_s + sc.attention_s, sc.memory_s
     launch = dev.kernel_launch_latency or a.kernel_launch_latency

@@ -48,6 +48,9 @@ about 700 of 989 on H100/H200 SXM (0.70: the part does not hold its boost clock 
 under tensor-core load); FlashAttention-2 sustains about 55%
 of peak over forward and backward on A100 and 35-40% on H100 (Dao 2023; Shah et al. 2024,
 FlashAttention-3, Fig. 1), so 0.55 and 0.40. Blackwell rows declare none (planner default).
+The curve's shape (``matmul_half_dim``: efficiency halves at a smallest GEMM dimension of
+128) is declared for Hopper only, where it was measured: 23 GEMMs on an H200, fitted at
+104-128 over two runs (chipset.planner.measured); other rows use the planner's default.
 The ``estimated`` flag is False for every row here; :func:`estimate` sets it True.
 """
 
@@ -70,6 +73,8 @@ _HDR_NIC = 200e9 / 8  # 200 Gb/s InfiniBand HDR per GPU (DGX A100)
 _NDR_NIC = 400e9 / 8  # 400 Gb/s InfiniBand NDR per GPU (DGX H100/H200/B200)
 # (matmul, attention) efficiency by compute-capability major (see module docstring).
 _EFFICIENCY = {8: (0.75, 0.55), 9: (0.70, 0.40)}
+# GEMM efficiency curve's half-dimension by compute-capability major, where measured.
+_HALF_DIM = {9: 128.0}
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ class GpuSpec:
             inter_node_latency=_NETWORK_LATENCY,
             matmul_efficiency=_EFFICIENCY.get(self.compute_capability[0], (0.0, 0.0))[0],
             attention_efficiency=_EFFICIENCY.get(self.compute_capability[0], (0.0, 0.0))[1],
+            matmul_half_dim=_HALF_DIM.get(self.compute_capability[0], 0.0),
             compute_capability=self.compute_capability,
             multiprocessor_count=self.sms,
             estimated=False,
