@@ -1,11 +1,13 @@
 """The planner against published runs (docs/planner.md's table): fails when the error grows past
-the documented bounds, so a cost-model change that predicts the published runs worse is caught."""
+the documented bounds, so a cost-model change that predicts the published runs worse is caught.
+Rows with a documented ``gap`` are bounded on their own, each within GAP_ROW_BOUND."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from chipset.planner.published import (
+    GAP_ROW_BOUND,
     MEAN_ABS_ERROR_BOUND,
     RUNS,
     WORST_ROW_BOUND,
@@ -17,10 +19,14 @@ from chipset.planner.published import (
 def test_published_runs_stay_within_the_documented_error_bounds():
     errors = relative_errors()
     assert len(errors) == len(RUNS), f"profiles missing for: {set(r.label for r in RUNS) - set(errors)}"
-    mean_abs = sum(abs(e) for e in errors.values()) / len(errors)
-    worst = max(errors, key=lambda k: abs(errors[k]))
+    gaps = {r.label for r in RUNS if r.gap}
+    bounded = {k: v for k, v in errors.items() if k not in gaps}
+    mean_abs = sum(abs(e) for e in bounded.values()) / len(bounded)
+    worst = max(bounded, key=lambda k: abs(bounded[k]))
     assert mean_abs <= MEAN_ABS_ERROR_BOUND, f"mean absolute error {mean_abs:.1%} > {MEAN_ABS_ERROR_BOUND:.0%}"
-    assert abs(errors[worst]) <= WORST_ROW_BOUND, f"{worst}: {errors[worst]:+.1%} beyond {WORST_ROW_BOUND:.0%}"
+    assert abs(bounded[worst]) <= WORST_ROW_BOUND, f"{worst}: {bounded[worst]:+.1%} beyond {WORST_ROW_BOUND:.0%}"
+    for label in gaps:
+        assert abs(errors[label]) <= GAP_ROW_BOUND, f"{label}: {errors[label]:+.1%} beyond {GAP_ROW_BOUND:.0%}"
 
 
 def test_published_runs_name_their_source_and_what_they_leave_unstated():
@@ -33,21 +39,46 @@ def test_published_runs_name_their_source_and_what_they_leave_unstated():
         assert r.layout["dp"] * r.layout.get("tp", 1) * r.layout.get("pp", 1) * r.layout.get("cp", 1) == r.gpus, r.label
         if r.tokens_per_gpu is not None:
             assert r.tflops > 0 and r.tokens_per_gpu > 0, r.label
-        if r.attention_speed != 1.0 or r.train:
-            assert "attn_impl" in r.notes or "optim" in r.notes, f"{r.label}: say where the stated kernels come from"
+        if r.train:
+            assert "optim" in r.notes, f"{r.label}: say where the stated optimizer comes from"
 
 
-def _error(run) -> float:
-    return predict(run).tflops_per_device / run.tflops - 1
+def test_the_known_gap_rows_really_are_outside_the_goal():
+    """A row flagged as a gap that the model now predicts within 20% should lose its flag."""
+    errors = relative_errors()
+    for r in RUNS:
+        if r.gap:
+            assert abs(errors[r.label]) >= 0.195, f"{r.label} is within the goal now ({errors[r.label]:+.1%}): clear its gap"
 
 
-def test_a_runs_stated_attention_kernel_and_optimizer_change_its_prediction():
-    """The facts a row carries are used: without them the MosaicML H100 rows fall outside the
-    goal again (the bound above would fail), and each one on its own slows the prediction."""
-    mpt13 = next(r for r in RUNS if r.label == "MPT-13B H100, 8 GPUs")
-    as_stated = _error(mpt13)
-    fa2_class = _error(dataclasses.replace(mpt13, attention_speed=1.0))
-    fused = _error(dataclasses.replace(mpt13, train={}))
-    assert fa2_class > as_stated + 0.05 and fused > as_stated + 0.02, (as_stated, fa2_class, fused)
-    ignored = _error(dataclasses.replace(mpt13, attention_speed=1.0, train={}))
-    assert ignored > WORST_ROW_BOUND, f"{ignored:+.1%}: the row would pass without the facts it states"
+def test_a_runs_stated_optimizer_is_charged():
+    """A row's unfused optimizer (TrainSpec.update_bytes) slows its prediction: most where one
+    micro-batch makes a step (MPT-13B on H100), little where a step has many."""
+    def error(label, **change):
+        run = dataclasses.replace(next(r for r in RUNS if r.label == label), **change)
+        return predict(run).tflops_per_device / run.tflops - 1
+
+    one_micro_batch = error("MPT-13B H100, 8 GPUs", train={}) - error("MPT-13B H100, 8 GPUs")
+    many = error("MPT-30B H100, 8 GPUs", train={}) - error("MPT-30B H100, 8 GPUs")
+    assert one_micro_batch > 0.03 and 0 < many < 0.005, (one_micro_batch, many)
+
+
+def test_the_whole_mosaicml_sweep_stays_within_its_recorded_bounds():
+    from chipset.planner.published_sweep import GROUP_BOUNDS, ROWS, errors
+
+    res = errors()
+    assert len(res) == len(ROWS) == 79
+    for (prof, rec), bound in GROUP_BOUNDS.items():
+        group = [abs(e) for row, e in res if row[0] == prof and row[6] == rec]
+        assert len(group) >= 16, (prof, rec)
+        mean = sum(group) / len(group)
+        assert mean <= bound, f"{prof}, recompute {rec}: mean absolute error {mean:.1%} > {bound:.0%}"
+
+
+def test_the_sweep_prints_every_row_and_a_summary_per_group(capsys):
+    from chipset.planner.published_sweep import ROWS, main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.startswith("| ") for line in out.splitlines()) == len(ROWS) + 1
+    assert out.count("mean absolute error") == 4
