@@ -93,6 +93,8 @@ CASES = [
      ["test_descriptor_import_pulls_in_no_vendor_sdk", "test_api_version_is_declared_and_compatible"]),
     ("ignores_visible", "visible", "device", ["test_visible_devices_variable_limits_the_device_count"], []),
     ("bad_device_index", "out_of_range", "device", ["test_out_of_range_index_raises_device_index_error[count]"], []),
+    ("wrong_profile", "declared_profile or device_count_is_positive", "device",
+     ["test_properties_match_a_declared_profile_of_the_same_name"], ["test_device_count_is_positive"]),
     # The same dropped contribution seen by training: every layout reduces gradients, partial
     # sums or losses with all_reduce, so each run's losses leave the one-device ones at step 1.
     ("bad_allreduce", "engine", "engine",

@@ -39,6 +39,7 @@ DEFECTS = {
     "bad_probe": "probe() initialises the device",
     "ignores_visible": "the device count ignores the visible-devices variable",
     "bad_device_index": "set_device silently accepts an out-of-range index",
+    "wrong_profile": "declares a profile for its device with twice the device's bf16 peak",
 }
 """Each broken backend and its one defect."""
 
@@ -47,7 +48,7 @@ VARIANTS = (
     "bad_reduce_scatter", "bad_broadcast", "no_output_splits", "bad_send_recv", "bad_barrier",
     "async_never_completes", "hang_timeout", "swallow_timeout", "bad_memory", "empty_cache_noop",
     "reset_peak_noop", "bad_mem_info", "bad_kernel", "ignores_eps", "ignores_mask", "ignores_ignore_index",
-    "bad_event", "bad_probe", "ignores_visible", "bad_device_index", "few_caps",
+    "bad_event", "bad_probe", "ignores_visible", "bad_device_index", "wrong_profile", "few_caps",
 )
 _initialised: set[str] = set()
 
@@ -67,10 +68,22 @@ def _make(variant: str) -> BackendDescriptor:
 
         return hooks.Plugin(variant)
 
+    def profiles():
+        # Keyed apart from the simulator's own "sim-generic" (profile names are global), named
+        # like the device, as a vendor keys "h200" for a device reporting "NVIDIA H200".
+        import dataclasses
+
+        from chipset_cpu_sim.profiles import descriptor_profiles
+
+        real = descriptor_profiles()["sim-generic"]
+        rates = {**real.peak_flops, "bfloat16": 2 * real.peak_flops["bfloat16"]}
+        return {"broken-generic": dataclasses.replace(real, peak_flops=rates)}
+
     return BackendDescriptor(
         name=variant, api_version=(1, 0), priority=-10, probe=probe, load=load, simulator=True,
         description=f"deliberately broken backend ({variant})",
         device_initialized=lambda: variant in _initialised,
+        profiles=profiles if variant == "wrong_profile" else None,
     )
 
 

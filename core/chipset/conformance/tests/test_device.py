@@ -67,15 +67,31 @@ def test_properties_agree_with_memory_interface(backend):
     assert 0 <= free <= total
 
 
+# A device reports at most its datasheet capacity: drivers keep some for themselves (under
+# 1% on A100/H100/H200, about 5% on Ascend 910B), and a partition or a capped test double
+# reports less. More than the profile declares means the profile understates the device,
+# e.g. capacity written in GB (1e9) where the device counts GiB: 7.4% more. 1% of slack.
+MEMORY_SLACK = 0.01
+
+
 def test_properties_match_a_declared_profile_of_the_same_name(backend, backend_name):
+    """The device's properties agree with the profile the backend declares for it: the profile
+    named like the device, or whose own ``name`` is the device's (a profile key such as
+    ``h200`` for a device reporting "NVIDIA H200")."""
     p = backend.device.properties(0)
     declared = {n: props for n, (owner, props) in all_profiles().items() if owner == backend_name}
-    if p.name not in declared:
-        pytest.skip(f"backend does not declare a profile named {p.name!r} (BackendDescriptor.profiles)")
-    ref = declared[p.name]
-    assert p.total_memory == ref.total_memory
-    assert dict(p.peak_flops) == dict(ref.peak_flops)
-    assert p.memory_bandwidth == ref.memory_bandwidth
+    by_name = {n: props for n, props in declared.items() if props.name == p.name}
+    if p.name in declared:
+        key, ref = p.name, declared[p.name]
+    elif len(by_name) == 1:
+        (key, ref), = by_name.items()
+    else:
+        pytest.skip(f"backend declares no profile for a device named {p.name!r} (BackendDescriptor.profiles)")
+    assert dict(p.peak_flops) == dict(ref.peak_flops), f"peak FLOP/s differ from profile {key!r}"
+    assert p.memory_bandwidth == ref.memory_bandwidth, f"memory bandwidth differs from profile {key!r}"
+    assert p.total_memory <= (1 + MEMORY_SLACK) * ref.total_memory, (
+        f"device reports {p.total_memory} bytes, more than the {ref.total_memory} profile {key!r} declares "
+        "(capacity in GB where GiB was meant?)")
 
 
 def test_visible_devices_variable_limits_the_device_count(backend, backend_name):
