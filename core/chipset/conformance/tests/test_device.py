@@ -86,7 +86,7 @@ def test_properties_match_a_declared_profile_of_the_same_name(backend, backend_n
     elif len(by_name) == 1:
         (key, ref), = by_name.items()
     else:
-        pytest.skip(f"backend declares no profile for a device named {p.name!r} (BackendDescriptor.profiles)")
+        pytest.skip(f"backend does not declare a profile for a device named {p.name!r} (BackendDescriptor.profiles)")
     assert dict(p.peak_flops) == dict(ref.peak_flops), f"peak FLOP/s differ from profile {key!r}"
     assert p.memory_bandwidth == ref.memory_bandwidth, f"memory bandwidth differs from profile {key!r}"
     assert p.total_memory <= (1 + MEMORY_SLACK) * ref.total_memory, (
