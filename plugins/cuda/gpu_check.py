@@ -503,6 +503,7 @@ def gemm_curve() -> dict:
 
     import chipset
     from chipset.planner.assumptions import Assumptions
+    from chipset.planner.kernels import gemm_curve
     from chipset.planner.measured import is_training_shape, relative_errors
 
     b = chipset.backend("cuda")
@@ -510,7 +511,7 @@ def gemm_curve() -> dict:
     dev = b.device.torch_device()
     peak = props.peak_flops.get("bfloat16", 0.0)
     a = Assumptions()
-    declared_e, declared_half = props.matmul_efficiency or a.gemm_efficiency, props.matmul_half_dim or a.gemm_half_dim
+    declared_e, declared_half = gemm_curve(props, a)
     rows, points, planner_errs = [], [], []
     for M, N, K in GEMM_SHAPES:
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

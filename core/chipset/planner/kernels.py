@@ -29,7 +29,7 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 
-__all__ = ["StageCompute", "gemm_time", "matmul_shapes", "stage_compute"]
+__all__ = ["StageCompute", "gemm_curve", "gemm_time", "matmul_shapes", "stage_compute"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,14 @@ class StageCompute:
 
 def _eff(d: float, e_max: float, half: float) -> float:
     return e_max * d / (d + half)
+
+
+def gemm_curve(dev, a: Assumptions) -> tuple[float, float]:
+    """(efficiency of large GEMMs, half-dimension) of the curve for device properties ``dev``:
+    the values it declares (``matmul_efficiency``, ``matmul_half_dim``), else ``a``'s."""
+    if dev is None:
+        return a.gemm_efficiency, a.gemm_half_dim
+    return dev.matmul_efficiency or a.gemm_efficiency, dev.matmul_half_dim or a.gemm_half_dim
 
 
 def gemm_time(M: float, N: float, K: float, peak: float, bandwidth: float, e_max: float, half: float,

@@ -26,7 +26,7 @@ import argparse
 import sys
 
 from chipset.planner.assumptions import Assumptions
-from chipset.planner.kernels import gemm_time
+from chipset.planner.kernels import gemm_curve, gemm_time
 
 __all__ = ["H200_GEMMS", "PROFILE", "SOURCE", "TRAINING_SHAPES", "is_training_shape", "main", "relative_errors"]
 
@@ -60,10 +60,10 @@ def relative_errors(props, assumptions: Assumptions | None = None,
     """((M, N, K), predicted / measured time - 1) per row, for device properties ``props``."""
     a = assumptions or Assumptions()
     peak = props.peak_flops["bfloat16"]
-    e_max = props.matmul_efficiency or a.gemm_efficiency
+    e_max, half = gemm_curve(props, a)
     out = []
     for m, n, k, us in rows:
-        t = gemm_time(m, n, k, peak, props.memory_bandwidth, e_max, props.matmul_half_dim or a.gemm_half_dim)
+        t = gemm_time(m, n, k, peak, props.memory_bandwidth, e_max, half)
         out.append(((m, n, k), t / (us * 1e-6) - 1))
     return out
 
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     props = profiles[PROFILE][1]
     a = Assumptions()
-    e_max = props.matmul_efficiency or a.gemm_efficiency
-    half = props.matmul_half_dim or a.gemm_half_dim
+    e_max, half = gemm_curve(props, a)
     print(f"Planner: efficiency {e_max} * d / (d + {half:g}), d = min(M, N, K); {SOURCE}\n")
     print("| M x N x K | measured us | measured TFLOP/s | predicted us | predicted / measured | bounded |")
     print("|---|---|---|---|---|---|")

@@ -29,7 +29,7 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import CommItem, communication
 from chipset.planner.flops import forward_flops_per_token, model_flops_per_token, step_flops
-from chipset.planner.kernels import stage_compute
+from chipset.planner.kernels import gemm_curve, stage_compute
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import (
     MemoryBreakdown,
@@ -90,9 +90,8 @@ def gemm_efficiency(m: ModelSpec, lay: Layout, seq_len: int, a: Assumptions,
     train = train or TrainSpec()
     peak = dev.peak_flops_for(train.dtype) if dev is not None else 1e15
     bw = dev.memory_bandwidth if dev is not None else 0.0
-    e_max = (dev.matmul_efficiency if dev is not None else 0.0) or a.gemm_efficiency
-    sc = stage_compute(m, lay, seq_len, train, 1, peak, bw, a, e_max, a.attention_efficiency,
-                       half_dim=dev.matmul_half_dim if dev is not None else 0.0)
+    e_max, half = gemm_curve(dev, a)
+    sc = stage_compute(m, lay, seq_len, train, 1, peak, bw, a, e_max, a.attention_efficiency, half_dim=half)
     return sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
 
 
@@ -174,10 +173,9 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     blocks = stage_layers(m, lay)
     fw = forward_flops_per_token(m, s)
     extra = {"none": 0, "selective": fw.attention_core, "full": fw.blocks}[lay.recompute]
-    e_max = dev.matmul_efficiency or a.gemm_efficiency
+    e_max, half = gemm_curve(dev, a)
     attn_eff = dev.attention_efficiency or a.attention_efficiency
-    sc = stage_compute(m, lay, s, train, blocks, peak, dev.memory_bandwidth, a, e_max, attn_eff,
-                       half_dim=dev.matmul_half_dim)
+    sc = stage_compute(m, lay, s, train, blocks, peak, dev.memory_bandwidth, a, e_max, attn_eff, half_dim=half)
     eff = sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
     t_gemm, t_mem = sc.gemm_s + sc.attention_s, sc.memory_s
     launch = dev.kernel_launch_latency or a.kernel_launch_latency
