@@ -172,6 +172,25 @@ HANG = textwrap.dedent("""
 """)
 
 
+def test_a_dropped_connection_after_most_of_the_timeout_is_reported_as_a_timeout(monkeypatch):
+    """A hung rank's neighbours may see the connection a peer dropped on its own timeout rather
+    than a timeout of their own: after half the limit that is a CollectiveTimeoutError; a
+    peer that died at once (a connection reset right away) stays a plain CollectiveError."""
+    from chipset.errors import CollectiveError, CollectiveTimeoutError
+    from chipset.interfaces.collective import _past_timeout
+
+    monkeypatch.setenv("CHIPSET_COLLECTIVE_TIMEOUT", "10")
+    dropped = CollectiveError("all_reduce on world (4 ranks) failed: Connection closed by peer")
+    late = _past_timeout(dropped, 9.98)
+    assert type(late) is CollectiveTimeoutError and "CHIPSET_COLLECTIVE_TIMEOUT" in str(late)
+    assert "Connection closed by peer" in str(late)
+    assert _past_timeout(dropped, 0.2) is dropped
+    timed_out = CollectiveTimeoutError("all_reduce timed out")
+    assert _past_timeout(timed_out, 12.0) is timed_out
+    other = ValueError("not a collective's error")
+    assert _past_timeout(other, 12.0) is other
+
+
 def test_four_rank_all_reduce_with_a_hung_rank_ends_in_collective_timeout_error(tmp_path):
     timeout_s = 5
     with socket.socket() as s:

@@ -139,7 +139,7 @@ class Handle:
         try:
             self._work.wait()
         except Exception as exc:
-            raise self._translate(exc, self._describe) from exc
+            raise _past_timeout(self._translate(exc, self._describe), time.perf_counter() - t0) from exc
         finally:
             if self._account is not None:
                 self._account(time.perf_counter() - t0)
@@ -370,7 +370,7 @@ class Collective:
             else:
                 work = fn()
         except Exception as exc:
-            raise self._translate(exc, describe) from exc
+            raise _past_timeout(self._translate(exc, describe), time.perf_counter() - t0) from exc
         finally:
             counter.seconds += time.perf_counter() - t0
         entry["state"] = "launched" if async_op or raw else "done"
@@ -418,6 +418,19 @@ class Collective:
         if isinstance(exc, (RuntimeError, dist.DistError)):
             return CollectiveError(f"{describe} failed: {text.strip().splitlines()[0] if text.strip() else type(exc).__name__}")
         return exc
+
+
+def _past_timeout(err: BaseException, waited: float) -> BaseException:
+    """A plain CollectiveError raised after the op had waited most of the collective timeout is
+    a timeout: a hung rank's neighbours see either their own timeout or the connection that a
+    peer dropped on its own timeout. That peer entered the op a little earlier or later, so
+    the wait is compared with half the limit, not the whole: a peer that died outright drops
+    its connections at once, well inside it."""
+    limit = collective_timeout().total_seconds()
+    if type(err) is CollectiveError and waited >= limit / 2:
+        return CollectiveTimeoutError(f"{err} (after {waited:.1f} s, the collective timeout of {limit:g} s, "
+                                      "CHIPSET_COLLECTIVE_TIMEOUT: a peer is stalled or dead)")
+    return err
 
 
 def _restart_store(world_size: int, timeout: _dt.timedelta):
