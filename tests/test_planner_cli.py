@@ -83,18 +83,36 @@ def test_efficiency_and_optimizer_overrides_change_the_prediction(capsys, profil
                      "parallel.micro_batch=1,parallel.schedule=1f1b,parallel.recompute=none"]
     step = {}
     for name, extra in (("base", []), ("gemm", ["--efficiency", "0.35"]),
-                        ("attention", ["--attention-efficiency", "0.1"]), ("update", ["--update-bytes", "320"])):
+                        ("attention", ["--attention-efficiency", "0.1"]), ("update", ["--update-bytes", "320"]),
+                        ("loss", ["--loss-bytes", "360"])):
         rc, out, _ = _plan(capsys, *args, *extra)
         assert rc == 0
         step[name] = json.loads(out)[0]["step_time_s"]
     assert step["gemm"] > 1.5 * step["base"], step
     assert step["attention"] > step["base"] and step["update"] > step["base"], step
+    assert step["loss"] > step["base"], step
+
+
+def test_whole_forward_recompute_costs_more_than_torchs_early_stop(capsys):
+    """--whole-forward-recompute reruns the MLP output projection too: slower under full
+    recompute, the same without it."""
+    step = {}
+    for rc in ("none", "full"):
+        for extra in ([], ["--whole-forward-recompute"]):
+            rc_code, out, _ = _plan(capsys, "--preset", "llama2-7b", "--cluster", "1x8:plan-test", "--global-batch",
+                                    "8", "--json", "--fix", "parallel.dp=8,parallel.tp=1,parallel.pp=1,parallel.cp=1,"
+                                    f"parallel.zero=1,parallel.micro_batch=1,parallel.schedule=1f1b,parallel.recompute={rc}",
+                                    *extra)
+            assert rc_code == 0
+            step[rc, bool(extra)] = json.loads(out)[0]["step_time_s"]
+    assert step["full", True] > step["full", False] > step["none", False] == step["none", True], step
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--efficiency", "1.5"], r"--efficiency must be .*\(0, 1\]"),
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--attention-efficiency", "0"], "--attention-efficiency must be"),
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--update-bytes", "-1"], "--update-bytes must be positive"),
+    (["--preset", "tiny", "--cluster", "1x8:plan-test", "--loss-bytes", "0"], "--loss-bytes must be positive bytes per logit"),
     (["--preset", "tiny", "--cluster", "eight:plan-test"], "cannot parse cluster spec 'eight:plan-test'"),
     (["--preset", "tiny", "--cluster", "1x8:nosuch"], "unknown device profile 'nosuch'.*known profiles: plan-declared, plan-test"),
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--fix", "parallel.tp=8"], r"tp \(8\) must divide heads"),

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster, list_profiles
 from chipset.planner.kernels import gemm_time
@@ -63,3 +67,79 @@ def test_a_profiles_declared_gemm_curve_is_the_one_the_planner_uses():
     assert step(matmul_half_dim=float(Assumptions().gemm_half_dim)) == default
     assert step(matmul_half_dim=4096.0) > 1.5 * default  # a curve that needs wide GEMMs slows tiny ones
     assert step(matmul_half_dim=1.0) < default
+
+
+def _recomputed_gemm_flops_measured(early_stop: bool) -> tuple[float, object]:
+    """GEMM FLOPs chipset's transformer runs more under ``train.recompute=full`` than without,
+    counted by torch's FlopCounterMode over one forward and backward (matrix products of the
+    projections and the logit layer; the attention core's batched products are left out)."""
+    import torch
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import chipset
+    from chipset.config import load_config
+    from chipset.engine import SyntheticTokens, apply_recompute
+    from chipset.models import Transformer
+
+    cfg = load_config(None, ["train.recompute=full", "train.seq_len=16", "train.global_batch=2"])
+    data = SyntheticTokens(cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch, seed=0)
+    tokens, targets = data.batch(0)
+    counted = {}
+    for mode in ("none", "full"):
+        model = Transformer(cfg.model, chipset.backend().kernels, seed=1)
+        apply_recompute(model, mode=mode)
+        with set_checkpoint_early_stop(early_stop), FlopCounterMode(display=False) as fc:
+            model.loss(tokens, targets).backward()
+        ops = fc.get_flop_counts()["Global"]
+        counted[mode] = sum(n for op, n in ops.items() if op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    return counted["full"] - counted["none"], cfg
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_full_recompute_reruns_the_gemms_torch_reruns(early_stop):
+    """The planner's recomputed GEMM FLOPs equal what torch executes: with early stop (torch's
+    default, chipset's engine) a block's MLP output projection is not rerun; without it the
+    whole forward is. Each setting's count differs from the other's, so a planner that modelled
+    the wrong one fails."""
+    import dataclasses
+
+    from chipset.planner.kernels import stage_compute
+    from chipset.planner.run import from_run_config
+
+    measured, cfg = _recomputed_gemm_flops_measured(early_stop)
+    m, lay, train = from_run_config(cfg, world_size=1)
+    counts = {}
+    for flag in (True, False):
+        t = dataclasses.replace(train, recompute_early_stop=flag)
+        per_mode = {rc: stage_compute(m, dataclasses.replace(lay, recompute=rc), cfg.train.seq_len, t, m.layers,
+                                      PEAK, BW, Assumptions(), 0.7, 0.4).gemm_flops for rc in ("none", "full")}
+        counts[flag] = per_mode["full"] - per_mode["none"]
+    assert measured > 0 and counts[True] != counts[False]
+    assert measured == counts[early_stop], (measured, counts)
+
+
+def test_the_loss_is_charged_per_logit_by_the_kernel_that_computes_it():
+    """The last stage's loss moves TrainSpec.loss_bytes per logit at memory_efficiency x the
+    bandwidth: three passes over bf16 logits for a fused cross-entropy (the planner's
+    default), 36 bytes for an eager fp32 one; nothing on a stage without the logits."""
+    import dataclasses
+
+    from chipset.planner.kernels import loss_bytes_per_logit, stage_compute
+
+    m = PRESETS["llama2-7b"]
+    lay, a = Layout(micro_batch=2), Assumptions()
+    tokens = 2 * m.seq_len
+
+    def memory(train, with_logits=True, model=m):
+        return stage_compute(model, lay, m.seq_len, train, m.layers, PEAK, BW, a, 0.7, 0.4,
+                             with_logits=with_logits).memory_s
+
+    blocks_only = memory(TrainSpec(), with_logits=False)
+    fused = memory(TrainSpec()) - blocks_only
+    eager = memory(TrainSpec(loss_bytes=loss_bytes_per_logit(2))) - blocks_only
+    per_byte = tokens * m.vocab / (BW * a.memory_efficiency)
+    assert math.isclose(fused, 6 * per_byte) and math.isclose(eager, 36 * per_byte)
+    reference = memory(TrainSpec(), model=dataclasses.replace(m, kernels="reference")) - blocks_only
+    assert math.isclose(reference, eager)
+    assert loss_bytes_per_logit(4) == 24  # fp32 logits: no casts

@@ -10,7 +10,9 @@ departures that the comparison rests on, without launching anything.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from chipset.planner.comm import communication
 from chipset.planner.engine_comm import departures, planned_bytes, planner_inputs, predict, stage_of
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import PRESETS
+from chipset.planner.run import from_run_config
+from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("comm_volume", ROOT / "benchmarks" / "comm_volume.py")
@@ -144,3 +148,31 @@ def test_the_comparison_catches_a_single_byte_on_one_rank():
     extra = records({})
     extra[0]["comm"]["broadcast"] = {"calls": [1, 1], "bytes": [8, 8]}
     assert {r["op"]: r["exact"] for r in cv.check("ep2", extra)}["broadcast"] is False
+
+
+@pytest.mark.multirank  # two 2-rank CLI runs
+def test_full_recompute_reruns_the_tensor_parallel_all_reduces_the_planner_says(tmp_path):
+    """tp=2 with and without full recompute on cpu_sim: the engine's extra all-reduce calls per
+    step equal the planner's. Its recompute stops before each block's MLP output projection
+    (torch's early stop), so one all-reduce per block is rerun, not two: a planner that
+    reruns the whole forward (recompute_early_stop False) predicts twice the difference."""
+    calls = {}
+    for rc in ("none", "full"):
+        out = tmp_path / rc
+        r = run_cli("train", "--nproc", "2", "--set", "parallel.tp=2", "--set", f"train.recompute={rc}",
+                    "--set", "train.steps=2", "--run-dir", str(out), timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        per_rank = [rec["comm"]["all_reduce"]["calls"] for rec in records if "comm" in rec][-1]
+        assert len(set(per_rank)) == 1, per_rank
+        calls[rc] = per_rank[0]
+    cfg = load_config(None, ["parallel.tp=2", "train.recompute=full"]).validate(world_size=2)
+    m, lay, train = from_run_config(cfg, world_size=2)
+    cl = Cluster(1, 2, DEV)
+    planned = {}
+    for rc, early in (("none", True), ("full", True), ("whole", False)):
+        lay_rc = dataclasses.replace(lay, recompute="none" if rc == "none" else "full")
+        items = communication(m, lay_rc, dataclasses.replace(train, recompute_early_stop=early), cl, m.seq_len)
+        planned[rc] = sum(i.calls for i in items if i.dim == "tp")
+    assert calls["full"] - calls["none"] == planned["full"] - planned["none"] > 0, (calls, planned)
+    assert planned["whole"] - planned["none"] == 2 * (planned["full"] - planned["none"])

@@ -52,6 +52,13 @@ def add_parser(sub) -> None:
     p.add_argument("--update-bytes", type=float, default=None, metavar="N",
                    help="bytes the optimizer update moves per local parameter (default: one fused pass, "
                         "2(P+G+K) = 32; torch.optim.AdamW(foreach=True) with norm clipping: 92)")
+    p.add_argument("--loss-bytes", type=float, default=None, metavar="N",
+                   help="bytes the loss moves per logit, forward and backward (default: a fused cross-entropy, "
+                        "3 passes over the logits, 6 in bf16; F.cross_entropy over logits cast to fp32: 36)")
+    p.add_argument("--whole-forward-recompute", action="store_true",
+                   help="full recompute reruns each block's whole forward (Megatron-LM, DeepSpeed, reentrant "
+                        "checkpointing); default: it stops before the MLP's output projection, as torch's "
+                        "non-reentrant checkpoint and chipset's engine do")
     p.add_argument("--list-profiles", action="store_true", help="list the device profiles installed plugins declare")
     p.set_defaults(run=run)
 
@@ -182,9 +189,11 @@ def run(args) -> int:
         a = Assumptions(gemm_efficiency=args.efficiency)
     if device:  # the profile's own values take precedence over Assumptions, so override them there
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **device))
-    if args.update_bytes is not None and not args.update_bytes > 0:
-        raise ConfigError(f"--update-bytes must be positive bytes per parameter (found {args.update_bytes})")
-    train = TrainSpec(global_batch=args.global_batch, dtype=args.dtype, update_bytes=args.update_bytes or 0.0)
+    for flag, value, per in (("--update-bytes", args.update_bytes, "parameter"), ("--loss-bytes", args.loss_bytes, "logit")):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be positive bytes per {per} (found {value})")
+    train = TrainSpec(global_batch=args.global_batch, dtype=args.dtype, update_bytes=args.update_bytes or 0.0,
+                      loss_bytes=args.loss_bytes or 0.0, recompute_early_stop=not args.whole_forward_recompute)
     if args.write_config:
         from chipset.cli.plan_config import check_target
 

@@ -19,7 +19,8 @@ What is sent, per device and step (b micro-batch, s/cp local sequence, m micro-b
 - tp (Shoeybi et al. 2019; Korthikanti et al. 2022): per block and micro-batch 2 all-reduces
   forward and 2 backward of b·s·h activations (with sequence parallelism each becomes a
   reduce-scatter plus an all-gather, the same bytes), 2 more when a full recompute reruns
-  the forward; per micro-batch 1 more for the embedding (forward) and 1 for the output
+  the forward (1 in a dense model whose recompute stops early, before the MLP's output
+  projection); per micro-batch 1 more for the embedding (forward) and 1 for the output
   layer's input gradient (backward): both without pipelining, one on a first or last stage.
 - ep: per MoE block and micro-batch 4 all-to-alls (dispatch and combine, forward and
   backward; 6 with full recompute) of the top_k copies of the local tokens.
@@ -37,6 +38,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from chipset.planner.cluster import Cluster
+from chipset.planner.kernels import recompute_stops_early
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import params_per_device, stage_layers
 from chipset.planner.model import ModelSpec
@@ -171,6 +173,8 @@ def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     # --- tensor parallel ----------------------------------------------------------------
     act = P * b * s * h
     per_block = 6 if lay.recompute == "full" else 4
+    if recompute_stops_early(m, lay, train) and m.dense_layers == m.layers:
+        per_block = 5  # the recompute stops before the MLP's output projection and its all-reduce
     edges = 2 if lay.pp == 1 else 1  # embedding forward, output layer backward: one per edge stage
     calls = (blocks * per_block + edges) * mb
     if lay.sp:

@@ -18,7 +18,15 @@ s×s score matrix whose softmax/dropout traffic is memory-bound.
 Memory-bound kernels (norms, residual adds, dropout, rotary, activation) move their
 actual bytes at the achievable fraction of memory bandwidth: forward reads inputs and
 writes outputs; backward reads the gradient and the saved input and writes the input
-gradient (twice the forward bytes).
+gradient (twice the forward bytes). The loss on the last stage moves ``TrainSpec.loss_bytes``
+per logit: a fused cross-entropy three passes over the logits, an eager one in fp32 many
+more (:func:`loss_bytes_per_logit`).
+
+Full recompute reruns each block's forward inside backward. With
+``TrainSpec.recompute_early_stop`` (torch.utils.checkpoint without reentrancy, torch 2.1
+and later, which chipset's engine uses) it stops once every tensor that backward saved
+has been recomputed: a dense block whose MLP output projection feeds only the residual add
+does not rerun that projection (:func:`not_recomputed_shapes`).
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 
-__all__ = ["StageCompute", "gemm_curve", "gemm_time", "matmul_shapes", "stage_compute"]
+__all__ = ["StageCompute", "gemm_curve", "gemm_time", "loss_bytes_per_logit", "matmul_shapes", "not_recomputed_shapes",
+           "recompute_stops_early", "stage_compute"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,37 @@ def matmul_shapes(m: ModelSpec, lay: Layout, tokens: float) -> list[tuple[float,
     return out
 
 
+def recompute_stops_early(m: ModelSpec, lay: Layout, train: TrainSpec) -> bool:
+    """Full recompute stops before a dense block's MLP output projection (see
+    :func:`not_recomputed_shapes`): torch's early stop, and no dropout after the projection."""
+    return lay.recompute == "full" and train.recompute_early_stop and not m.dropout
+
+
+def not_recomputed_shapes(m: ModelSpec, lay: Layout, tokens: float, train: TrainSpec
+                          ) -> list[tuple[float, float, float, float]]:
+    """(M, N, K, count) of the forward GEMMs a full recompute skips, per block on one device.
+
+    torch's non-reentrant checkpoint stops recomputing once the last tensor backward saved
+    is back (``TrainSpec.recompute_early_stop``). In a dense block that is the input of the
+    MLP's output projection: the projection itself, and the residual add after it, save
+    nothing. Dropout after the projection saves its mask and a MoE combine saves the expert
+    outputs, so those blocks rerun everything."""
+    if not recompute_stops_early(m, lay, train):
+        return []
+    dense = m.dense_layers / m.layers
+    return [(tokens, m.hidden, m.ffn / lay.tp, dense)] if dense > 0 else []
+
+
+def loss_bytes_per_logit(e: float) -> float:
+    """Bytes an eager cross-entropy in fp32 moves per logit of dtype size ``e``, forward and
+    backward (``F.cross_entropy(logits.float(), ...)``, or autocast's fp32 loss): forward
+    casts (read e, write 4) and log-softmaxes (read 4, write 4); backward writes the
+    loss gradient (4), runs log-softmax backward (read 8, write 4) and casts back (read 4,
+    write e). 36 bytes for bf16 logits, 24 for fp32 ones (no casts)."""
+    cast = 2 * (e + 4) if e != 4 else 0.0
+    return cast + 8 + 4 + 12
+
+
 def _memory_bytes_per_token(m: ModelSpec, lay: Layout, e: float) -> float:
     """Forward bytes of one block's memory-bound kernels per token on one device."""
     h, t = m.hidden, lay.tp
@@ -129,6 +169,9 @@ def stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blo
     for M, N, K, count in matmul_shapes(m, lay, tokens):
         gemm += count * fwd_passes * gemm_time(M, N, K, peak, bandwidth, e_max, half, e)
         gemm_flops += count * fwd_passes * 2 * M * N * K
+    for M, N, K, count in not_recomputed_shapes(m, lay, tokens, train):
+        gemm -= count * gemm_time(M, N, K, peak, bandwidth, e_max, half, e)
+        gemm_flops -= count * 2 * M * N * K
     gemm *= blocks
     gemm_flops *= blocks
     if with_logits:
@@ -155,4 +198,7 @@ def stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blo
     memory = 0.0
     if mem_bw > 0:
         memory = _memory_bytes_per_token(m, lay, e) * tokens * blocks * (1 + 2 + full) / mem_bw
+        if with_logits:
+            per_logit = train.loss_bytes or (3 * e if m.kernels == "fused" else loss_bytes_per_logit(e))
+            memory += per_logit * tokens * m.vocab / lay.tp / mem_bw
     return StageCompute(gemm, attention, memory, gemm_flops)

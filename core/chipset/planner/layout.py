@@ -117,6 +117,16 @@ class TrainSpec:
     2(P + G + K), as chipset's fused AdamW does. An update built from separate elementwise
     kernels moves more: torch.optim.AdamW with ``foreach=True`` makes eight passes over fp32
     state, 80 bytes per parameter, and norm clipping reads and rescales the gradient, 12 more."""
+    loss_bytes: float = 0.0
+    """Bytes the loss moves per logit, forward and backward. 0: as the model's kernels do
+    (``ModelSpec.kernels``): a fused cross-entropy reads the logits forward, reads them and
+    writes their gradient backward (3 x param_bytes); the reference kernels, an eager fp32
+    cross-entropy (:func:`chipset.planner.kernels.loss_bytes_per_logit`, 36 for bf16 logits)."""
+    recompute_early_stop: bool = True
+    """Full recompute stops once backward's saved tensors are back, as torch.utils.checkpoint
+    without reentrancy does from torch 2.1 (chipset's engine): a dense block does not rerun its
+    MLP output projection. False: the whole forward reruns (Megatron-LM's and reentrant
+    checkpointing, torch 2.0's non-reentrant one)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (ZeRO 0-2): reduce-scatters and optimizer temporaries work one
     bucket at a time (used by the reference-kernel memory model)."""
