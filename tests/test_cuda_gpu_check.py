@@ -28,3 +28,39 @@ def test_gpu_check_without_a_gpu_records_each_step_with_the_reason(tmp_path):
     assert all("unavailable" in s["error"] for name, s in steps.items() if name not in ("environment", "probe_fork_safe"))
     summary = (tmp_path / "gpu_check.md").read_text()
     assert "| chipset_backends | RuntimeError: cuda is unavailable" in summary
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_planners_measured_steps_are_the_shapes_the_gpu_check_trains():
+    """chipset.planner.measured_steps costs the work of the GPU check's three training steps:
+    its rows must stay the shapes and batches the check runs, or the comparison means nothing."""
+    from chipset.planner.measured_steps import H200_STEPS
+
+    gc = _gpu_check_module()
+    shapes = {"train_gpt_1b": gc.TRAIN_GPT_SHAPE, "engine_train": gc.ENGINE_SHAPE, "plain_torch_gpu": gc.ENGINE_SHAPE}
+    assert {r.step for r in H200_STEPS} == set(shapes)
+    for r in H200_STEPS:
+        s = shapes[r.step]
+        m = r.model
+        assert (m.hidden, m.layers, m.heads, m.kv_heads, m.ffn_hidden, m.vocab, m.seq_len, r.batch) == (
+            s["hidden"], s["layers"], s["heads"], s["kv_heads"], s["ffn"], s["vocab"], s["seq"], s["batch"]), r.step
+
+
+def test_the_summary_shows_each_step_beside_the_planner():
+    gc = _gpu_check_module()
+    detail = {"measured_step_ms": 234.0, "planner_step_ms": 237.3, "planner_error": -0.0139}
+    data = {"started": "now", "steps": {"environment": {"ok": True, "detail": {}},
+                                        "engine_train": {"ok": True, "detail": {**detail, "median_tokens_per_s": 1,
+                                                                                "median_mfu": 0.5, "peak_memory_gib": 1,
+                                                                                "loss_first_last": [2, 1]}}},
+            "seconds": 1, "all_ok": True}
+    text = gc.summary(data)
+    assert "| engine_train | 234.0 | 237.3 | -1.4% |" in text

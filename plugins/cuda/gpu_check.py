@@ -15,7 +15,8 @@ matmul and flash-attention throughput against the declared peak; the planner's c
 against this GPU (a bf16 GEMM sweep fitted to its efficiency curve, flash attention
 forward+backward, copy bandwidth, eager launch latency); tokens/s and MFU of a
 ~1.1B-parameter reference Transformer in bf16; ``chipset train`` (the engine, one rank, bf16)
-and a plain PyTorch loop of the same shape (benchmarks/plain_torch_lm.py's model);
+and a plain PyTorch loop of the same shape (benchmarks/plain_torch_lm.py's model), each of
+these three steps beside the planner's step time for it (chipset.planner.measured_steps);
 ``chipset conformance --backend cuda``
 when the installed chipset has it.
 """
@@ -405,13 +406,15 @@ def train_gpt() -> dict:
 
     b = chipset.backend("cuda")
     dev = b.device.torch_device()
-    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
-                      num_key_value_heads=4, intermediate_size=5632, max_position_embeddings=2048)
+    t = TRAIN_GPT_SHAPE
+    cfg = ModelConfig(vocab_size=t["vocab"], hidden_size=t["hidden"], num_hidden_layers=t["layers"],
+                      num_attention_heads=t["heads"], num_key_value_heads=t["kv_heads"], intermediate_size=t["ffn"],
+                      max_position_embeddings=t["seq"])
     model = Transformer(cfg, b.kernels).to(device=dev, dtype=torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
     n_flop_params = n_params - model.embed_tokens.weight.numel()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    batch, seq = 8, 2048
+    batch, seq = t["batch"], t["seq"]
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(dev)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -443,7 +446,25 @@ def train_gpt() -> dict:
             "mfu": round(tokens_per_s * flops_per_token / peak, 4) if peak else None,
             "peak_memory_gib": round(b.memory.stats().peak_allocated / 2**30, 1),
             "loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
-            "note": "bf16 parameters and AdamW states (torch fused AdamW), no recompute, one GPU"}
+            "note": "bf16 parameters and AdamW states (torch fused AdamW), no recompute, one GPU",
+            **planner_step("train_gpt_1b", seconds / timed)}
+
+
+TRAIN_GPT_SHAPE = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "ffn": 5632, "vocab": 32000, "seq": 2048,
+                   "batch": 8}
+
+
+def planner_step(step: str, measured_s: float) -> dict:
+    """The planner's step time for this step's work on this GPU (its row in
+    chipset.planner.measured_steps, costed with this device's properties) beside the
+    measured one; error > 0 means the planner predicted it too fast."""
+    import chipset
+    from chipset.planner.measured_steps import H200_STEPS, predict
+
+    row = next(r for r in H200_STEPS if r.step == step)
+    predicted = predict(row, chipset.backend("cuda").device.properties(0)).step_time_s
+    return {"measured_step_ms": round(measured_s * 1e3, 1), "planner_step_ms": round(predicted * 1e3, 1),
+            "planner_error": round(measured_s / predicted - 1, 4)}
 
 
 def _graph_ms(fn, reps: int = 20) -> float:
@@ -602,7 +623,8 @@ def engine_train(out_dir: Path) -> dict:
             "median_mfu": round(mfus[len(mfus) // 2], 4) if mfus else None,
             "loss_first_last": [round(losses[0], 3), round(losses[-1], 3)],
             "peak_memory_gib": round(recs[-1]["peak_memory_bytes"] / 2**30, 1) if recs[-1].get("peak_memory_bytes") else None,
-            "config": sets}
+            "config": sets,
+            **(planner_step("engine_train", e["batch"] * e["seq"] / tps[len(tps) // 2]) if tps else {})}
 
 
 ENGINE_SHAPE = {"hidden": 2048, "layers": 8, "heads": 16, "kv_heads": 4, "ffn": 5632, "vocab": 32000, "seq": 2048,
@@ -650,7 +672,8 @@ def plain_torch_gpu() -> dict:
     out = {"median_tokens_per_s": round(a.batch * a.seq / steady[len(steady) // 2]),
            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
            "loss_first_last": [round(losses[0], 3), round(losses[-1], 3)], "shape": ENGINE_SHAPE,
-           "recipe": "fp32 parameters, torch.autocast(bfloat16), fused AdamW, clip_grad_norm_"}
+           "recipe": "fp32 parameters, torch.autocast(bfloat16), fused AdamW, clip_grad_norm_",
+           **planner_step("plain_torch_gpu", steady[len(steady) // 2])}
     del model, opt
     torch.cuda.empty_cache()
     return out
@@ -701,6 +724,11 @@ def summary(data: dict) -> str:
         ratio = f"; chipset/plain {eng['median_tokens_per_s'] / peer['median_tokens_per_s']:.3f}" if eng else ""
         lines += [f"plain PyTorch, same shape ({peer['recipe']}): {peer['median_tokens_per_s']} tokens/s, "
                   f"peak {peer['peak_memory_gib']} GiB{ratio}"]
+    steps = [(n, (data["steps"].get(n) or {}).get("detail") or {}) for n in ("train_gpt_1b", "engine_train", "plain_torch_gpu")]
+    steps = [(n, d) for n, d in steps if "planner_step_ms" in d]
+    if steps:
+        lines += ["", "| step | measured ms/step | planner ms/step | planner error |", "|---|---|---|---|"]
+        lines += [f"| {n} | {d['measured_step_ms']} | {d['planner_step_ms']} | {d['planner_error']:+.1%} |" for n, d in steps]
     curve = (data["steps"].get("gemm_curve") or {}).get("detail") or {}
     if curve:
         f, pl = curve["fit"], curve["planner"]

@@ -1,7 +1,8 @@
 """Published large-scale training runs beside the planner's predictions for the same layout.
 
 ``python -m chipset.planner.published`` prints the table; ``--write docs/planner.md`` regenerates
-it and the whole MosaicML sweep's table (:mod:`chipset.planner.published_sweep`) in that page.
+it, the whole MosaicML sweep's table (:mod:`chipset.planner.published_sweep`) and the table of
+steps timed on an H200 (:mod:`chipset.planner.measured_steps`) in that page.
 Each run carries its source (paper, table) and what the source does not state, which the
 planner then chooses itself (the fastest fitting micro-batch and pipeline chunking).
 
@@ -317,10 +318,13 @@ _BEGIN, _END = "<!-- table {} (generated: python -m chipset.planner.published --
 
 def doc_tables(profiles=None) -> dict[str, str]:
     """Name -> Markdown of every generated table in docs/planner.md."""
-    from chipset.planner import published_sweep
+    from chipset.planner import measured_steps, published_sweep
 
     profiles = list_profiles() if profiles is None else profiles
-    return {"published": table(profiles), "sweep": published_sweep.table(published_sweep.errors(profiles))}
+    out = {"published": table(profiles), "sweep": published_sweep.table(published_sweep.errors(profiles))}
+    if measured_steps.PROFILE in profiles:
+        out["h200-steps"] = measured_steps.table(profiles[measured_steps.PROFILE][1])
+    return out
 
 
 def update_doc(text: str, tables: dict[str, str]) -> str:
