@@ -114,6 +114,7 @@ def test_whole_forward_recompute_costs_more_than_torchs_early_stop(capsys):
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--update-bytes", "-1"], "--update-bytes must be positive"),
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--loss-bytes", "0"], "--loss-bytes must be positive bytes per logit"),
     (["--preset", "tiny", "--cluster", "eight:plan-test"], "cannot parse cluster spec 'eight:plan-test'"),
+    (["--validation"], "need the device profiles a100-80g, h100-sxm, which are not installed.*pip install -e plugins/cuda"),
     (["--preset", "tiny", "--cluster", "1x8:nosuch"], "unknown device profile 'nosuch'.*known profiles: plan-declared, plan-test"),
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--fix", "parallel.tp=8"], r"tp \(8\) must divide heads"),
     (["--preset", "tiny", "--cluster", "1x8:plan-test", "--global-batch", "12", "--fix", "parallel.dp=8"],

@@ -128,3 +128,31 @@ def test_the_sweep_pairs_h100_and_a100_rows_of_the_same_model_and_sequence():
     a = next(r for r in ROWS if r[:3] == ("a100-80g", "7b", 4096))
     predicted = predict(_run(h)).tokens_per_s / predict(_run(a)).tokens_per_s
     assert abs(pairs[("7b", 4096)] - (h[5] / a[5]) / predicted) < 1e-9
+
+
+def test_chipset_plan_validation_prints_the_pages_tables_computed_now():
+    """``chipset plan --validation`` is the CLI's way to the tables above: each one as the code
+    computes it, under its title."""
+    from conftest import run_cli
+
+    r = run_cli("plan", "--validation")
+    assert r.returncode == 0, r.stderr
+    for name, body in doc_tables().items():
+        assert body in r.stdout, name
+    assert r.stdout.count("## ") == len(doc_tables()) and "docs/planner.md" in r.stdout
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly():
+    """``chipset plan --validation | head -1``: the closed pipe ends the command with 141 and
+    no traceback. The reading end is closed before the command prints anything (its output
+    would fit in a pipe's buffer otherwise)."""
+    import subprocess
+    import sys
+
+    import testenv
+
+    p = subprocess.Popen([sys.executable, "-m", "chipset.cli.main", "plan", "--validation"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=testenv.clean_env())
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

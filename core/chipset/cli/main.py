@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("chipset: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`chipset plan --validation | head`): stop quietly, as a Unix tool
+        # does, and keep Python from complaining again when it flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ def add_parser(sub) -> None:
                         "checkpointing); default: it stops before the MLP's output projection, as torch's "
                         "non-reentrant checkpoint and chipset's engine do")
     p.add_argument("--list-profiles", action="store_true", help="list the device profiles installed plugins declare")
+    p.add_argument("--validation", action="store_true",
+                   help="print how far the planner is from published training runs and from steps timed on an "
+                        "H200 (the tables of docs/planner.md, computed now) and exit")
     p.set_defaults(run=run)
 
 
@@ -162,9 +165,29 @@ def explain(best, runner_up, model, cluster, subject: str = "The fastest layout"
     return text
 
 
+def _validation() -> int:
+    from chipset.planner.cluster import list_profiles
+    from chipset.planner.published import RUNS, doc_tables
+
+    profiles = list_profiles()
+    missing = sorted({r.profile for r in RUNS} - profiles.keys())
+    if missing:
+        raise ConfigError(f"the validation tables need the device profiles {', '.join(missing)}, which are not "
+                          "installed; they come with chipset-cuda: pip install -e plugins/cuda")
+    titles = {"published": "Published training runs (python -m chipset.planner.published)",
+              "sweep": "The whole MosaicML sweep (python -m chipset.planner.published_sweep)",
+              "h200-steps": "Training steps timed on an H200 (python -m chipset.planner.measured_steps)"}
+    for name, body in doc_tables(profiles).items():
+        print(f"## {titles[name]}\n\n{body}\n")
+    print("Sources, what each leaves unstated, and the known gaps: docs/planner.md, 'Predictions against published runs'.")
+    return 0
+
+
 def run(args) -> int:
     if args.list_profiles:
         return _list_profiles(args.json)
+    if args.validation:
+        return _validation()
     from chipset.planner.assumptions import Assumptions
     from chipset.planner.cluster import resolve_cluster
     from chipset.planner.layout import TrainSpec
