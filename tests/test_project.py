@@ -16,7 +16,7 @@ import testenv
 from chipset.config import load_config
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import ring_bytes
-from chipset.planner.projection import project, resolve_profile
+from chipset.planner.projection import format_mfu, project, resolve_profile
 from chipset.planner.run import from_run_config
 from chipset.planner.time import evaluate
 
@@ -64,7 +64,8 @@ def test_projection_is_reported_and_written_to_the_summary(run):
     assert p["profile"] == "h100-sxm" and p["devices"] == 2 and p["dtype"] == "float32"
     line = [x for x in out.splitlines() if x.startswith("chipset train: projected on 2 x h100-sxm")]
     assert len(line) == 1, out
-    assert "measured here on cpu_sim" in line[0] and f"MFU {p['mfu']:.1%}" in line[0]
+    assert "measured here on cpu_sim" in line[0] and f"MFU {format_mfu(p['mfu'])}" in line[0]
+    assert "MFU 0.0%" not in line[0]  # a tiny model's MFU keeps its digits
     assert p["compute_s"] > 0 and p["comm_s"] > 0
     assert p["step_time_s"] >= p["compute_s"] + p["optimizer_s"] + p["host_s"]
     # issue 20: this model's kernels run for microseconds; the step still pays each launch and the host
@@ -104,3 +105,8 @@ def test_a_faster_device_projects_a_shorter_step(run):
     assert fast["step_time_s"] <= slow["step_time_s"]
     assert fast["roofline_s"] < slow["roofline_s"] and fast["comm_s"] < slow["comm_s"]
     assert fast["compute_s"] >= fast["launch_floor_s"]
+
+
+def test_mfu_keeps_two_significant_digits_when_it_is_tiny():
+    assert format_mfu(0.4213) == "42.1%" and format_mfu(0.001) == "0.1%"
+    assert format_mfu(0.00016120186940644452) == "0.016%" and format_mfu(0.0) == "0%"

@@ -35,7 +35,7 @@ from chipset.planner.flops import forward_flops_per_token, model_flops_per_token
 from chipset.planner.run import from_run_config
 from chipset.planner.time import dp_exposed_time, evaluate
 
-__all__ = ["project", "resolve_profile", "format_projection"]
+__all__ = ["project", "resolve_profile", "format_mfu", "format_projection"]
 
 
 def resolve_profile(name: str, dtype: str):
@@ -169,7 +169,13 @@ def format_projection(p: dict, measured_step_s: float | None = None, measured_to
     return (f"chipset train: projected on {p['devices']} x {p['profile']} ({p['dtype']}): step {_ms(p['step_time_s'])} "
             f"(compute {_ms(p['compute_s'])}, communication {_ms(p['comm_s'])} of which {_ms(p['comm_exposed_s'])} "
             f"exposed, bubble {_ms(p['bubble_s'])}, optimizer {_ms(p['optimizer_s'])}, host {_ms(p['host_s'])}), "
-            f"{p['tokens_per_s']:.3g} tokens/s, MFU {p['mfu']:.1%}{here}")
+            f"{p['tokens_per_s']:.3g} tokens/s, MFU {format_mfu(p['mfu'])}{here}")
+
+
+def format_mfu(mfu: float) -> str:
+    """MFU as a percentage, with two significant digits below 0.1% (a tiny model's 0.016%
+    would print as 0.0%)."""
+    return f"{mfu:.1%}" if mfu >= 0.001 else f"{mfu * 100:.2g}%"
 
 
 def _ms(s: float) -> str:
