@@ -21,7 +21,8 @@ def test_gpu_check_without_a_gpu_records_each_step_with_the_reason(tmp_path):
     steps = data["steps"]
     assert list(steps) == ["environment", "chipset_backends", "chipset_info", "probe_fork_safe", "interfaces",
                            "collective_nccl_world1", "kernels_vs_reference", "kernel_speed", "throughput",
-                           "gemm_curve", "train_gpt_1b", "engine_train", "plain_torch_gpu", "conformance"]
+                           "gemm_curve", "mpt_blocks", "train_gpt_1b", "engine_train", "plain_torch_gpu",
+                           "conformance"]
     assert steps["environment"]["ok"] and steps["environment"]["detail"]["torch"] == torch.__version__
     assert not data["all_ok"]
     assert "cuda is unavailable" in steps["chipset_backends"]["error"]
@@ -64,3 +65,25 @@ def test_the_summary_shows_each_step_beside_the_planner():
             "seconds": 1, "all_ok": True}
     text = gc.summary(data)
     assert "| engine_train | 234.0 | 237.3 | -1.4% |" in text
+
+
+def test_the_mpt_blocks_the_gpu_check_times_are_the_planners_mpt_blocks():
+    """Step mpt_blocks times stock-torch MPT blocks beside the planner's cost of ``_mpt``'s
+    blocks: same parameters per block, and the block runs forward and backward (here on
+    the CPU, small)."""
+    import torch
+
+    from chipset.planner.published import _mpt
+
+    gc = _gpu_check_module()
+    for cfg in gc.MPT_BLOCKS:
+        stack = gc.mpt_block_stack(cfg["hidden"], cfg["heads"], 1).to("meta")
+        spec = _mpt(cfg["hidden"], cfg["heads"], cfg["layers"])
+        # the planner's norms carry a bias in its count (gpt3's layernorm); MPT's have none
+        norm_bias = 2 * cfg["hidden"] if spec.norm == "layernorm" else 0
+        assert sum(p.numel() for p in stack.parameters()) == spec.layer_params(False) - norm_bias, cfg["name"]
+    small = gc.mpt_block_stack(64, 4, 2)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    small(x).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert all(p.grad is not None for p in small.parameters())

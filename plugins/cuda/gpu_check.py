@@ -13,7 +13,8 @@ collective; every registered kernel against the core reference (forward and back
 conformance tolerances); kernel time vs the eager reference at training shapes; bf16/TF32
 matmul and flash-attention throughput against the declared peak; the planner's compute model
 against this GPU (a bf16 GEMM sweep fitted to its efficiency curve, flash attention
-forward+backward, copy bandwidth, eager launch latency); tokens/s and MFU of a
+forward+backward, copy bandwidth, eager launch latency); MosaicML's MPT-7B and 13B blocks
+timed beside the planner (the blocks of its published known-gap rows); tokens/s and MFU of a
 ~1.1B-parameter reference Transformer in bf16; ``chipset train`` (the engine, one rank, bf16)
 and a plain PyTorch loop of the same shape (benchmarks/plain_torch_lm.py's model), each of
 these three steps beside the planner's step time for it (chipset.planner.measured_steps);
@@ -591,6 +592,77 @@ def gemm_curve() -> dict:
             "eager_launch_s": round(launch, 7)}
 
 
+# MosaicML's MPT-7B and MPT-13B blocks at the micro-batches of their H100 rows in the planner's
+# published table (6 and 2 x 2048 tokens, no recompute): a few blocks are enough to time.
+MPT_BLOCKS = ({"name": "mpt-7b", "hidden": 4096, "heads": 32, "layers": 32, "micro_batch": 6},
+              {"name": "mpt-13b", "hidden": 5120, "heads": 40, "layers": 40, "micro_batch": 2})
+MPT_TIMED_BLOCKS = 4
+
+
+def mpt_block_stack(hidden: int, heads: int, n: int):
+    """``n`` MPT blocks as llm-foundry builds them for the published rows (no biases, no
+    dropout, attention as one causal SDPA call), from stock torch parts."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(hidden, bias=False), nn.LayerNorm(hidden, bias=False)
+            self.wqkv, self.out = nn.Linear(hidden, 3 * hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+            self.up, self.down = nn.Linear(hidden, 4 * hidden, bias=False), nn.Linear(4 * hidden, hidden, bias=False)
+
+        def forward(self, x):
+            bsz, s, h = x.shape
+            q, k, v = self.wqkv(self.norm1(x)).view(bsz, s, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(bsz, s, h)
+            x = x + self.out(att)
+            return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+    return nn.Sequential(*(Block() for _ in range(n)))
+
+
+def mpt_blocks() -> dict:
+    """The blocks of the planner's known-gap rows on this GPU: MPT-7B and MPT-13B blocks (LayerNorm
+    without bias, fused QKV, causal flash SDPA, GELU MLP of 4x width, bf16 parameters as FSDP
+    gathers them) timed forward+backward in plain torch at the published micro-batch, beside
+    chipset.planner.measured_steps.blocks_time for the same blocks on this device. Planner
+    error near 0 here and +20-29% on MosaicML's 2023 H100 rows puts the gap in that run's
+    software or clocks; an error near theirs puts it in the cost model."""
+    import torch
+
+    import chipset
+    from chipset.planner.measured_steps import blocks_time
+    from chipset.planner.published import _mpt
+
+    b = chipset.backend("cuda")
+    props = b.device.properties(0)
+    dev = b.device.torch_device()
+    out = []
+    for cfg in MPT_BLOCKS:
+        spec = _mpt(cfg["hidden"], cfg["heads"], cfg["layers"])
+        with torch.device(dev):  # initialised on the GPU: a billion parameters take seconds on the host
+            stack = mpt_block_stack(cfg["hidden"], cfg["heads"], MPT_TIMED_BLOCKS).to(dtype=torch.bfloat16)
+        x = torch.randn(cfg["micro_batch"], spec.seq_len, cfg["hidden"], device=dev, dtype=torch.bfloat16,
+                        requires_grad=True)
+        g = torch.randn_like(x)
+
+        def fb(stack=stack, x=x, g=g):
+            stack.zero_grad(set_to_none=True)  # each backward writes fresh gradients, none accumulated
+            x.grad = None
+            stack(x).backward(g)
+
+        ms = _time_ms(fb, iters=10)
+        planner_ms = blocks_time(spec, cfg["micro_batch"], MPT_TIMED_BLOCKS, props) * 1e3
+        out.append({"model": cfg["name"], "blocks": MPT_TIMED_BLOCKS, "micro_batch": cfg["micro_batch"],
+                    "seq_len": spec.seq_len, "measured_ms": round(ms, 2), "planner_ms": round(planner_ms, 2),
+                    "planner_error": round(ms / planner_ms - 1, 4)})
+        del stack, x, g
+        torch.cuda.empty_cache()
+    return {"rows": out, "note": "forward+backward of the blocks alone (no logits, optimizer or communication); "
+                                 "planner_error > 0: the planner predicted them too fast"}
+
+
 def engine_train(out_dir: Path) -> dict:
     """``chipset train`` itself on this GPU: the engine (one rank), bf16, the registry's kernels,
     a ~0.4B-parameter transformer; tokens/s, MFU and loss read back from metrics.jsonl."""
@@ -724,6 +796,11 @@ def summary(data: dict) -> str:
         ratio = f"; chipset/plain {eng['median_tokens_per_s'] / peer['median_tokens_per_s']:.3f}" if eng else ""
         lines += [f"plain PyTorch, same shape ({peer['recipe']}): {peer['median_tokens_per_s']} tokens/s, "
                   f"peak {peer['peak_memory_gib']} GiB{ratio}"]
+    mpt = ((data["steps"].get("mpt_blocks") or {}).get("detail") or {}).get("rows") or []
+    if mpt:
+        lines += ["", "| MPT blocks (fwd+bwd) | micro-batch | measured ms | planner ms | planner error |", "|---|---|---|---|---|"]
+        lines += [f"| {r['blocks']} x {r['model']} | {r['micro_batch']} x {r['seq_len']} | {r['measured_ms']} | "
+                  f"{r['planner_ms']} | {r['planner_error']:+.1%} |" for r in mpt]
     steps = [(n, (data["steps"].get(n) or {}).get("detail") or {}) for n in ("train_gpt_1b", "engine_train", "plain_torch_gpu")]
     steps = [(n, d) for n, d in steps if "planner_step_ms" in d]
     if steps:
@@ -771,6 +848,7 @@ def main() -> int:
     rep.step("kernel_speed", kernel_speed)
     rep.step("throughput", throughput)
     rep.step("gemm_curve", gemm_curve)
+    rep.step("mpt_blocks", mpt_blocks)
     rep.step("train_gpt_1b", train_gpt)
     rep.step("engine_train", engine_train, out)
     rep.step("plain_torch_gpu", plain_torch_gpu)

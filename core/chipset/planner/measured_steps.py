@@ -34,12 +34,14 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster, list_profiles
+from chipset.planner.kernels import gemm_curve, stage_compute
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 from chipset.planner.time import Prediction, evaluate
 
-__all__ = ["H200_STEPS", "MEAN_BOUND", "PROFILE", "SOURCE", "WORST_BOUND", "MeasuredStep", "predict",
+__all__ = ["H200_STEPS", "MEAN_BOUND", "PROFILE", "SOURCE", "WORST_BOUND", "MeasuredStep", "blocks_time", "predict",
            "relative_errors", "table", "main"]
 
 PROFILE = "h200"
@@ -86,6 +88,21 @@ H200_STEPS: list[MeasuredStep] = [
 
 # What tests/test_planner_measured.py enforces: issue 20's bounds for published runs.
 MEAN_BOUND, WORST_BOUND = 0.10, 0.20
+
+
+def blocks_time(m: ModelSpec, micro_batch: int, blocks: int, props, train: TrainSpec | None = None) -> float:
+    """The planner's seconds for the forward and backward of ``blocks`` of ``m``'s transformer
+    blocks at ``micro_batch`` sequences of ``m.seq_len`` on one device with properties
+    ``props``: GEMMs, attention and memory-bound kernels as :func:`~chipset.planner.time.evaluate`
+    costs them, without the logits, the optimizer, communication or the launch floor. The
+    GPU check times the same blocks in plain torch (step ``mpt_blocks``)."""
+    a = Assumptions()
+    train = train or TrainSpec(global_batch=micro_batch)
+    e_max, half = gemm_curve(props, a)
+    sc = stage_compute(m, Layout(micro_batch=micro_batch), m.seq_len, train, blocks, props.peak_flops_for(train.dtype),
+                       props.memory_bandwidth, a, e_max, props.attention_efficiency or a.attention_efficiency,
+                       with_logits=False, half_dim=half)
+    return sc.gemm_s + sc.attention_s + sc.memory_s
 
 
 def predict(row: MeasuredStep, props) -> Prediction:
