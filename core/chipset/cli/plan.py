@@ -167,18 +167,15 @@ def explain(best, runner_up, model, cluster, subject: str = "The fastest layout"
 
 def _validation() -> int:
     from chipset.planner.cluster import list_profiles
-    from chipset.planner.published import RUNS, doc_tables
+    from chipset.planner.published import RUNS, TABLE_TITLES, doc_tables
 
     profiles = list_profiles()
     missing = sorted({r.profile for r in RUNS} - profiles.keys())
     if missing:
         raise ConfigError(f"the validation tables need the device profiles {', '.join(missing)}, which are not "
                           "installed; they come with chipset-cuda: pip install -e plugins/cuda")
-    titles = {"published": "Published training runs (python -m chipset.planner.published)",
-              "sweep": "The whole MosaicML sweep (python -m chipset.planner.published_sweep)",
-              "h200-steps": "Training steps timed on an H200 (python -m chipset.planner.measured_steps)"}
     for name, body in doc_tables(profiles).items():
-        print(f"## {titles[name]}\n\n{body}\n")
+        print(f"## {TABLE_TITLES[name]}\n\n{body}\n")
     print("Sources, what each leaves unstated, and the known gaps: docs/planner.md, 'Predictions against published runs'.")
     return 0
 

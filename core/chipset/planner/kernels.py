@@ -37,8 +37,8 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 
-__all__ = ["StageCompute", "gemm_curve", "gemm_time", "loss_bytes_per_logit", "matmul_shapes", "not_recomputed_shapes",
-           "recompute_stops_early", "stage_compute"]
+__all__ = ["StageCompute", "device_stage_compute", "gemm_curve", "gemm_time", "loss_bytes_per_logit", "matmul_shapes",
+           "not_recomputed_shapes", "recompute_stops_early", "stage_compute"]
 
 
 @dataclass(frozen=True)
@@ -202,3 +202,13 @@ def stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blo
             per_logit = train.loss_bytes or (3 * e if m.kernels == "fused" else loss_bytes_per_logit(e))
             memory += per_logit * tokens * m.vocab / lay.tp / mem_bw
     return StageCompute(gemm, attention, memory, gemm_flops)
+
+
+def device_stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blocks: float, dev,
+                         a: Assumptions, with_logits: bool = True) -> StageCompute:
+    """:func:`stage_compute` on device properties ``dev``: its peak for ``train.dtype``, its
+    bandwidth, and its declared GEMM curve and attention efficiency, else ``a``'s."""
+    e_max, half = gemm_curve(dev, a)
+    return stage_compute(m, lay, seq_len, train, blocks, dev.peak_flops_for(train.dtype), dev.memory_bandwidth, a,
+                         e_max, dev.attention_efficiency or a.attention_efficiency, with_logits=with_logits,
+                         half_dim=half)

@@ -36,16 +36,15 @@ from dataclasses import dataclass, field
 
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster, list_profiles
-from chipset.planner.kernels import gemm_curve, stage_compute
+from chipset.planner.kernels import device_stage_compute
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 from chipset.planner.time import Prediction, evaluate
 
-__all__ = ["H200_STEPS", "MEAN_BOUND", "PROFILE", "SOURCE", "WORST_BOUND", "MeasuredStep", "blocks_time", "predict",
+__all__ = ["H200_STEPS", "MEAN_BOUND", "PROFILE", "WORST_BOUND", "MeasuredStep", "blocks_time", "predict",
            "relative_errors", "table", "main"]
 
 PROFILE = "h200"
-SOURCE = "plugins/cuda/gpu_check.py, NVIDIA H200 (driver 580.159.04), torch 2.11.0+cu130, 2026-12-04 (docs/cuda.md)"
 
 
 @dataclass(frozen=True)
@@ -96,12 +95,9 @@ def blocks_time(m: ModelSpec, micro_batch: int, blocks: int, props, train: Train
     ``props``: GEMMs, attention and memory-bound kernels as :func:`~chipset.planner.time.evaluate`
     costs them, without the logits, the optimizer, communication or the launch floor. The
     GPU check times the same blocks in plain torch (step ``mpt_blocks``)."""
-    a = Assumptions()
     train = train or TrainSpec(global_batch=micro_batch)
-    e_max, half = gemm_curve(props, a)
-    sc = stage_compute(m, Layout(micro_batch=micro_batch), m.seq_len, train, blocks, props.peak_flops_for(train.dtype),
-                       props.memory_bandwidth, a, e_max, props.attention_efficiency or a.attention_efficiency,
-                       with_logits=False, half_dim=half)
+    sc = device_stage_compute(m, Layout(micro_batch=micro_batch), m.seq_len, train, blocks, props, Assumptions(),
+                              with_logits=False)
     return sc.gemm_s + sc.attention_s + sc.memory_s
 
 
@@ -111,9 +107,14 @@ def predict(row: MeasuredStep, props) -> Prediction:
     return evaluate(row.model, Layout(dp=1, micro_batch=row.batch), TrainSpec(global_batch=row.batch, **row.train), cl)
 
 
+def _predicted(props, rows: list[MeasuredStep]) -> list[tuple[MeasuredStep, Prediction, float]]:
+    """(row, prediction, predicted speed / measured speed - 1) per row."""
+    return [(r, p, r.measured_s / p.step_time_s - 1) for r in rows for p in (predict(r, props),)]
+
+
 def relative_errors(props, rows: list[MeasuredStep] = H200_STEPS) -> list[tuple[MeasuredStep, float]]:
     """(row, predicted speed / measured speed - 1) per row: positive means predicted too fast."""
-    return [(r, r.measured_s / predict(r, props).step_time_s - 1) for r in rows]
+    return [(r, e) for r, _, e in _predicted(props, rows)]
 
 
 def table(props) -> str:
@@ -121,8 +122,7 @@ def table(props) -> str:
     out = ["| run (GPU check step) | measured ms/step | predicted ms/step | error | predicted MFU |",
            "|---|---|---|---|---|"]
     errors = []
-    for r, e in relative_errors(props):
-        p = predict(r, props)
+    for r, p, e in _predicted(props, H200_STEPS):
         out.append(f"| {r.label} ({r.step}) | {r.measured_s * 1e3:.1f} | {p.step_time_s * 1e3:.1f} | {e:+.1%} | "
                    f"{p.mfu:.1%} |")
         errors.append(e)

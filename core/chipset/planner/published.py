@@ -31,7 +31,7 @@ from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import PRESETS, ModelSpec
 from chipset.planner.time import Prediction, evaluate
 
-__all__ = ["PublishedRun", "RUNS", "doc_tables", "predict", "relative_errors", "table", "update_doc", "main"]
+__all__ = ["PublishedRun", "RUNS", "TABLE_TITLES", "doc_tables", "predict", "relative_errors", "table", "update_doc", "main"]
 
 _NARAYANAN = "Narayanan et al. 2021 (arXiv:2104.04473, SC'21)"
 _LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783)"
@@ -314,6 +314,12 @@ def table(profiles=None) -> str:
 
 
 _BEGIN, _END = "<!-- table {} (generated: python -m chipset.planner.published --write) -->", "<!-- end table {} -->"
+
+
+TABLE_TITLES = {"published": "Published training runs (python -m chipset.planner.published)",
+                "sweep": "The whole MosaicML sweep (python -m chipset.planner.published_sweep)",
+                "h200-steps": "Training steps timed on an H200 (python -m chipset.planner.measured_steps)"}
+"""Each generated table's title, by the name its markers in docs/planner.md carry."""
 
 
 def doc_tables(profiles=None) -> dict[str, str]:

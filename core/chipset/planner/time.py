@@ -29,7 +29,7 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import CommItem, communication
 from chipset.planner.flops import forward_flops_per_token, model_flops_per_token, step_flops
-from chipset.planner.kernels import gemm_curve, stage_compute
+from chipset.planner.kernels import device_stage_compute, gemm_curve, stage_compute
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import (
     MemoryBreakdown,
@@ -173,9 +173,7 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     blocks = stage_layers(m, lay)
     fw = forward_flops_per_token(m, s)
     extra = {"none": 0, "selective": fw.attention_core, "full": fw.blocks}[lay.recompute]
-    e_max, half = gemm_curve(dev, a)
-    attn_eff = dev.attention_efficiency or a.attention_efficiency
-    sc = stage_compute(m, lay, s, train, blocks, peak, dev.memory_bandwidth, a, e_max, attn_eff, half_dim=half)
+    sc = device_stage_compute(m, lay, s, train, blocks, dev, a)
     eff = sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
     t_gemm, t_mem = sc.gemm_s + sc.attention_s, sc.memory_s
     launch = dev.kernel_launch_latency or a.kernel_launch_latency
