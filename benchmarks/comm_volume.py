@@ -69,9 +69,9 @@ def _env() -> dict[str, str]:
 
 def _worker(job: Path) -> int:
     """One rank: train every layout of ``job`` in turn (all of them span the whole world)."""
-    from chipset.config import load_config
-    from chipset.engine.trainer import train
     from chipset.loader import backend
+    from chipset.train.config import load_config
+    from chipset.train.loop import train
 
     spec = json.loads(job.read_text())
     b = backend()
@@ -119,8 +119,8 @@ def check(name: str, records: list[dict]) -> list[dict]:
     departures, mean over ranks), ``planner``, ``departures`` and ``exact``: every step and
     rank equals its prediction (all_to_all: the ep group's sum, which routing does not change).
     """
-    from chipset.config import load_config
     from chipset.planner.engine_comm import ENGINE_OPS, departures, planned_bytes, predict, stage_of
+    from chipset.train.config import load_config
 
     world = LAYOUTS[name][0]
     cfg = load_config(None, overrides(name, len(records))).validate(world_size=world)

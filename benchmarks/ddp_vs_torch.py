@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from chipset.config import RunConfig
-from chipset.engine import DataParallel, ParallelDims, SyntheticTokens
+from chipset.data.datasets import SyntheticTokens
 from chipset.loader import backend
 from chipset.models import Transformer
+from chipset.parallel.dims import ParallelDims
+from chipset.runtime.data_parallel import DataParallel
+from chipset.train.config import RunConfig
 
 
 def main() -> None:

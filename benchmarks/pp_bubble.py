@@ -20,9 +20,9 @@ import statistics
 
 import torch
 
-from chipset.config import RunConfig
-from chipset.engine import build
 from chipset.loader import backend
+from chipset.train import build
+from chipset.train.config import RunConfig
 
 
 def measure(b, schedule: str, m: int, steps: int, delay: tuple[float, float]) -> dict:

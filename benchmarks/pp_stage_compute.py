@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 import chipset
-from chipset.config import load_config
-from chipset.engine.pipeline.units import UnitStageModel, split_units
 from chipset.models.family import TransformerFamily, bind
+from chipset.parallel.stages import UnitStageModel, split_units
+from chipset.train.config import load_config
 
 HIDDEN, LAYERS, HEADS, KV, FFN, VOCAB, SEQ, BATCH = 256, 4, 8, 4, 688, 1024, 128, 4
 

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from chipset.config import RunConfig
-from chipset.engine import build
 from chipset.loader import backend
 from chipset.models import Transformer
+from chipset.train import build
+from chipset.train.config import RunConfig
 
 
 class _Half(nn.Module):

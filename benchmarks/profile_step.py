@@ -19,10 +19,12 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from chipset.config import RunConfig
-from chipset.engine import DataParallel, ParallelDims, SyntheticTokens
+from chipset.data.datasets import SyntheticTokens
 from chipset.loader import backend
 from chipset.models import Transformer
+from chipset.parallel.dims import ParallelDims
+from chipset.runtime.data_parallel import DataParallel
+from chipset.train.config import RunConfig
 
 
 def main() -> None:
@@ -74,7 +76,7 @@ def main() -> None:
             step(args.warmup + i)
             times.append(time.perf_counter() - t0)
     print(f"backend {b.name}{' (reference kernels)' if args.reference else ''}: median step {statistics.median(times) * 1e3:.1f} ms over {args.steps} "
-          f"(under the profiler), {args.batch * args.seq / statistics.median(times):.0f} tokens/s")
+          f"(under the profiler), {args.batch * args.seq / statistics.median(times):.0f} data/s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top,
                                     max_name_column_width=40))
     b.collective.destroy()

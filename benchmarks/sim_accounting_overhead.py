@@ -28,10 +28,12 @@ import time
 
 import torch
 
-from chipset.config import RunConfig
-from chipset.engine import DataParallel, ParallelDims, SyntheticTokens
+from chipset.data.datasets import SyntheticTokens
 from chipset.loader import backend
 from chipset.models import Transformer
+from chipset.parallel.dims import ParallelDims
+from chipset.runtime.data_parallel import DataParallel
+from chipset.train.config import RunConfig
 
 
 def per_op(mode) -> dict:

@@ -19,8 +19,8 @@ import pytest
 from test_report import _write_run
 
 from chipset.cli.main import main
-from chipset.config import RunConfig, resolve_config
 from chipset.errors import UsageError
+from chipset.train.config import RunConfig, resolve_config
 
 BINARY = b"\x7fELF\x02\x01\x01\x00\xd0\xff" + bytes(range(256))
 """The head of an executable: a NUL byte and bytes that are not UTF-8."""
@@ -189,7 +189,7 @@ def test_seq_len_beyond_the_rotary_tables_is_refused_by_config(tmp_path, capsys)
 
 
 def test_host_memory_bounds_the_ranks_of_a_node():
-    from chipset.preflight import check_job_memory
+    from chipset.planner.run import check_job_memory
 
     cfg = resolve_config(None, ["train.global_batch=4096"], world_size=2)
     per_rank = check_job_memory(cfg, 2, 2, device_memory=None, device_is_host=True, available=(2**62, "plenty"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import testenv
-from chipset.engine.checkpoint import store
+from chipset.train.checkpoint import store
 
 CORE = Path(__file__).resolve().parents[1] / "core" / "chipset"
 
@@ -27,8 +27,8 @@ CORE = Path(__file__).resolve().parents[1] / "core" / "chipset"
 # types of the state dict values chipset gives dcp.save.
 _SAVE = """
 import json, sys, warnings
-from chipset.config import resolve_config
-from chipset.engine.trainer import train
+from chipset.train.config import resolve_config
+from chipset.train.loop import train
 from chipset.loader import backend
 cfg = resolve_config(None, ["train.steps=2", "train.global_batch=4", "train.checkpoint_every=1"], world_size=1)
 b = backend(); b.collective.init_process_group()

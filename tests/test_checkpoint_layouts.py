@@ -80,9 +80,9 @@ def _ckpt(root: Path, run: str, step: int) -> Path:
 
 def _job(mode: str, root: str) -> None:
     from chipset._process import exit_rank
-    from chipset.config import RunConfig
-    from chipset.engine import train
     from chipset.loader import backend
+    from chipset.train import train
+    from chipset.train.config import RunConfig
 
     root = Path(root)
     b = backend()
@@ -161,7 +161,7 @@ def test_the_uninterrupted_runs_trained(runs):
 
 @pytest.mark.parametrize("run", list(SAVED))
 def test_every_logical_element_is_stored_exactly_once(runs, run):
-    from chipset.engine.checkpoint import store
+    from chipset.train.checkpoint import store
 
     path = _ckpt(runs["root"], run, SAVED[run])
     assert store.verify(path) is None

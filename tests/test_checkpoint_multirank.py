@@ -108,10 +108,10 @@ def _async_kill_job(run_dir: str) -> None:
     """torchrun script: like the elastic test, but rank 1 dies inside its first step-8 save."""
     import signal
 
-    from chipset.config import load_config
-    from chipset.engine import train
-    from chipset.engine.checkpoint import manager
     from chipset.loader import backend
+    from chipset.train import train
+    from chipset.train.checkpoint import manager
+    from chipset.train.config import load_config
 
     overrides = [MODEL[i + 1] for i in range(0, len(MODEL), 2)]
     overrides += [f"train.steps={STEPS}", "train.checkpoint_every=4", "train.async_checkpoint=true",

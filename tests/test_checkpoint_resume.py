@@ -72,7 +72,7 @@ def test_truncated_newest_checkpoint_is_reported_and_the_previous_one_used(refer
     r = _cli(*BASE, "--run-dir", str(run))
     assert r.returncode == 0, r.stderr[-3000:]
     # a diagnostic, so through logging (stderr), not the run's stdout
-    assert f"WARNING chipset.engine.checkpoint.manager: skipping checkpoint {newest}" in r.stderr
+    assert f"WARNING chipset.train.checkpoint.manager: skipping checkpoint {newest}" in r.stderr
     assert "truncated" in r.stderr
     assert "step-00000004 (step 4)" in r.stdout
     s = _summary(run)
@@ -141,7 +141,7 @@ def _plant(run: Path, data: bytes) -> Path:
 
 
 def test_gadget_pickles_are_refused_by_the_metadata_reader(tmp_path):
-    from chipset.engine.checkpoint import store
+    from chipset.train.checkpoint import store
 
     marker = tmp_path / "pwned"
     for what, data in gadgets(marker).items():

@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-from chipset.config import RunConfig
-from chipset.engine.checkpoint import store
-from chipset.engine.checkpoint.hangs import diagnose
-from chipset.engine.checkpoint.launcher import parse_nnodes
-from chipset.engine.checkpoint.layout import _boxes, flat_range_boxes
-from chipset.engine.checkpoint.manager import refuse_shapes, shape_mismatches
 from chipset.errors import ConfigError, UsageError
+from chipset.train.checkpoint import store
+from chipset.train.checkpoint.hangs import diagnose
+from chipset.train.checkpoint.launcher import parse_nnodes
+from chipset.train.checkpoint.layout import _boxes, flat_range_boxes
+from chipset.train.checkpoint.manager import refuse_shapes, shape_mismatches
+from chipset.train.config import RunConfig
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3)])

@@ -111,7 +111,7 @@ def _wait_for_agent(ns: str, launcher: subprocess.Popen, timeout_s: float = 120)
         for pid in _ip("netns", "pids", ns).stdout.split():
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"torch.distributed.run" in cmdline or b"chipset.engine.agent" in cmdline:
+                if b"torch.distributed.run" in cmdline or b"chipset.train.agent" in cmdline:
                     return
             except OSError:
                 continue

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import testenv
-from chipset.config import resolve_config
-from chipset.engine.elastic import check_node_range, fit_world
-from chipset.engine.launch import rendezvous_conf, torchrun_command
 from chipset.errors import ConfigError
+from chipset.train.config import resolve_config
+from chipset.train.elastic import check_node_range, fit_world
+from chipset.train.launch import rendezvous_conf, torchrun_command
 from chipset_cpu_sim.faults import ANY_RANK, Fault, FaultPlan, parse_faults
 
 
@@ -93,7 +93,7 @@ def test_torchrun_command_passes_the_rendezvous_through(tmp_path):
     assert {"--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=job7",
             "--rdzv-conf=last_call_timeout=5,is_host=true", "--local-addr=10.0.0.2", "--max-restarts=1"} <= set(cmd)
     single = torchrun_command(tmp_path / "c.toml", tmp_path, nproc=2)
-    # one node: a private rendezvous on loopback (chipset.engine.agent keeps its store there)
+    # one node: a private rendezvous on loopback (chipset.train.agent keeps its store there)
     assert "--rdzv-endpoint=127.0.0.1:0" in single and "--nnodes=1" in single
     assert not any(a.startswith(("--rdzv-conf", "--local-addr")) for a in single)
 
@@ -112,7 +112,7 @@ def test_rendezvous_conf_says_who_hosts_the_store():
 def test_hosting_is_decided_by_binding_the_endpoint():
     import socket
 
-    from chipset.engine.launch import _bind_result
+    from chipset.train.launch import _bind_result
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -146,9 +146,9 @@ def test_summary_records_the_change(tmp_path):
     # The world fit as the worker applies it, through the trainer, in one process.
     code = (
         "import json, sys\n"
-        "from chipset.config import resolve_config\n"
-        "from chipset.engine.elastic import fit_world\n"
-        "from chipset.engine.trainer import train\n"
+        "from chipset.train.config import resolve_config\n"
+        "from chipset.train.elastic import fit_world\n"
+        "from chipset.train.loop import train\n"
         "from chipset.loader import backend\n"
         "cfg = resolve_config(None, ['train.steps=2', 'train.global_batch=4'], world_size=2)\n"
         "change = fit_world(cfg, 1)\n"

@@ -72,7 +72,7 @@ def _logits_for(probs: list[list[float]]) -> torch.Tensor:
 
 
 def test_top1_softmax_gates_capacity_and_aux_loss_by_hand():
-    from chipset.models.moe import route
+    from chipset.layers.moe import route
 
     # Three tokens, two experts: t0 -> e1 (0.75), t1 -> e1 (0.8), t2 -> e0 (0.9).
     logits = _logits_for([[0.25, 0.75], [0.2, 0.8], [0.9, 0.1]])
@@ -89,7 +89,7 @@ def test_top1_softmax_gates_capacity_and_aux_loss_by_hand():
 
 
 def test_top2_first_choices_are_admitted_before_second_choices():
-    from chipset.models.moe import route
+    from chipset.layers.moe import route
 
     # First choices e0, e1, e0; second choices e1, e0, e1. Capacity ceil(0.5*3*2/2) = 2.
     logits = _logits_for([[0.6, 0.4], [0.3, 0.7], [0.55, 0.45]])
@@ -104,7 +104,7 @@ def test_top2_first_choices_are_admitted_before_second_choices():
 
 
 def test_sigmoid_router_gates_and_normalised_scores_in_the_aux_loss():
-    from chipset.models.moe import route
+    from chipset.layers.moe import route
 
     logits = torch.tensor([[[0.0, 2.0, -1.0], [1.0, 0.0, 0.5]]])
     s = logits.sigmoid()
@@ -120,7 +120,7 @@ def test_sigmoid_router_gates_and_normalised_scores_in_the_aux_loss():
 
 
 def test_capacity_is_per_sequence_so_any_batch_split_drops_the_same_tokens():
-    from chipset.models.moe import route
+    from chipset.layers.moe import route
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 10, 4, generator=g) * 3
@@ -133,8 +133,8 @@ def test_capacity_is_per_sequence_so_any_batch_split_drops_the_same_tokens():
 
 def test_moe_layer_equals_a_per_token_loop():
     import chipset
-    from chipset.config import ModelConfig
-    from chipset.models.moe import MoE
+    from chipset.layers.moe import MoE
+    from chipset.models.config import ModelConfig
 
     k = chipset.backend().kernels
     cfg = ModelConfig(hidden_size=8, intermediate_size=12, num_experts=4, num_experts_per_tok=2, capacity_factor=0.6)
@@ -159,8 +159,8 @@ def test_moe_layer_equals_a_per_token_loop():
 
 
 def test_moe_config_errors_say_what_to_do():
-    from chipset.config import RunConfig
     from chipset.errors import ConfigError
+    from chipset.train.config import RunConfig
 
     cases = [
         ({"parallel": {"ep": 2}}, "parallel.ep = 2 needs a mixture-of-experts model"),
@@ -180,8 +180,8 @@ def test_moe_config_errors_say_what_to_do():
 
 def test_planner_reads_the_engines_moe_keys():
     import chipset
-    from chipset.config import ModelConfig
     from chipset.models import Transformer
+    from chipset.models.config import ModelConfig
     from chipset.planner.model import from_engine_model_config
 
     cfg = ModelConfig(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_every=2)
@@ -194,7 +194,7 @@ def test_planner_reads_the_engines_moe_keys():
 
 
 def test_expert_groups_are_carved_out_of_dp_ep_fastest():
-    from chipset.engine.parallel_dims import ParallelDims
+    from chipset.parallel.dims import ParallelDims
 
     d = ParallelDims(dp=4, ep=2, world_size=4)
     assert d.group_ranks("ep") == [[0, 1], [2, 3]] and d.group_ranks("edp") == [[0, 2], [1, 3]] and d.edp == 2
@@ -208,15 +208,15 @@ def test_expert_groups_are_carved_out_of_dp_ep_fastest():
 
 
 def _cfg(b, overrides: dict):
-    from chipset.config import RunConfig
+    from chipset.train.config import RunConfig
 
     return RunConfig.from_dict(_merge(BASE, overrides)).validate(world_size=b.collective.world_size())
 
 
 def _dropped_on_first_batch(b, overrides: dict) -> list[int]:
     """Assignments dropped per MoE layer on step 0's batch, summed over the data-parallel ranks."""
-    from chipset.engine import build
-    from chipset.models.moe import MoE
+    from chipset.layers.moe import MoE
+    from chipset.train import build
 
     engine, data, _ = build(_cfg(b, overrides), b)
     tokens, targets = data.batch(0, engine.dp_rank, engine.dp, device=engine.device)
@@ -231,7 +231,7 @@ def _dropped_on_first_batch(b, overrides: dict) -> list[int]:
 
 def _expert_inf_run(b, zero: int) -> list[int]:
     """Only the last rank's expert gradient overflows at step 1: every rank must skip that step."""
-    from chipset.engine import build
+    from chipset.train import build
 
     engine, data, _ = build(_cfg(b, {"parallel": {"ep": 2, "zero": zero}}), b)
     rank, last = b.collective.rank(), b.collective.world_size() - 1
@@ -253,7 +253,7 @@ def record_margins(run):
     Single-process reference only: one MoE forward per layer per step (no micro-batches,
     no recompute), so calls group into steps by the number of MoE layers.
     """
-    from chipset.models.moe import MoE
+    from chipset.layers.moe import MoE
 
     seen: list[float] = []
     orig = MoE.forward
@@ -275,7 +275,7 @@ def record_margins(run):
 
 def _skip_edp_reduce(run):
     """Negative control: expert buckets are divided by dp but never all-reduced over edp (zero 0/1)."""
-    from chipset.engine import data_parallel
+    from chipset.runtime import data_parallel
 
     orig = data_parallel.Bucket.launch_reduce
 
@@ -301,7 +301,7 @@ def _result(res) -> dict:
 
 
 def _job(mode: str, out_path: str) -> None:
-    from chipset.engine import train
+    from chipset.train import train
 
     b = multirank.start()
     results: dict = {"world_size": b.collective.world_size()}
@@ -403,7 +403,7 @@ def test_chipset_train_runs_moe_with_ep2_on_two_ranks(tmp_path):
     import json
 
     import chipset
-    from chipset.config import load_config
+    from chipset.train.config import load_config
 
     b = chipset.backend()
     if not b.capabilities.multi_process or b.device.device_count() < 2:

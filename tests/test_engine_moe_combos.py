@@ -63,15 +63,15 @@ def _ckpt(root: Path, run: str) -> Path:
 
 
 def _cfg(b, overrides: dict):
-    from chipset.config import RunConfig
+    from chipset.train.config import RunConfig
 
     return RunConfig.from_dict(_merge(BASE, overrides)).validate(world_size=b.collective.world_size())
 
 
 def _dropped_on_first_batch(b, overrides: dict) -> list[int]:
     """Assignments dropped per MoE layer on step 0's batch, summed over the ranks holding different tokens."""
-    from chipset.engine import build
-    from chipset.models.moe import MoE
+    from chipset.layers.moe import MoE
+    from chipset.train import build
 
     engine, data, dims = build(_cfg(b, overrides), b)
     tokens, targets = data.batch(0, dims.coords(b.collective.rank())["dp"], dims.dp, device=engine.device)
@@ -86,7 +86,7 @@ def _dropped_on_first_batch(b, overrides: dict) -> list[int]:
 
 def _moe_grads(b, overrides: dict) -> dict[str, torch.Tensor]:
     """Router and expert gradients of step 0's batch, reduced over the data-parallel ranks."""
-    from chipset.engine import build
+    from chipset.train import build
 
     engine, data, dims = build(_cfg(b, overrides), b)
     tokens, targets = data.batch(0, dims.coords(b.collective.rank())["dp"], dims.dp, device=engine.device)
@@ -103,7 +103,7 @@ def _unsorted_dispatch(run):
     source) order; without it, with ep 2 and 2 local experts, a source's tokens for its
     second expert are run by the first one.
     """
-    from chipset.engine import expert_parallel as xp
+    from chipset.parallel import experts as xp
 
     orig = xp.AllToAllDispatcher.__call__
 
@@ -126,7 +126,7 @@ def _unsorted_dispatch(run):
 
 
 def _job(mode: str, out_path: str) -> None:
-    from chipset.engine import train
+    from chipset.train import train
 
     b = multirank.start()
     variants = W4 if mode == "w4" else {"ref": {}}
@@ -227,8 +227,8 @@ def test_a_combinations_checkpoint_resumes_in_one_process(runs, variant):
 
 
 def test_config_checks_ep_against_dp_times_cp():
-    from chipset.config import RunConfig
     from chipset.errors import ConfigError
+    from chipset.train.config import RunConfig
 
     RunConfig.from_dict(_merge(BASE, {"parallel": {"cp": 2, "ep": 4, "dp": 2}})).validate(world_size=4)
     with pytest.raises(ConfigError) as err:

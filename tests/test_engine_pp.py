@@ -26,7 +26,8 @@ import torch
 
 import multirank
 import parity
-from chipset.engine.pipeline import (
+from chipset.errors import ConfigError
+from chipset.runtime.pipeline import (
     Instruction,
     Op,
     PipelineSchedule,
@@ -37,9 +38,9 @@ from chipset.engine.pipeline import (
     make_schedule,
     one_f_one_b,
     parse_split,
+    render,
     split_units,
 )
-from chipset.errors import ConfigError
 from multirank import merge as _merge
 
 HERE = Path(__file__).resolve()
@@ -164,16 +165,16 @@ def test_schedule_options_are_validated():
 
 
 def test_render_prints_a_timeline_and_every_instruction():
-    text = one_f_one_b(2, 4).render()
+    text = render(one_f_one_b(2, 4))
     assert "rank 0: F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3" in text
     assert "simulated bubble 0.250 (theory 0.250)" in text
     assert "  + RECV_GRAD mb 0 <- rank 1" in text
 
 
 def test_split_balances_parameters_and_accepts_an_explicit_split():
-    from chipset.config import RunConfig
     from chipset.kernels import KernelRegistry
     from chipset.models.family import TransformerFamily, meta_model
+    from chipset.train.config import RunConfig
 
     model = meta_model(TransformerFamily(), RunConfig.from_dict(BASE))  # 6 blocks: chain of 8 units
     specs = split_units(model, 2)
@@ -200,7 +201,7 @@ def test_split_balances_parameters_and_accepts_an_explicit_split():
 
 
 def test_config_validation_refuses_bad_pipeline_settings_before_launch():
-    from chipset.config import RunConfig
+    from chipset.train.config import RunConfig
 
     def problems(**par):
         cfg = RunConfig.from_dict(_merge(BASE, {"parallel": par}))
@@ -235,8 +236,8 @@ def test_print_schedule_prints_and_exits_without_training(capsys):
 
 
 def _run_variant(b, overrides: dict) -> dict:
-    from chipset.config import RunConfig
-    from chipset.engine import train
+    from chipset.train import train
+    from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict(_merge(BASE, overrides)).validate(world_size=b.collective.world_size())
     res = train(cfg, b, None, out=io.StringIO(), keep_params=True)
@@ -249,8 +250,8 @@ def _pipeline_step_probe(b, schedule: str, m: int, delay: tuple[float, float] | 
 
     ``seqs`` sequences of ``seq_len`` tokens per micro-batch.
     """
-    from chipset.config import RunConfig
-    from chipset.engine import build
+    from chipset.train import build
+    from chipset.train.config import RunConfig
 
     over = {"parallel": {"pp": 2, "schedule": schedule, "micro_batches": m},
             "train": {"global_batch": seqs * m, "seq_len": seq_len}}
@@ -286,8 +287,8 @@ def _pipeline_step_probe(b, schedule: str, m: int, delay: tuple[float, float] | 
 
 def _resumed_run(b) -> dict:
     """pp2 1F1B: 2 steps, state_dict, a fresh engine loads it and runs the remaining steps."""
-    from chipset.config import RunConfig
-    from chipset.engine import build
+    from chipset.train import build
+    from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict(_merge(BASE, VARIANTS[2]["pp2_1f1b"])).validate(world_size=b.collective.world_size())
     losses = []
@@ -306,7 +307,12 @@ def _resumed_run(b) -> dict:
     second, data, _ = build(cfg, b)
     second.load_state_dict(state)
     run(second, data, range(2, STEPS))
-    return {"losses": losses, "params": second.full_parameters()}
+    from chipset.runtime.digest import params_digest
+
+    full = second.full_parameters()
+    # The digest each stage hashes shard by shard, exchanged as 32-byte hashes over pp, equals
+    # the digest of the whole model gathered on one rank.
+    return {"losses": losses, "params": full, "digest": second.params_digest(), "full_digest": params_digest(full)}
 
 
 def _job(mode: str, out_path: str) -> None:
@@ -385,3 +391,8 @@ def test_measured_bubble_follows_theory(runs, schedule):
 
 if __name__ == "__main__":
     _job(sys.argv[1], sys.argv[2])
+
+
+def test_pipeline_digest_hashed_per_stage_equals_the_gathered_models(runs):
+    r = runs["resumed"]
+    assert r["digest"] == r["full_digest"] and len(r["digest"]) == 64

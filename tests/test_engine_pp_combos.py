@@ -53,7 +53,7 @@ RESUMED = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_configs_of_the_combinations_validate(variant):
-    from chipset.config import RunConfig
+    from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict(merge(BASE, VARIANTS[variant])).validate(world_size=4)
     assert cfg.parallel.pp == 2 and cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp == 4
@@ -73,8 +73,8 @@ def test_chipset_train_accepts_pp_with_sp_cp_and_zero3_overrides(capsys):
 
 
 def _run(b, overrides: dict, run_dir=None, resume: str = "none") -> dict:
-    from chipset.config import RunConfig
-    from chipset.engine import train
+    from chipset.train import train
+    from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict(merge(BASE, overrides)).validate(world_size=b.collective.world_size())
     res = train(cfg, b, run_dir, out=io.StringIO(), keep_params=True, resume=resume)

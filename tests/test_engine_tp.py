@@ -72,8 +72,8 @@ REFS = {"ref": {}, "ref_vocab127": ODD_VOCAB}
 
 
 def _run_variant(b, overrides: dict) -> dict:
-    from chipset.config import RunConfig
-    from chipset.engine import train
+    from chipset.train import train
+    from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict(_merge(BASE, overrides)).validate(world_size=b.collective.world_size())
     res = train(cfg, b, None, out=io.StringIO(), keep_params=True)
@@ -83,8 +83,8 @@ def _run_variant(b, overrides: dict) -> dict:
 
 def _local_numel(b, overrides: dict) -> int:
     """Parameters this rank holds after tp is applied."""
-    from chipset.config import RunConfig
-    from chipset.engine import build
+    from chipset.train import build
+    from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict(_merge(BASE, overrides)).validate(world_size=b.collective.world_size())
     engine, _, _ = build(cfg, b)
@@ -202,8 +202,8 @@ def test_layouts_the_model_cannot_take_are_refused_before_launch(tmp_path, capsy
 
 def test_logical_slice_places_padded_vocabulary_shards():
     """Vocabulary 127 over tp 2: rows 0..63 and 64..126 (+1 padding row) of a (127, h) tensor."""
-    from chipset.engine.tensor_parallel import ColumnParallelLinear, TPContext, logical_slice
     from chipset.interfaces import Group
+    from chipset.parallel.tensor import ColumnParallelLinear, TPContext, logical_slice
 
     class Col:
         def __init__(self, r):
@@ -225,7 +225,7 @@ def test_logical_slice_places_padded_vocabulary_shards():
 
 
 def test_gradient_replicas_are_dp_times_cp_never_tp():
-    from chipset.engine import ParallelDims
+    from chipset.parallel.dims import ParallelDims
 
     d = ParallelDims(dp=2, tp=2, world_size=4)
     assert d.group_ranks("dp") == [[0, 2], [1, 3]] and d.group_ranks("tp") == [[0, 1], [2, 3]]
@@ -236,8 +236,8 @@ def test_gradient_replicas_are_dp_times_cp_never_tp():
 
 def test_context_parallel_chunks_are_load_balanced():
     """cp rank i holds chunks i and 2cp-1-i; every rank has the same number of causal (q, k) pairs."""
-    from chipset.engine.context_parallel import ContextParallel
     from chipset.interfaces import Group
+    from chipset.parallel.context import ContextParallel
 
     class Col:
         def __init__(self, r):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import parity
-from chipset.config import load_config
+from chipset.train.config import load_config
 from testenv import clean_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import testenv
-from chipset.engine.checkpoint import store
+from chipset.train.checkpoint import store
 
 
 def _train(run, *args: str) -> subprocess.CompletedProcess:

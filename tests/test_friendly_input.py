@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from chipset.cli.main import main
-from chipset.config import load_config
+from chipset.train.config import load_config
 
 
 @pytest.mark.parametrize("alias, name", [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")])

@@ -18,8 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import parity
-from chipset.config import load_config
 from chipset.models import gpt2
+from chipset.train.config import load_config
 from testenv import chipset_train, family_env
 
 HERE = Path(__file__).resolve().parent

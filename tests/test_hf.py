@@ -108,8 +108,8 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 def chipset_logits(model_cfg: dict, params: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     """Single-process chipset logits with ``params`` (full, logical tensors)."""
     import chipset
-    from chipset.config import ModelConfig
     from chipset.models import Transformer
+    from chipset.models.config import ModelConfig
 
     cfg = ModelConfig(**model_cfg)
     model = Transformer(cfg, chipset.backend().kernels)
@@ -158,9 +158,9 @@ def _vm(key: str) -> int:
 
 
 def _job(mode: str, out: str) -> None:
-    from chipset.config import load_config
-    from chipset.engine import build
-    from chipset.models.hf.weights import load_into_engine
+    from chipset.train import build
+    from chipset.train.config import load_config
+    from chipset.train.hf_weights import load_into_engine
 
     b = multirank.start()
     world = b.collective.world_size()
@@ -178,8 +178,8 @@ def _job(mode: str, out: str) -> None:
         results[fam] = {k: v.detach().float().clone() for k, v in engine.full_parameters().items()}
     if mode in ("one", "zero3"):
         # Peak host memory of one more load of the bf16 model: VmHWM reset, load, VmHWM - RSS before.
-        from chipset.engine.trainer import build_model, make_dims
         from chipset.models.registry import resolve_family
+        from chipset.train.loop import build_model, make_dims
 
         cfg = load_config(None, [f"model.init_from={root / 'big'}", f"train.seq_len={SEQ}", *LAYOUTS[mode][1]])
         cfg.validate(world_size=world)
@@ -240,7 +240,7 @@ def loaded_sp_cp(families):
 def _model_cfg(fam_dir: Path) -> dict:
     import dataclasses
 
-    from chipset.config import load_config
+    from chipset.train.config import load_config
 
     return dataclasses.asdict(load_config(None, [f"model.init_from={fam_dir}"]).model)
 
@@ -383,8 +383,8 @@ def test_unsupported_configs_are_refused_before_launch(families, tmp_path, patch
 ])
 def test_unsupported_qwen2_moe_keys_are_refused(families, tmp_path, patch, expect):
     """Qwen2-MoE keys chipset cannot express: exit 2 naming key, value and what is supported."""
-    from chipset.config import load_config
     from chipset.errors import ConfigError
+    from chipset.train.config import load_config
 
     hf = json.loads((families / "qwen2_moe" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, **patch}))
@@ -396,7 +396,7 @@ def test_unsupported_qwen2_moe_keys_are_refused(families, tmp_path, patch, expec
 
 def test_qwen2_moe_top1_without_renormalisation_is_accepted(families, tmp_path):
     """HF's top-1 gate with norm_topk_prob = false is the raw softmax score, as chipset's."""
-    from chipset.config import load_config
+    from chipset.train.config import load_config
 
     hf = json.loads((families / "qwen2_moe" / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "num_experts_per_tok": 1}))
@@ -406,8 +406,8 @@ def test_qwen2_moe_top1_without_renormalisation_is_accepted(families, tmp_path):
 
 
 def test_a_key_the_model_directory_sets_is_not_silently_replaced(families):
-    from chipset.config import load_config
     from chipset.errors import ConfigError
+    from chipset.train.config import load_config
 
     with pytest.raises(ConfigError, match="model.num_hidden_layers = 1 conflicts with 2 from config.json"):
         load_config(None, [f"model.init_from={families / 'llama'}", "model.num_hidden_layers=1"])
@@ -424,8 +424,8 @@ def test_tied_embeddings_with_pp_and_a_bad_directory_are_refused(families, tmp_p
 
 
 def test_the_example_config_takes_a_model_directory(families):
-    from chipset.config import load_config
     from chipset.errors import ConfigError
+    from chipset.train.config import load_config
 
     example = HERE.parents[1] / "examples" / "hf-finetune.toml"
     with pytest.raises(ConfigError, match="model.init_from = 'path/to/your-hf-model': expected a Hugging Face"):
@@ -511,8 +511,8 @@ def test_a_chipset_moe_with_a_shared_expert_exports_as_qwen2_moe():
     transformers, exactly the tensors (names and shapes) chipset's parameters map to."""
     transformers = pytest.importorskip("transformers")
     import chipset
-    from chipset.config import ModelConfig
     from chipset.models import Transformer
+    from chipset.models.config import ModelConfig
     from chipset.models.hf.config import to_hf_config
     from chipset.models.hf.names import expert_names, to_hf
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import testenv
-from chipset.engine.checkpoint.hangs import diagnose
+from chipset.train.checkpoint.hangs import diagnose
 
 
 def _op(seq: int, state: str = "done") -> dict:

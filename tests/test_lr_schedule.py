@@ -1,4 +1,4 @@
-"""Learning-rate schedules after warm-up: endpoints and shapes (chipset.engine.schedule)."""
+"""Learning-rate schedules after warm-up: endpoints and shapes (chipset.train.lr)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from chipset.cli.main import main
-from chipset.config import TrainConfig
-from chipset.engine.schedule import lr_at
+from chipset.train.config import TrainConfig
+from chipset.train.lr import lr_at
 
 
 def _lrs(**kw):

@@ -19,8 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import testenv  # noqa: E402
-from chipset.config import RunConfig, load_config  # noqa: E402
 from chipset.errors import ConfigError  # noqa: E402
+from chipset.train.config import RunConfig, load_config  # noqa: E402
 
 OLD_TO_NEW = {"top_k": "num_experts_per_tok", "aux_loss_coef": "router_aux_loss_coef"}
 

@@ -13,9 +13,9 @@ import torch
 
 import chipset
 import testenv
-from chipset.config import parse_profile_steps, resolve_config
 from chipset.errors import ConfigError
 from chipset.interfaces import Group
+from chipset.train.config import parse_profile_steps, resolve_config
 
 
 class _Work:
@@ -87,7 +87,7 @@ def two_rank_run(tmp_path_factory) -> Path:
     r = _train(run_dir, "--nproc", "2", "--set", "parallel.zero=2", "--profile-steps", "2:2")
     assert r.returncode == 0, r.stdout + r.stderr
     # library notes go through logging, each rank's lines prefixed with its rank (chipset/logs.py)
-    assert "[rank 0] INFO chipset.engine.metrics: profiler trace of steps 2:2 per rank in" in r.stderr
+    assert "[rank 0] INFO chipset.train.metrics: profiler trace of steps 2:2 per rank in" in r.stderr
     return run_dir
 
 

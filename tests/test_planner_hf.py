@@ -49,7 +49,7 @@ def _plan(capsys, *args):
 
 @pytest.mark.parametrize("as_dir", [True, False])
 def test_a_llama_config_plans_the_model_transformers_builds(tmp_path, capsys, as_dir):
-    from chipset.models.hf.plan import load_hf_config
+    from chipset.planner.hf import load_hf_config
 
     path, params = _save(tmp_path, "LlamaConfig")
     spec, notes = load_hf_config(path if as_dir else path / "config.json")
@@ -64,7 +64,7 @@ def test_a_llama_config_plans_the_model_transformers_builds(tmp_path, capsys, as
 
 def test_qwen2_moe_counts_all_but_what_the_notes_name(tmp_path, capsys):
     """The shared expert is counted; q/k/v biases are the only parameters left out, and it says so."""
-    from chipset.models.hf.plan import load_hf_config
+    from chipset.planner.hf import load_hf_config
 
     path, params = _save(tmp_path, "Qwen2MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                          shared_expert_intermediate_size=40)
@@ -93,8 +93,8 @@ def test_the_shared_expert_costs_parameters_and_flops():
 
 def test_a_train_config_with_init_from_plans_the_directory_at_its_seq_len(tmp_path, capsys):
     """``chipset plan --model`` on a fine-tuning config (examples/hf-finetune.toml's shape)."""
-    from chipset.models.hf.plan import load_hf_config
-    from chipset.planner.model import load_model_toml
+    from chipset.planner.hf import load_hf_config
+    from chipset.planner.model_file import load_model_toml
 
     path, _ = _save(tmp_path / "m", "Qwen2Config")
     toml = tmp_path / "ft.toml"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from chipset.models.family import TransformerFamily
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster, list_profiles
 from chipset.planner.kernels import gemm_time
@@ -78,9 +79,10 @@ def _recomputed_gemm_flops_measured(early_stop: bool) -> tuple[float, object]:
     from torch.utils.flop_counter import FlopCounterMode
 
     import chipset
-    from chipset.config import load_config
-    from chipset.engine import SyntheticTokens, apply_recompute
+    from chipset.data.datasets import SyntheticTokens
     from chipset.models import Transformer
+    from chipset.parallel.recompute import apply_recompute
+    from chipset.train.config import load_config
 
     cfg = load_config(None, ["train.recompute=full", "train.seq_len=16", "train.global_batch=2"])
     data = SyntheticTokens(cfg.model.vocab_size, cfg.train.seq_len, cfg.train.global_batch, seed=0)
@@ -88,7 +90,7 @@ def _recomputed_gemm_flops_measured(early_stop: bool) -> tuple[float, object]:
     counted = {}
     for mode in ("none", "full"):
         model = Transformer(cfg.model, chipset.backend().kernels, seed=1)
-        apply_recompute(model, mode=mode)
+        apply_recompute(model, mode=mode, family=TransformerFamily())
         with set_checkpoint_early_stop(early_stop), FlopCounterMode(display=False) as fc:
             model.loss(tokens, targets).backward()
         ops = fc.get_flop_counts()["Global"]

@@ -10,8 +10,8 @@ from chipset.planner.model import (
     ModelSpec,
     apply_model_overrides,
     from_engine_model_config,
-    load_model_toml,
 )
+from chipset.planner.model_file import load_model_toml
 
 
 @pytest.mark.parametrize(("name", "published"), [
@@ -83,7 +83,7 @@ def test_a_chipset_train_config_is_a_planner_model_file(tmp_path):
     """Hugging Face key names are aliases; the [train] seq_len is the planned length."""
     from pathlib import Path
 
-    from chipset.planner.model import load_model_toml
+    from chipset.planner.model_file import load_model_toml
 
     root = Path(__file__).resolve().parents[1]
     m = load_model_toml(root / "examples" / "llama-1b.toml")

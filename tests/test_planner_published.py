@@ -12,12 +12,10 @@ from chipset.planner.published import (
     MEAN_ABS_ERROR_BOUND,
     RUNS,
     WORST_ROW_BOUND,
-    doc_tables,
-    main,
     predict,
     relative_errors,
-    update_doc,
 )
+from chipset.planner.tables import doc_tables, main, update_doc
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
 
@@ -97,7 +95,7 @@ def test_the_pages_tables_are_what_the_planner_predicts_now():
     a prediction fails here until the page is regenerated with the one command it names."""
     text = PAGE.read_text()
     assert update_doc(text, doc_tables()) == text, (
-        "docs/planner.md's generated tables are stale: run python -m chipset.planner.published --write docs/planner.md")
+        "docs/planner.md's generated tables are stale: run python -m chipset.planner.tables --write docs/planner.md")
 
 
 def test_write_regenerates_the_tables_in_place_and_refuses_a_page_without_markers(tmp_path, capsys):
@@ -119,7 +117,7 @@ def test_write_regenerates_the_tables_in_place_and_refuses_a_page_without_marker
 
 def test_the_sweep_pairs_h100_and_a100_rows_of_the_same_model_and_sequence():
     """paired(): measured H100/A100 speed-up over the predicted one, for each model and sequence
-    that ran on both devices, from the published tokens/s and the planner's predictions."""
+    that ran on both devices, from the published data/s and the planner's predictions."""
     from chipset.planner.published_sweep import ROWS, _run, errors, paired
 
     pairs = dict(paired(errors()))

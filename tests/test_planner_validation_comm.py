@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from chipset.config import load_config
 from chipset.interfaces.device import DeviceProperties
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import communication
@@ -26,6 +25,7 @@ from chipset.planner.engine_comm import departures, planned_bytes, planner_input
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import PRESETS
 from chipset.planner.run import from_run_config
+from chipset.train.config import load_config
 from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -86,9 +86,9 @@ def config(over: dict) -> dict:
 
 
 def _job(out_dir: str) -> None:
-    from chipset.config import RunConfig
-    from chipset.engine import train
     from chipset.loader import backend
+    from chipset.train import train
+    from chipset.train.config import RunConfig
 
     b = backend()
     b.device.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -159,8 +159,8 @@ def measured(tmp_path_factory):
 
 
 def predicted(name: str, world: int, kernels: str = "reference") -> list[float]:
-    from chipset.config import RunConfig
     from chipset.planner.run import peak_memory_per_rank
+    from chipset.train.config import RunConfig
 
     over = ALL[name]
     cfg = RunConfig.from_dict(config(over)).validate(world_size=world)
@@ -187,17 +187,18 @@ def _saved_bytes_per_block(over: dict) -> tuple[float, float]:
     """(saved bytes of block 1 counted by autograd's saved-tensor hooks, the planner's count), one process."""
     import torch
 
-    from chipset.config import RunConfig
-    from chipset.engine.recompute import apply_recompute
     from chipset.kernels import KernelRegistry
     from chipset.models import Transformer
+    from chipset.models.family import TransformerFamily
+    from chipset.parallel.recompute import apply_recompute
     from chipset.planner.memory import block_activation_bytes
     from chipset.planner.run import from_run_config
+    from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict(config(over)).validate(world_size=1)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.dtype]
     model = Transformer(cfg.model, KernelRegistry("reference"), seed=0).to(dtype)
-    apply_recompute(model, mode=cfg.train.recompute)
+    apply_recompute(model, mode=cfg.train.recompute, family=TransformerFamily())
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     seen: dict[int, tuple[str, int]] = {}
     where = ["embed"]
@@ -251,8 +252,8 @@ def table() -> str:
             "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as d:
         got = measure(Path(d))
-    from chipset.config import RunConfig
     from chipset.planner.run import peak_memory_per_rank
+    from chipset.train.config import RunConfig
 
     for name, world in VARIANTS:
         cfg = RunConfig.from_dict(config(ALL[name])).validate(world_size=world)

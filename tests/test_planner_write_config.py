@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from chipset.config import resolve_config
+from chipset.train.config import resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = "1x8:h100-sxm"

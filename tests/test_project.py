@@ -13,12 +13,12 @@ import sys
 import pytest
 
 import testenv
-from chipset.config import load_config
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import ring_bytes
 from chipset.planner.projection import format_mfu, project, resolve_profile
 from chipset.planner.run import from_run_config
 from chipset.planner.time import evaluate
+from chipset.train.config import load_config
 
 SETS = ["--set", "train.steps=2", "--set", "train.global_batch=8", "--set", "train.seq_len=32",
         "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128"]

@@ -18,8 +18,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import parity
-from chipset.config import load_config
 from chipset.models.resnet import IMAGE_SIZE, ResNetFamily, SyntheticImages
+from chipset.train.config import load_config
 from testenv import chipset_train, family_env
 
 HERE = Path(__file__).resolve().parent
@@ -52,7 +52,7 @@ def test_flops_per_sample_equals_what_torch_counts():
 def test_full_recompute_runs_each_block_again_in_backward_with_equal_gradients():
     """train.recompute = "full" for a family: each block's forward runs a second time in
     backward (its activations were not kept) and the gradients are those of a plain step."""
-    from chipset.engine.recompute import apply_recompute
+    from chipset.parallel.recompute import apply_recompute
 
     cfg = _cfg()
     fam = ResNetFamily()

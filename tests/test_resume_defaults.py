@@ -14,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from chipset.config import TrainConfig
-from chipset.engine import rundir
-from chipset.engine.checkpoint import store
-from chipset.engine.checkpoint.manager import Checkpointer
+from chipset.train import rundir
+from chipset.train.checkpoint import store
+from chipset.train.checkpoint.manager import Checkpointer
+from chipset.train.config import TrainConfig
 
 SMALL = ["--set", "train.steps=3", "--set", "train.global_batch=4"]
 

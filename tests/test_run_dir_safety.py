@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from chipset.engine import rundir
-from chipset.engine.checkpoint import store
-from chipset.engine.resume_check import config_differences
+from chipset.train import rundir
+from chipset.train.checkpoint import store
+from chipset.train.resume_check import config_differences
 
 BASE = ["--set", "train.steps=4", "--set", "train.global_batch=4", "--set", "train.checkpoint_every=2"]
 

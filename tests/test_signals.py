@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from chipset.engine.checkpoint import store
+from chipset.train.checkpoint import store
 from testenv import clean_env
 
 LONG = ["--set", "train.steps=100000", "--set", "train.global_batch=4"]
@@ -145,9 +145,9 @@ def test_two_rank_job_stops_on_a_signal_to_the_launcher_and_resumes(tmp_path, si
 
 
 def _is_agent(pid: int) -> bool:
-    """torch's elastic agent, as chipset train starts it (python -m chipset.engine.agent)."""
+    """torch's elastic agent, as chipset train starts it (python -m chipset.train.agent)."""
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    return b"chipset.engine.agent" in cmdline or b"torch.distributed.run" in cmdline
+    return b"chipset.train.agent" in cmdline or b"torch.distributed.run" in cmdline
 
 
 @pytest.mark.multirank
@@ -195,7 +195,7 @@ def test_a_rank_stuck_after_a_signal_exits_with_a_logged_line(tmp_path):
     """The grace thread's note is a log record with the rank prefix, flushed before the hard exit."""
     code = ("import os, signal, time\n"
             "from chipset.logs import configure\n"
-            "from chipset.engine import signals\n"
+            "from chipset.train import signals\n"
             "configure(3)\n"
             "signals.install()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -204,5 +204,5 @@ def test_a_rank_stuck_after_a_signal_exits_with_a_logged_line(tmp_path):
     env.update(CHIPSET_STOP_GRACE_S="0.5", RANK="3")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 128 + signal.SIGTERM
-    assert ("[rank 3] ERROR chipset.engine.signals: rank 3 did not reach the end of its step within 0.5 s "
+    assert ("[rank 3] ERROR chipset.train.signals: rank 3 did not reach the end of its step within 0.5 s "
             "of SIGTERM; exiting") in r.stderr, r.stderr

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from chipset.cli.main import main
-from chipset.engine.data import TokenFiles
+from chipset.data.datasets import TokenFiles
 from testenv import clean_env
 
 tokenizers = pytest.importorskip("tokenizers")

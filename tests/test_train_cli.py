@@ -11,8 +11,8 @@ import pytest
 
 import testenv
 from chipset.cli.main import main
-from chipset.config import load_config
-from chipset.engine.launch import torchrun_command
+from chipset.train.config import load_config
+from chipset.train.launch import torchrun_command
 
 # No checkpoints: these runs test training end to end, and a save (on by default) costs seconds
 # per run on a loaded machine (test_resume_defaults.py covers the default).
@@ -57,16 +57,16 @@ def test_invalid_runs_are_refused_in_process(tmp_path, capsys, args, expect):
 
 def test_torchrun_command_uses_torchs_launcher_and_the_worker(tmp_path):
     cmd = torchrun_command(tmp_path / "c.toml", tmp_path, nproc=4)
-    # torch's own launcher (chipset.engine.agent runs torch.distributed.run) on a loopback rendezvous
-    assert cmd[1:3] == ["-m", "chipset.engine.agent"] and "--nproc-per-node=4" in cmd
+    # torch's own launcher (chipset.train.agent runs torch.distributed.run) on a loopback rendezvous
+    assert cmd[1:3] == ["-m", "chipset.train.agent"] and "--nproc-per-node=4" in cmd
     assert {"--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1"} <= set(cmd)
-    assert cmd[cmd.index("-m", 3) + 1] == "chipset.engine.worker"
+    assert cmd[cmd.index("-m", 3) + 1] == "chipset.train.worker"
     multi = torchrun_command(tmp_path / "c.toml", tmp_path, nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="h:1234")
     assert {"--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:1234"} <= set(multi)
 
 
 def test_launch_pins_the_resolved_backend_for_every_rank(monkeypatch):
-    from chipset.engine.launch import launch
+    from chipset.train.launch import launch
 
     monkeypatch.setenv("CHIPSET_BACKEND", "a,b,c")  # a preference list in the user's shell
     check = "import os, sys; sys.exit(0 if os.environ['CHIPSET_BACKEND'] == 'resolved_name' else 3)"

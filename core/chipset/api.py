@@ -9,7 +9,7 @@ A script launched with ``torchrun`` (or run as one process) calls, in order::
     loss, stats = api.step(engine, batches, lr)   # per step: forward, backward, reduce, update
     ckpt.save(step); ckpt.finish(); api.shutdown(backend)
 
-These are the functions ``chipset train`` itself runs (engine/worker.py and engine/trainer.py
+These are the functions ``chipset train`` itself runs (train/worker.py and train/loop.py
 call the same pieces), so a custom loop gets the same gradient reduction, ZeRO sharding, tensor
 parallelism and checkpoints, and the same numbers as the CLI.
 """
@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from chipset.config import RunConfig, _apply, _format, load_config, parse_overrides
-from chipset.engine import schedule
-from chipset.engine.rank import start, stop
-from chipset.engine.trainer import (
+from chipset.errors import ConfigError, UsageError
+from chipset.models.family import ModelFamily, TransformerFamily
+from chipset.models.registry import resolve_family
+from chipset.train import lr as lr_schedule
+from chipset.train.config import RunConfig, _apply, _format, load_config, parse_overrides
+from chipset.train.loop import (
     build_model,
     make_dims,
     params_digest,
@@ -33,9 +35,7 @@ from chipset.engine.trainer import (
     train_step,
     wrap,
 )
-from chipset.errors import ConfigError, UsageError
-from chipset.models.family import ModelFamily, TransformerFamily
-from chipset.models.registry import resolve_family
+from chipset.train.rank import start, stop
 
 __all__ = [
     "ModelFamily",
@@ -161,7 +161,7 @@ def dataset(cfg: RunConfig, model: ModelFamily | None = None):
     ``cfg.model.family`` (token sequences from ``data.*`` for the transformer)."""
     family = model if model is not None else resolve_family(cfg.model.family)
     if isinstance(family, TransformerFamily):
-        from chipset.engine.data import make_dataset
+        from chipset.data.datasets import make_dataset
 
         return make_dataset(cfg)
     return family.data(cfg)
@@ -184,17 +184,17 @@ def step(engine, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) ->
 
 def lr_at(cfg: RunConfig, step: int) -> float:
     """The learning rate of 0-based ``step`` under ``train.lr``, warmup and ``train.lr_schedule``."""
-    return schedule.lr_at(cfg.train, step)
+    return lr_schedule.lr_at(cfg.train, step)
 
 
 def checkpointer(cfg: RunConfig, backend, engine, run_dir: str | Path):
-    """The run directory's checkpoints for ``engine`` (:class:`chipset.engine.checkpoint.Checkpointer`,
+    """The run directory's checkpoints for ``engine`` (:class:`chipset.train.checkpoint.Checkpointer`,
     the same as ``chipset train``'s; docs/fault-tolerance.md). Collective: every rank calls every
     method. ``resume("auto" | "none" | path)`` loads one and returns the step to start at (0 for a
     fresh run), resharding to this layout; ``due(step)`` says whether ``train.checkpoint_every``
     asks for one after ``step`` completed steps; ``save(step)`` writes it (DCP, atomic, verified);
     ``finish()`` waits for an asynchronous save."""
-    from chipset.engine.checkpoint import Checkpointer
+    from chipset.train.checkpoint import Checkpointer
 
     return Checkpointer(cfg, backend, engine, run_dir)
 

@@ -6,7 +6,7 @@ user's own logging configuration controls them like any other library. The comma
 the ``chipset`` logger, level from ``CHIPSET_LOG_LEVEL`` (default ``INFO``; ``DEBUG``,
 ``WARNING``, ``ERROR`` also accepted), lines prefixed with the rank when there is one::
 
-    [rank 1] WARNING chipset.engine.checkpoint: ...
+    [rank 1] WARNING chipset.train.checkpoint: ...
 
 Code that embeds chipset and configures logging itself need not call it.
 """

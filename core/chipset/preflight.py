@@ -27,7 +27,6 @@ __all__ = [
     "check_writable_dir",
     "check_output_file",
     "host_memory_available",
-    "check_job_memory",
 ]
 
 log = logging.getLogger(__name__)
@@ -202,52 +201,3 @@ def host_memory_available() -> tuple[int, str] | None:
     if head is not None:
         found.append((head, "the cgroup's memory.max less memory.current"))
     return min(found) if found else None
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3g} GiB"
-
-
-_ADVICE = ("lower model.hidden_size / num_hidden_layers / vocab_size / intermediate_size, train.global_batch "
-           "or train.seq_len, or raise parallel.micro_batches, parallel.zero or the tp/pp degrees")
-
-
-def check_job_memory(cfg: Any, world_size: int, local_ranks: int, device_memory: int | None,
-                     device_is_host: bool, kernels: str = "reference",
-                     available: tuple[int, str] | None = None) -> float:
-    """Refuse (UsageError) a job whose ranks cannot fit, before any rank allocates a byte.
-
-    Each rank's peak is the planner's estimate (parameters, gradients, optimizer state and the
-    activations of the in-flight micro-batches, ``chipset.planner.run.peak_memory_per_rank``)
-    plus the rotary tables (``model.max_position_embeddings`` rows, built in float64). It is
-    compared with ``device_memory`` (the backend's declared capacity per device, None: unknown)
-    and, when the devices are host memory (``device_is_host``), ``local_ranks`` times it with
-    the host's available memory. Returns the per-rank estimate in bytes.
-    """
-    from chipset.planner.run import peak_memory_per_rank
-
-    m = cfg.model
-    try:
-        per_rank = max(b.total for b in peak_memory_per_rank(cfg, world_size, kernels=kernels))
-    except Exception as exc:  # a layout the planner cannot model: the run itself is still allowed
-        log.info("no memory estimate before launch (%s: %s); the backend's own out-of-memory check applies",
-                 type(exc).__name__, exc)
-        return 0.0
-    head_dim = m.hidden_size // max(1, m.num_attention_heads)
-    per_rank += 3 * 8 * m.max_position_embeddings * max(1, head_dim // 2)  # angles, cos, sin (float64)
-    log.debug("estimated peak memory per rank: %d bytes", per_rank)
-    if device_memory and per_rank > device_memory:
-        raise UsageError(
-            f"this job needs about {_gib(per_rank)} per rank (planner estimate: parameters, gradients, "
-            f"optimizer state, activations of one micro-batch) but each device holds {_gib(device_memory)}; "
-            f"{_ADVICE} ('chipset plan' finds a layout that fits)")
-    if device_is_host:
-        avail = available if available is not None else host_memory_available()
-        need = per_rank * local_ranks
-        if avail is not None and need > avail[0]:
-            raise UsageError(
-                f"this job needs about {_gib(need)} of host memory on this node ({local_ranks} rank(s) x "
-                f"{_gib(per_rank)}, planner estimate: parameters, gradients, optimizer state, activations of "
-                f"one micro-batch) but only {_gib(avail[0])} is available ({avail[1]}); {_ADVICE}, or use "
-                "fewer ranks per node")
-    return per_rank

@@ -34,8 +34,8 @@ def add_parser(sub) -> None:
 
 
 def run_prepare(args) -> int:
+    from chipset.data.prepare import prepare
     from chipset.errors import ConfigError
-    from chipset.tokens.prepare import prepare
 
     if args.workers < 0:
         raise ConfigError(f"--workers {args.workers}: expected 0 (automatic) or a positive number of processes")
@@ -49,7 +49,7 @@ def run_prepare(args) -> int:
 
 
 def run_info(args) -> int:
-    from chipset.tokens import open_tokens
+    from chipset.data import open_tokens
 
     store = open_tokens(args.path)
     m = store.meta

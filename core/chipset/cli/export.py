@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from chipset.engine.checkpoint.export import export
+    from chipset.train.checkpoint.export import export
 
     ckpt = export(args.run_dir, args.out, step=args.step, fmt=args.format, dtype=args.dtype,
                   max_shard_mb=args.max_shard_mb)

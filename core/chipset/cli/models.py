@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from chipset.models.family import LAYOUTS
+from chipset.parallel.plan import LAYOUTS
 
 
 def add_parser(sub) -> None:

@@ -67,13 +67,14 @@ def add_parser(sub) -> None:
 
 
 def _model(args):
-    from chipset.planner.model import ModelSpec, apply_model_overrides, get_preset, load_model_toml
+    from chipset.planner.model import ModelSpec, apply_model_overrides, get_preset
+    from chipset.planner.model_file import load_model_toml
 
     if not (args.model or args.preset or args.overrides):
         raise ConfigError("no model given: pass --model FILE.toml, --preset NAME or --set model.KEY=VALUE "
                           "(presets: run 'chipset plan --preset x' to list them)")
     if args.model:
-        from chipset.models.hf.plan import is_hf_config, load_hf_config
+        from chipset.planner.hf import is_hf_config, load_hf_config
 
         if is_hf_config(args.model):
             spec = load_hf_config(args.model)[0]
@@ -167,7 +168,8 @@ def explain(best, runner_up, model, cluster, subject: str = "The fastest layout"
 
 def _validation() -> int:
     from chipset.planner.cluster import list_profiles
-    from chipset.planner.published import RUNS, TABLE_TITLES, doc_tables
+    from chipset.planner.published import RUNS
+    from chipset.planner.tables import TABLE_TITLES, doc_tables
 
     profiles = list_profiles()
     missing = sorted({r.profile for r in RUNS} - profiles.keys())
@@ -256,7 +258,7 @@ def run(args) -> int:
         print(f"  discarded {count}: {reason}")
     print()
     hdr = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'cp':>3} {'zero':>4} {'mb':>3} {'schedule':<15} "
-           f"{'recompute':<9} {'mem/dev':>10} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6}")
+           f"{'recompute':<9} {'mem/dev':>10} {'step s':>9} {'data/s':>11} {'TFLOP/s':>8} {'MFU':>6}")
     print(hdr)
     for i, p in enumerate(shown, 1):
         lay = p.layout

@@ -56,7 +56,7 @@ def _model_table(args, spec) -> dict[str, Any]:
                           "a chipset train config or a Hugging Face config.json) to write a config")
     src: dict[str, Any] = {}
     if args.model:
-        from chipset.models.hf.plan import is_hf_config
+        from chipset.planner.hf import is_hf_config
 
         p = Path(args.model).expanduser().resolve()
         if is_hf_config(args.model):
@@ -112,7 +112,7 @@ def _source_tables(path: Path) -> dict[str, dict[str, Any]]:
 
 def train_config_text(args, spec, train, cluster, pred) -> str:
     """TOML text of a ``chipset train`` config running ``pred``'s layout; ConfigError if it cannot."""
-    from chipset.config import DTYPE_ALIASES, DTYPES, _toml_value
+    from chipset.train.config import DTYPE_ALIASES, DTYPES, _toml_value
 
     lay = pred.layout
     if not pred.fits:
@@ -139,7 +139,7 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
     planned = {"global_batch": train.global_batch, "seq_len": spec.seq_len, "dtype": dtype,
                "recompute": lay.recompute}
     src: dict[str, dict[str, Any]] = {}
-    from chipset.models.hf.plan import is_hf_config
+    from chipset.planner.hf import is_hf_config
 
     if args.model and not is_hf_config(args.model):  # a chipset train config: keep its run settings
         src = _source_tables(Path(args.model).expanduser())
@@ -160,7 +160,7 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         f"# Cluster {cluster.nodes}x{cluster.devices_per_node} {cluster.profile} = {n} devices; "
         f"model {spec.name}, {spec.num_params() / 1e9:.3g}B parameters.",
         f"# Predicted (the planner's best layout): {pred.step_time_s:.4g} s/step, "
-        f"{pred.tokens_per_s:.4g} tokens/s, MFU {pred.mfu:.1%}, {pred.memory.total / 2**30:.1f} GiB per device.",
+        f"{pred.tokens_per_s:.4g} data/s, MFU {pred.mfu:.1%}, {pred.memory.total / 2**30:.1f} GiB per device.",
         f"# Launch with world size {n}: chipset train {shlex.quote(args.write_config)} {launch}",
         ("# Other [train] keys and [data] are the source config's." if src else
          "# Add steps, lr and a [data] table before a real run (defaults: docs/config.md)."),
@@ -183,7 +183,7 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
 def _validate(text: str, world_size: int) -> None:
     """Read ``text`` back exactly as ``chipset train`` reads a config file (Hugging Face references
     resolved, every cross-field rule checked at ``world_size``)."""
-    from chipset.config import resolve_config
+    from chipset.train.config import resolve_config
 
     with tempfile.TemporaryDirectory(prefix="chipset-plan-") as d:
         f = Path(d) / "plan.toml"

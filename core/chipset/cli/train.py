@@ -62,18 +62,18 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from chipset.config import parse_overrides, resolve_config, to_toml
-    from chipset.engine.checkpoint.launcher import check_resume, parse_nnodes
-    from chipset.engine.elastic import check_node_range
-    from chipset.engine.launch import default_run_dir
-    from chipset.engine.rundir import (
+    from chipset.loader import backend
+    from chipset.train.checkpoint.launcher import check_resume, parse_nnodes
+    from chipset.train.config import parse_overrides, resolve_config, to_toml
+    from chipset.train.elastic import check_node_range
+    from chipset.train.launch import default_run_dir
+    from chipset.train.rundir import (
         RunLock,
         atomic_write_text,
         finished_message,
         finished_step,
         read_run_id,
     )
-    from chipset.loader import backend
 
     if args.resume.endswith(".toml") and args.config is None and Path(args.resume).is_file():
         raise UsageError(f"--resume {args.resume}: that is a config file, not a checkpoint (a bare --resume takes "
@@ -126,12 +126,12 @@ def run(args) -> int:
 
 
 def _launch(args, cfg, b, world, min_nodes, max_nodes, run_dir: Path, config_path: Path) -> int:
-    from chipset.engine import signals
-    from chipset.engine.checkpoint.launcher import clear_hang_logs, report_failure
-    from chipset.engine.launch import launch, rendezvous_conf, torchrun_command
+    from chipset.train import signals
+    from chipset.train.checkpoint.launcher import clear_hang_logs, report_failure
+    from chipset.train.launch import launch, rendezvous_conf, torchrun_command
 
     if world == 1 and args.max_restarts == 0:
-        from chipset.engine.worker import run_rank
+        from chipset.train.worker import run_rank
 
         try:
             rc = run_rank(str(config_path), str(run_dir), resume=args.resume)
@@ -179,17 +179,18 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int, family=None)
     must parse, and the planner's per-rank memory estimate must fit the backend's devices (and the
     host's available memory where the devices are host memory), so absurd sizes exit 2 in seconds.
     """
-    from chipset.engine.compile import check_compile
     from chipset.errors import ConfigError
     from chipset.interfaces.collective import collective_timeout
-    from chipset.preflight import check_job_memory, check_writable_dir
+    from chipset.parallel.compile import check_compile
+    from chipset.planner.run import check_job_memory
+    from chipset.preflight import check_writable_dir
 
     check_writable_dir(run_dir, "run directory", "--run-dir")
     if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError(f"data.path = {cfg.data.path!r}: no such file or directory; give a text file or a "
                           "folder of them (or leave data.path empty for the Python standard library's sources)")
     if cfg.data.source == "hf":  # tokenize once here, so the ranks only read the cache
-        from chipset.tokens.hf import ensure_prepared
+        from chipset.data.hf import ensure_prepared
 
         ensure_prepared(cfg.data.path, cfg.data.tokenizer, cfg.data.field)
     collective_timeout()
@@ -221,7 +222,7 @@ def _project(profile: str, cfg, world: int, run_dir: Path) -> int:
     cfg.parallel.dp = int(summary.get("layout", {}).get("dp", cfg.parallel.dp))
     proj = project(cfg, world, last.get("comm", {}), profile)
     summary["projection"] = proj
-    from chipset.engine.rundir import atomic_write_text, strict_dumps
+    from chipset.train.rundir import atomic_write_text, strict_dumps
 
     atomic_write_text(summary_path, strict_dumps(summary, indent=2) + "\n")
     print(format_projection(proj, last.get("step_time_s"), summary.get("tokens_per_s")), flush=True)
@@ -231,10 +232,11 @@ def _project(profile: str, cfg, world: int, run_dir: Path) -> int:
 def _print_schedule(cfg, b) -> int:
     if cfg.parallel.pp < 2:
         raise UsageError("--print-schedule needs a pipeline: set parallel.pp >= 2 (e.g. --set parallel.pp=2 --nproc 2)")
-    from chipset.engine.pipeline import describe_pipeline
+    from chipset.models.family import meta_model
     from chipset.models.registry import resolve_family
+    from chipset.runtime.pipeline import describe_pipeline
 
-    print(describe_pipeline(cfg, b.kernels, resolve_family(cfg.model.family)))
+    print(describe_pipeline(cfg, meta_model(resolve_family(cfg.model.family), cfg, b.kernels)))
     return 0
 
 
@@ -249,8 +251,8 @@ def adopt_run(run_dir: Path, mode: str, *, discard: bool = False) -> str:
     """
     import shutil
 
-    from chipset.engine.checkpoint import store
-    from chipset.engine.rundir import new_run_id, read_run_id, write_run_id
+    from chipset.train.checkpoint import store
+    from chipset.train.rundir import new_run_id, read_run_id, write_run_id
 
     current = read_run_id(run_dir) if mode != "none" else None
     if mode in ("auto", "none"):

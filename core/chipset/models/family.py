@@ -14,40 +14,13 @@ beside it.
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chipset.parallel.plan import LAYOUTS, PLAN_STYLES, plan_matches
+
 __all__ = ["LAYOUTS", "ModelFamily", "TransformerFamily", "bind", "layout_problems", "meta_model"]
-
-LAYOUTS = ("dp", "zero1", "zero2", "zero3", "tp", "sp", "pp", "ep", "cp")
-"""Names a family lists in :attr:`ModelFamily.layouts`: data parallelism (ZeRO 0 is plain
-dp), ZeRO stages 1-3, tensor, sequence, pipeline, expert and context parallelism."""
-
-PLAN_STYLES = {
-    "colwise": "nn.Linear: output features (and bias) split over tp; the input enters the tp region",
-    "colwise_in_region": "nn.Linear: as colwise, reading the output of a region_norm (the region is "
-                         "entered once there for every projection that reads it)",
-    "rowwise": "nn.Linear: input features split; partial outputs summed over tp, then the bias added once",
-    "vocab_embedding": "nn.Embedding: vocabulary rows split (padded to a multiple of tp); partial "
-                       "embeddings summed",
-    "vocab_head": "nn.Linear: logits split over the (padded) vocabulary (the input enters the tp region, "
-                  "as colwise); the loss becomes the vocabulary-parallel cross-entropy (model.loss_fn)",
-    "vocab_head_in_region": "nn.Linear: as vocab_head, reading the output of a region_norm",
-    "region_norm": "RMSNorm (weight, eps, kernels): its output enters the tp region once for the "
-                   "colwise_in_region / vocab_head_in_region layers reading it",
-    "head_norm": "RMSNorm over each head of a head-split tensor: its weight's gradient is summed over tp",
-    "sequence_norm": "RMSNorm that, with sequence parallelism, runs on this rank's sequence slice in front "
-                     "of a sequence_gathered module (weight gradient summed over tp); unchanged without",
-    "sequence_gathered": "a replicated module that needs whole sequences: with sequence parallelism its "
-                         "input is gathered over tp and its output sliced back; unchanged without",
-    "replicated": "left whole on every rank (the default for anything the plan does not name)",
-}
-"""The tensor-parallel plan's vocabulary, style -> what the engine does with the module
-(engine/tensor_parallel.py applies it; docs/models.md, "Writing a tensor-parallel plan")."""
-
 
 class ModelFamily:
     """Base class of a model family; override what your model needs.
@@ -100,7 +73,7 @@ class ModelFamily:
                 recompute_block(block)
 
     def build(self, cfg) -> nn.Module:
-        """The model for ``cfg`` (a :class:`chipset.config.RunConfig`), float32, on the CPU.
+        """The model for ``cfg`` (a :class:`chipset.train.config.RunConfig`), float32, on the CPU.
 
         The engine seeds torch's generator with ``train.seed`` before calling, so every rank
         builds the same weights. Before launch it calls ``build`` inside
@@ -131,7 +104,7 @@ class ModelFamily:
         """Units per virtual stage for ``parallel.pipeline_split = text`` (``parts`` =
         pp x virtual_stages entries), ConfigError when it does not fit. Default: the text
         counts pipeline units, at least one per stage, summing to the chain's length."""
-        from chipset.engine.pipeline.units import parse_unit_split
+        from chipset.parallel.stages import parse_unit_split
 
         return parse_unit_split(text, parts, len(self.pipeline_units(model)))
 
@@ -173,7 +146,7 @@ class ModelFamily:
         device=None) -> (inputs, targets)`` returning this rank's share of the global batch
         (``train.global_batch // dp // micro_batches`` samples), the same for a given step on
         every layout. Default: token sequences (``data.*``, docs/data.md)."""
-        from chipset.engine.data import make_dataset
+        from chipset.data.datasets import make_dataset
 
         return make_dataset(cfg)
 
@@ -321,21 +294,10 @@ def layout_problems(family: ModelFamily, cfg) -> list[str]:
     if not problems and "tp" in family.layouts and cfg.parallel.tp > 1:
         problems += plan_problems(family, cfg)
     if not problems and "pp" in family.layouts and cfg.parallel.pp > 1:
-        from chipset.engine.pipeline.units import chain_problems
+        from chipset.parallel.stages import chain_problems
 
         problems += chain_problems(meta_model(family, cfg), cfg.parallel)
     return problems
-
-
-def plan_matches(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """Module name -> style for every module the plan names (first matching pattern wins)."""
-    out = {}
-    for name, _ in model.named_modules():
-        for pattern, style in plan.items():
-            if name and fnmatch.fnmatchcase(name, pattern):
-                out[name] = style
-                break
-    return out
 
 
 def plan_problems(family: ModelFamily, cfg) -> list[str]:
@@ -392,8 +354,8 @@ class TransformerFamily(ModelFamily):
         """Megatron-LM's split, one tp region per norm: the norm in front of q, k, v (gate, up;
         the logits) enters the region once for all of them. Vocabulary-parallel embedding and
         logits (with their loss). Mixture-of-experts layers are replicated over tp (with
-        sequence parallelism they see whole sequences): engine/moe_parallel.py says why."""
-        from chipset.models.moe import is_moe_layer
+        sequence parallelism they see whole sequences): parallel/moe.py says why."""
+        from chipset.layers.moe import is_moe_layer
 
         m = cfg.model
         out = {"embed_tokens": "vocab_embedding", "head.norm": "region_norm", "head.lm_head": "vocab_head_in_region"}
@@ -438,7 +400,7 @@ class TransformerFamily(ModelFamily):
     def pipeline_counts(self, model: nn.Module, text: str, parts: int) -> list[int]:
         """``parallel.pipeline_split`` counts blocks here (``"3,2,2,1"``): the embedding joins
         the first virtual stage and the head the last, which may hold no block."""
-        from chipset.engine.pipeline.split import parse_split
+        from chipset.parallel.split import parse_split
 
         counts = parse_split(text, parts, len(model.layers))
         counts[0] += 1

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chipset.models.family import LAYOUTS, ModelFamily
+from chipset.models.family import ModelFamily
+from chipset.parallel.plan import LAYOUTS
 
 __all__ = ["GPT2", "GPT2Family", "family"]
 

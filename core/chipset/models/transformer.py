@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from chipset.config import ModelConfig
 from chipset.kernels import KernelRegistry
-from chipset.models.moe import MoE, is_moe_layer
+from chipset.layers.moe import MoE, is_moe_layer
+from chipset.models.config import ModelConfig
 
 __all__ = ["Transformer", "Block", "OutputHead", "Rotary", "head_dim", "rope_inv_freq"]
 
@@ -193,7 +193,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = Attention(cfg, kernels, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MoE(cfg, kernels) if moe else MLP(cfg, kernels)  # MoE: models/moe.py
+        self.mlp = MoE(cfg, kernels) if moe else MLP(cfg, kernels)  # MoE: layers/moe.py
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
                 ) -> torch.Tensor:

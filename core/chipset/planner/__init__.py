@@ -26,8 +26,8 @@ from chipset.planner.model import (
     apply_model_overrides,
     from_engine_model_config,
     get_preset,
-    load_model_toml,
 )
+from chipset.planner.model_file import load_model_toml
 from chipset.planner.search import SearchResult, parse_fix, search
 from chipset.planner.time import Prediction, bubble_fraction, evaluate
 

@@ -155,7 +155,7 @@ def departures(cfg: Any, stage: str) -> list[Departure]:
         add("all_reduce", 4, "expert gradients' squared norm summed over ep (float32)")
     # --- tensor parallel ------------------------------------------------------------------
     # The blocks' projections move what Megatron-LM's do (the planner's count): q, k, v and
-    # gate, up each share one entry into the tp region (engine/tensor_parallel.py, TPRegionNorm).
+    # gate, up each share one entry into the tp region (parallel/tensor.py, TPRegionNorm).
     if t > 1:
         if lay.sp:
             norms = 2 * L + (1 if last else 0)

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from chipset.errors import ConfigError
+from chipset.parallel.recompute import RECOMPUTE
 
 __all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
-RECOMPUTE = ("none", "selective", "full")
 CP_ATTENTION = ("ring", "allgather")
 
 

@@ -38,7 +38,7 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
     if lay.recompute == "full":  # the checkpoint keeps the block input only
         return e * h / (t if lay.sp else 1)
     # The norm's output, saved by q, k and v; under sp gathered once into one contiguous tensor
-    # they share (engine/tensor_parallel.py, enter_region).
+    # they share (parallel/tensor.py, enter_region).
     attn_in = e * h
     if lay.recompute == "selective":  # the checkpointed core keeps q, k, v as they came out of the projections
         core = e * (h + 2 * m.kv_dim) / t

@@ -9,15 +9,13 @@ reproduce published sizes to the parameter (see tests/test_planner_model.py).
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from chipset.errors import ConfigError
-from chipset.preflight import INT_LIMIT, read_text_file
+from chipset.preflight import INT_LIMIT
 
-__all__ = ["ModelSpec", "PRESETS", "get_preset", "load_model_toml", "apply_model_overrides", "from_engine_model_config"]
+__all__ = ["ModelSpec", "PRESETS", "get_preset", "apply_model_overrides", "from_engine_model_config"]
 
 MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -298,38 +296,6 @@ def _update(spec: ModelSpec, values: dict[str, Any], origin: str) -> ModelSpec:
             f"{origin}: unknown model key(s) {', '.join(unknown)}; valid keys: {', '.join(types)}"
         )
     return dataclasses.replace(spec, **{k: _coerce(k, v, types[k]) for k, v in values.items()})
-
-
-def load_model_toml(path: str | Path, base: ModelSpec | None = None) -> ModelSpec:
-    """Read the ``[model]`` table of a TOML file (a ``preset = "name"`` key starts from a preset)."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"model file {str(p)!r} not found; pass an existing TOML file with a [model] table")
-    try:
-        data = tomllib.loads(read_text_file(p, "model file", "a TOML file with a [model] table"))
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"model file {str(p)!r} is not valid TOML: {exc}") from None
-    table = data.get("model")
-    if not isinstance(table, dict):
-        raise ConfigError(f"model file {str(p)!r} has no [model] table; expected keys such as layers, hidden, heads")
-    table = dict(table)
-    spec = base or ModelSpec(name=p.stem)
-    if "preset" in table:
-        spec = get_preset(str(table.pop("preset")))
-    hf = [table.pop(k) for k in ("init_from", "hf_config") if k in table]
-    if hf:  # a chipset train config of a Hugging Face model: its architecture comes from config.json
-        from chipset.models.hf.plan import load_hf_config
-
-        spec = load_hf_config(Path(str(hf[0])).expanduser())[0]
-    train = data.get("train")
-    if isinstance(train, dict) and "seq_len" in train and "seq_len" not in table:
-        table["seq_len"] = train["seq_len"]  # a chipset train config: plan at its sequence length
-        table.pop("max_position_embeddings", None)
-    return _update(spec, table, str(p))
 
 
 def apply_model_overrides(spec: ModelSpec, overrides: list[str]) -> ModelSpec:

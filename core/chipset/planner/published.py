@@ -31,7 +31,7 @@ from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import PRESETS, ModelSpec
 from chipset.planner.time import Prediction, evaluate
 
-__all__ = ["PublishedRun", "RUNS", "TABLE_TITLES", "doc_tables", "predict", "relative_errors", "table", "update_doc", "main"]
+__all__ = ["PublishedRun", "RUNS", "predict", "relative_errors", "table", "main"]
 
 _NARAYANAN = "Narayanan et al. 2021 (arXiv:2104.04473, SC'21)"
 _LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783)"
@@ -116,7 +116,7 @@ RUNS: list[PublishedRun] = [
 ] + [
     PublishedRun(f"Llama 3 405B, {n} GPUs", f"{_LLAMA3}, Table 4", PRESETS["llama3-405b"], "h100-sxm", n, 2048,
                  {"tp": 8, "cp": 1, "pp": 16, "dp": dp, "zero": 2, "recompute": "none"}, x, mfu=u,
-                 notes="seq 8192, 16M tokens/batch; no activation checkpointing (Sec. 3.3.2); FSDP shards "
+                 notes="seq 8192, 16M data/batch; no activation checkpointing (Sec. 3.3.2); FSDP shards "
                        "optimizer and gradients (zero 2); 126 layers on 16 stages (uneven); interleaving "
                        "depth not stated", schedules=("interleaved",))
     for n, dp, x, u in ((8192, 64, 430, 0.43), (16384, 128, 400, 0.41))
@@ -132,7 +132,7 @@ def _tokens_run(label: str, source: str, m: ModelSpec, profile: str, gpus: int, 
                 micro_batch: int, recompute: str, tokens_per_gpu: float, mfu: float | None, notes: str,
                 **stated: Any) -> PublishedRun:
     """A run with no model parallelism, sharded over every GPU (FSDP FULL_SHARD = ZeRO-3), that
-    reports tokens/s per GPU; ``stated``: further PublishedRun fields (gap, train)."""
+    reports data/s per GPU; ``stated``: further PublishedRun fields (gap, train)."""
     return PublishedRun(label, source, m, profile, gpus, global_batch,
                         {"tp": 1, "pp": 1, "cp": 1, "dp": gpus, "zero": 3, "micro_batch": micro_batch,
                          "recompute": recompute},
@@ -291,7 +291,7 @@ def table(profiles=None) -> str:
     for run in RUNS:
         p = predict(run, profiles)
         label = run.label + (" (known gap)" if run.gap else "")
-        pub = f"{run.tflops:.0f}" + (f" ({run.tokens_per_gpu:,.0f} tokens/s)" if run.tokens_per_gpu else "")
+        pub = f"{run.tflops:.0f}" + (f" ({run.tokens_per_gpu:,.0f} data/s)" if run.tokens_per_gpu else "")
         if p is None:
             out.append(f"| {label} | profile {run.profile} not installed | {pub} | - | - | - | - |")
             continue
@@ -313,69 +313,20 @@ def table(profiles=None) -> str:
     return "\n".join(out)
 
 
-_BEGIN, _END = "<!-- table {} (generated: python -m chipset.planner.published --write) -->", "<!-- end table {} -->"
-
-
-TABLE_TITLES = {"published": "Published training runs (python -m chipset.planner.published)",
-                "sweep": "The whole MosaicML sweep (python -m chipset.planner.published_sweep)",
-                "h200-steps": "Training steps timed on an H200 (python -m chipset.planner.measured_steps)"}
-"""Each generated table's title, by the name its markers in docs/planner.md carry."""
-
-
-def doc_tables(profiles=None) -> dict[str, str]:
-    """Name -> Markdown of every generated table in docs/planner.md."""
-    from chipset.planner import measured_steps, published_sweep
-
-    profiles = list_profiles() if profiles is None else profiles
-    out = {"published": table(profiles), "sweep": published_sweep.table(published_sweep.errors(profiles))}
-    if measured_steps.PROFILE in profiles:
-        out["h200-steps"] = measured_steps.table(profiles[measured_steps.PROFILE][1])
-    return out
-
-
-def update_doc(text: str, tables: dict[str, str]) -> str:
-    """``text`` with the body between each table's begin and end markers replaced; a missing
-    marker is a ValueError naming it."""
-    for name, body in tables.items():
-        begin, end = _BEGIN.format(name), _END.format(name)
-        if text.count(begin) != 1 or text.count(end) != 1:
-            raise ValueError(f"expected one {begin!r} and one {end!r} line in the page; found "
-                             f"{text.count(begin)} and {text.count(end)}")
-        a = text.index(begin) + len(begin)
-        b = text.index(end)
-        text = text[:a] + "\n\n" + body + "\n\n" + text[b:]
-    return text
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Print the validation table as Markdown, or (``--write PAGE``) regenerate every generated
-    table of the planner's page in place."""
+    """Print the validation table as Markdown (``python -m chipset.planner.tables --write PAGE``
+    regenerates every generated table of the planner's page)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m chipset.planner.published",
                                  description="The planner against published training runs.")
-    ap.add_argument("--write", metavar="PAGE", help="update the generated tables in PAGE (docs/planner.md) in place")
-    args = ap.parse_args(argv)
+    ap.parse_args(argv)
     profiles = list_profiles()
     if not profiles.keys() & {r.profile for r in RUNS}:
         print("no profile of the published runs is installed (a100-80g, h100-sxm come with chipset-cuda)",
               file=sys.stderr)
         return 2
-    if args.write is None:
-        print(table(profiles))
-        return 0
-    from pathlib import Path
-
-    page = Path(args.write)
-    try:
-        old = page.read_text()
-        new = update_doc(old, doc_tables(profiles))
-    except (OSError, ValueError) as exc:
-        print(f"python -m chipset.planner.published: {exc}", file=sys.stderr)
-        return 2
-    if new != old:
-        page.write_text(new)
-    print(f"{page}: tables {'updated' if new != old else 'already current'}")
+    print(table(profiles))
     return 0
 
 

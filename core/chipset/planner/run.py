@@ -1,22 +1,27 @@
 """An engine run config as the planner sees it: model, layout and train spec, and per-rank peak memory.
 
-Read by attribute, so the planner never imports the engine's config (a ``chipset.config.RunConfig``
+Read by attribute, so the planner never imports the engine's config (a ``chipset.train.config.RunConfig``
 or anything shaped like it: ``.model``, ``.parallel``, ``.train``). The engine's optimizer keeps
 float32 master weights except where the parameters already are them (float32 compute under ZeRO 0
-and 3, ``engine/data_parallel.py``), so the optimizer bytes per parameter (ZeRO's K) are 8 there
+and 3, ``runtime/data_parallel.py``), so the optimizer bytes per parameter (ZeRO's K) are 8 there
 and 12 elsewhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
+from chipset.errors import UsageError
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import MemoryBreakdown, memory_per_stage
 from chipset.planner.model import ModelSpec, from_engine_model_config
+from chipset.preflight import host_memory_available
 
-__all__ = ["from_run_config", "peak_memory_per_rank", "DTYPE_BYTES"]
+__all__ = ["from_run_config", "peak_memory_per_rank", "check_job_memory", "DTYPE_BYTES"]
+
+log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "interleaved"}
@@ -49,7 +54,7 @@ def from_run_config(cfg: Any, world_size: int | None = None,
 
 def peak_memory_per_rank(cfg: Any, world_size: int | None = None,
                          kernels: str = "reference") -> list[MemoryBreakdown]:
-    """Predicted peak device memory of every rank (rank order of ``engine/parallel_dims.py``: pp outermost)."""
+    """Predicted peak device memory of every rank (rank order of ``parallel/dims.py``: pp outermost)."""
     m, lay, train = from_run_config(cfg, world_size, kernels)
     stages = memory_per_stage(m, lay, train, cfg.train.seq_len)
     per_stage = lay.world_size // lay.pp
@@ -59,3 +64,50 @@ def peak_memory_per_rank(cfg: Any, world_size: int | None = None,
         key = "only" if lay.pp == 1 else "first" if idx == 0 else "last" if idx == lay.pp - 1 else "first"
         out.append(stages[key])
     return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+_ADVICE = ("lower model.hidden_size / num_hidden_layers / vocab_size / intermediate_size, train.global_batch "
+           "or train.seq_len, or raise parallel.micro_batches, parallel.zero or the tp/pp degrees")
+
+
+def check_job_memory(cfg: Any, world_size: int, local_ranks: int, device_memory: int | None,
+                     device_is_host: bool, kernels: str = "reference",
+                     available: tuple[int, str] | None = None) -> float:
+    """Refuse (UsageError) a job whose ranks cannot fit, before any rank allocates a byte.
+
+    Each rank's peak is the planner's estimate (parameters, gradients, optimizer state and the
+    activations of the in-flight micro-batches, ``chipset.planner.run.peak_memory_per_rank``)
+    plus the rotary tables (``model.max_position_embeddings`` rows, built in float64). It is
+    compared with ``device_memory`` (the backend's declared capacity per device, None: unknown)
+    and, when the devices are host memory (``device_is_host``), ``local_ranks`` times it with
+    the host's available memory. Returns the per-rank estimate in bytes.
+    """
+    m = cfg.model
+    try:
+        per_rank = max(b.total for b in peak_memory_per_rank(cfg, world_size, kernels=kernels))
+    except Exception as exc:  # a layout the planner cannot model: the run itself is still allowed
+        log.info("no memory estimate before launch (%s: %s); the backend's own out-of-memory check applies",
+                 type(exc).__name__, exc)
+        return 0.0
+    head_dim = m.hidden_size // max(1, m.num_attention_heads)
+    per_rank += 3 * 8 * m.max_position_embeddings * max(1, head_dim // 2)  # angles, cos, sin (float64)
+    log.debug("estimated peak memory per rank: %d bytes", per_rank)
+    if device_memory and per_rank > device_memory:
+        raise UsageError(
+            f"this job needs about {_gib(per_rank)} per rank (planner estimate: parameters, gradients, "
+            f"optimizer state, activations of one micro-batch) but each device holds {_gib(device_memory)}; "
+            f"{_ADVICE} ('chipset plan' finds a layout that fits)")
+    if device_is_host:
+        avail = available if available is not None else host_memory_available()
+        need = per_rank * local_ranks
+        if avail is not None and need > avail[0]:
+            raise UsageError(
+                f"this job needs about {_gib(need)} of host memory on this node ({local_ranks} rank(s) x "
+                f"{_gib(per_rank)}, planner estimate: parameters, gradients, optimizer state, activations of "
+                f"one micro-batch) but only {_gib(avail[0])} is available ({avail[1]}); {_ADVICE}, or use "
+                "fewer ranks per node")
+    return per_rank

@@ -221,8 +221,8 @@ class FaultPlan:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-AGENTS = ("torch.distributed.run", "torchrun", "chipset.engine.agent")
-"""How a torchrun agent's command line reads (chipset train starts torch's through chipset.engine.agent)."""
+AGENTS = ("torch.distributed.run", "torchrun", "chipset.train.agent")
+"""How a torchrun agent's command line reads (chipset train starts torch's through chipset.train.agent)."""
 
 
 def _torchrun_agent() -> int:

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from chipset.engine.checkpoint import store
+from chipset.train.checkpoint import store
 
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -1,7 +1,7 @@
 """Engine parity: the training engine on this backend gives one device's losses under dp, tp, pp and ep.
 
 A tiny fp32 model (2 blocks, hidden 32, vocab 64, seq 16, global batch 8, 4 AdamW steps
-with gradient clipping) is trained by :func:`chipset.engine.train` on the backend under
+with gradient clipping) is trained by :func:`chipset.train.train` on the backend under
 test: once on one device (the reference; dense and MoE) and on 2 ranks as dp=2, tp=2,
 pp=2 (1F1B, 2 micro-batches) and ep=2 (MoE, 4 experts, top-2). Every per-step loss must
 equal the reference's within rtol 1e-5 (or the backend's declared float32 tolerance,
@@ -192,8 +192,8 @@ def _process(launch: str, path: str) -> int:
     import torch.distributed as dist
 
     import chipset
-    from chipset.config import RunConfig
-    from chipset.engine import train
+    from chipset.train import train
+    from chipset.train.config import RunConfig
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     b = chipset.backend(os.environ["CHIPSET_BACKEND"])

@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` <-> :class:`chipset.config.ModelConfig`.
+"""Hugging Face ``config.json`` <-> :class:`chipset.train.config.ModelConfig`.
 
 Only keys that change the network are mapped; every other key must be one this module
 knows to be harmless (tokenizer ids, generation defaults, bookkeeping) or have the one
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from chipset.config import ModelConfig
+from chipset.models.config import ModelConfig
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "apply_hf_config", "from_hf_config", "to_hf_config", "model_problems",
            "weight_files"]
@@ -247,7 +247,7 @@ def apply_hf_config(m: ModelConfig) -> list[str]:
 
 
 def model_problems(m: ModelConfig, seq_len: int, pp: int, zero: int) -> list[str]:
-    """Cross-field rules of the keys this module adds (called from :func:`chipset.config.validate`)."""
+    """Cross-field rules of the keys this module adds (called from :func:`chipset.train.config.validate`)."""
     problems = []
     if m.rope_type not in ("default", "llama3"):
         problems.append(f"model.rope_type = {m.rope_type!r}: expected default or llama3")

@@ -1,0 +1,1 @@
+"""Building blocks that model families share (the mixture-of-experts layer)."""

@@ -1,0 +1,87 @@
+"""The ``[model]`` table: the keys of the built-in decoder-only transformer.
+
+Every family reads its keys from this dataclass today (a family's own config dataclass is the
+next step of the model contract). Kept in ``models/`` so that model code, the layers it is built
+from and the planner read it without importing the training room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ROUTERS", "ModelConfig"]
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass
+class ModelConfig:
+    """The decoder-only transformer. Keys are named as in Hugging Face model configs."""
+
+    family: str = "transformer"
+    """Model family (docs/models.md): transformer (built in), a name from ``chipset models``, or
+    package.module:factory for a model in your own code."""
+    vocab_size: int = 128
+    """Number of token ids (embedding rows and logits)."""
+    hidden_size: int = 32
+    """Width of the residual stream."""
+    num_hidden_layers: int = 2
+    """Number of transformer blocks."""
+    num_attention_heads: int = 4
+    """Query heads per attention layer; must divide hidden_size."""
+    num_key_value_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means equal to num_attention_heads."""
+    intermediate_size: int = 64
+    """Hidden width of the SwiGLU MLP."""
+    max_position_embeddings: int = 256
+    """Longest sequence the rotary tables are built for; must be >= train.seq_len."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+    num_experts: int = 0
+    """Experts per MoE layer; 0 or 1 means a dense model (planner spec name)."""
+    num_experts_per_tok: int = 1
+    """Experts each token is routed to in a MoE layer."""
+    moe_every: int = 1
+    """Every n-th block is MoE (block i, 0-based, when (i+1) % moe_every == 0); the others keep the dense MLP."""
+    router: str = "softmax"
+    """MoE gating: softmax (over all experts) or sigmoid (per expert); top-k gates renormalised when num_experts_per_tok > 1."""
+    capacity_factor: float = 0.0
+    """Expert capacity per sequence = ceil(capacity_factor * seq_len * num_experts_per_tok / num_experts); 0 = no dropping."""
+    router_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch Transformers' alpha), added to the loss per MoE layer."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k gates to sum to 1 (num_experts_per_tok > 1); false keeps the raw router scores (Qwen2-MoE)."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's MLP; 0 means intermediate_size (dense blocks always use intermediate_size)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of a shared expert every token passes through, scaled by a sigmoid gate (Qwen2-MoE); 0 = none."""
+    head_dim: int = 0
+    """Width of one attention head; 0 means hidden_size / num_attention_heads."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2); the output projection never has one."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before rotary (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """The logit layer shares the embedding matrix (not with parallel.pp > 1 or parallel.zero = 3)."""
+    rope_type: str = "default"
+    """Rotary frequencies: default, or llama3 (Llama 3.1 scaling with the rope_* keys below)."""
+    rope_factor: float = 8.0
+    """llama3 rotary scaling: factor by which low frequencies are divided."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 rotary scaling: wavelengths above original_max / low_freq_factor are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 rotary scaling: wavelengths below original_max / high_freq_factor are kept."""
+    rope_original_max_position_embeddings: int = 8192
+    """llama3 rotary scaling: the context length the model was pre-trained with."""
+    sliding_window: int = 0
+    """Attention window of the source model (Mistral); train.seq_len must not exceed it. 0 = none."""
+    architecture: str = ""
+    """Hugging Face architecture written on export (e.g. Qwen2ForCausalLM); empty = LlamaForCausalLM."""
+    hf_config: str = ""
+    """A Hugging Face config.json: the architecture keys above are taken from it (random init), docs/hf.md."""
+    init_from: str = ""
+    """A Hugging Face model directory (config.json + safetensors): architecture and weights, docs/hf.md."""

@@ -1,0 +1,621 @@
+"""Data parallelism with ZeRO stages 0-3, gradient bucketing, accumulation, clipping and AdamW.
+
+How it works (one mechanism for every stage):
+
+* Parameters are grouped into buckets; each bucket owns one flat buffer in the compute
+  dtype, padded to a multiple of dp, and every parameter becomes a view into it. Rank
+  ``r`` *owns* the slice ``[r*S, (r+1)*S)`` (``S = padded/dp``) of every bucket.
+* Stages 0-2 bucket by size (``parallel.bucket_mb``) in reverse parameter order, which is
+  roughly the order backward produces gradients. Stage 3 uses one bucket per model unit
+  (``model.units()``: embedding, each block, output head).
+* A post-accumulate-grad hook per parameter counts ready gradients; on the last
+  micro-batch, as soon as a bucket is complete its communication is launched
+  asynchronously, overlapping with the rest of backward. Earlier micro-batches only
+  accumulate locally (no communication).
+    - stage 0: all-reduce the bucket's gradient buffer (gradients are views of it).
+    - stage 1: the same all-reduce; only the owned slice feeds the optimizer.
+    - stage 2/3: the gradients are flattened and reduce-scattered into the owned slice; the
+      unsharded gradients are freed.
+* The optimizer (AdamW through ``backend.kernels.fused_adamw``) keeps float32 master
+  weights and moments for the owned slice only (stage >= 1) or for everything (stage 0),
+  optionally on the host (``offload_optimizer``).
+* After the update: stage 0 copies masters into the parameters; stages 1/2 all-gather the
+  updated slices; stage 3 keeps only its slice and gathers a unit just in time (forward
+  pre-hook, or during backward when autograd unpacks a saved weight) and frees it after
+  use (forward hook, or once every gradient of the unit has arrived).
+* Global-norm clipping: each rank sums squares over the gradient it owns (stage 0: the
+  whole, already-reduced gradient; stage >= 1: its slice, then an all-reduce over dp), so
+  the norm equals the unsharded norm under every stage.
+* MoE with ep > 1 (``parallel/experts.py``): expert weights get buckets of their own,
+  sharded and reduced over the expert-data-parallel group (``Bucket.group``) instead of dp,
+  still divided by the whole dp degree; their squared norm is summed over the ep group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from chipset.errors import UsageError
+from chipset.interfaces import Group, Handle
+from chipset.parallel.dims import ParallelDims
+from chipset.runtime.digest import combine, param_hash
+from chipset.runtime.precision import LossScaler
+from chipset.runtime.trace import trace_range
+
+__all__ = ["DataParallel", "Bucket"]
+
+
+class Bucket:
+    """Parameters sharing one flat buffer, sharded over the dp group."""
+
+    def __init__(self, index: int, params: list[tuple[str, nn.Parameter]], engine: DataParallel,
+                 group: Group | None = None):
+        self.index = index
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.engine = engine
+        e = engine
+        self.shapes = [p.shape for p in self.params]
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        total = sum(self.numels)
+        # The group this bucket is sharded and reduced over: dp, or for MoE expert weights
+        # the expert-data-parallel group (parallel/experts.py).
+        self.expert = group is not None
+        self.group = group or e.group
+        self.n = self.group.size
+        self.padded = math.ceil(total / self.n) * self.n
+        self.shard = self.padded // self.n
+        self.lo = self.group.ranks.index(e.collective.rank()) * self.shard
+        self.hi = self.lo + self.shard
+        self.norm_segments = self._norm_segments() if e.tp_group is not None else None
+        self.ready = 0
+        self.done = False
+        self.handle: Handle | None = None
+        self._inflight: torch.Tensor | None = None  # keeps a reduce-scatter input alive
+
+        with torch.no_grad():
+            flat = torch.zeros(self.padded, dtype=e.dtype, device=e.device)
+            for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+                if not p.__dict__.pop("_chipset_unfilled", False):  # placeholders of a meta build stay zero
+                    flat[off:off + n].copy_(p.detach().reshape(-1))
+        # Parameters: full flat buffer (stage < 3) or only the owned slice (stage 3).
+        self.full: torch.Tensor | None = None
+        if e.zero == 3:
+            self.param_shard = flat[self.lo:self.hi].clone()
+            del flat
+            self._release_params()
+        else:
+            self.full = flat
+            self._bind_params(flat)
+        # Gradients: persistent flat buffer for stage 0/1; owned slice for stage 2/3.
+        if e.zero <= 1:
+            self.grad = torch.zeros(self.padded, dtype=e.dtype, device=e.device)
+            self._bind_grads()
+            self.grad_shard_buf = None
+        else:
+            self.grad = None
+            self.grad_shard_buf = torch.zeros(self.shard, dtype=e.dtype, device=e.device)
+        # Optimizer state: fp32 master + Adam moments of what this rank updates.
+        opt_dev = e.host if e.offload else e.device
+        if e.zero == 0:
+            src = self.full
+        elif e.zero == 3:
+            src = self.param_shard
+        else:
+            src = self.full[self.lo:self.hi]
+        self.master_aliases_params = e.dtype == torch.float32 and not e.offload and e.zero != 1 and e.zero != 2
+        with e.host_scope():
+            if self.master_aliases_params:
+                self.master = src  # fp32 compute: the parameters are their own master weights
+            else:
+                self.master = e.place_host(src.detach().float().to(opt_dev).clone())
+            self.exp_avg = e.place_host(torch.zeros_like(self.master))
+            self.exp_avg_sq = e.place_host(torch.zeros_like(self.master))
+
+    def _norm_segments(self) -> list[tuple[int, int, float]]:
+        """(start, end, weight) over the owned gradient for the global-norm sum under tp:
+        weight 1 for tp-sharded parameters, 1/tp for replicated ones (their squares are then
+        summed over tp, so each replicated element counts once)."""
+        e = self.engine
+        lo, hi = (0, self.padded) if e.zero == 0 else (self.lo, self.hi)
+        out = []
+        for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                out.append((a - lo, b - lo, 1.0 if hasattr(p, "tp_dim") else 1.0 / e.tp_group.size))
+        return out
+
+    def owned_sq(self) -> torch.Tensor:
+        """Sum of squares of the owned gradient (weighted under tp, see ``_norm_segments``)."""
+        g = self.grad_owned().float()
+        if self.norm_segments is None:
+            return g.pow(2).sum()
+        total = torch.zeros((), dtype=torch.float32, device=g.device)
+        for a, b, w in self.norm_segments:
+            total += g[a:b].pow(2).sum() * w
+        return total
+
+    # --- parameter storage ---------------------------------------------------------
+    def _bind_params(self, flat: torch.Tensor) -> None:
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=True):
+            p.data = flat[off:off + n].view(shape)
+
+    def _bind_grads(self) -> None:
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes, strict=True):
+            p.grad = self.grad[off:off + n].view(shape)
+
+    def _release_params(self) -> None:
+        # A one-element placeholder expanded to the right shape keeps autograd's shape
+        # checks happy while the real storage is freed.
+        e = self.engine
+        for p, shape in zip(self.params, self.shapes, strict=True):
+            p.data = torch.zeros((), dtype=e.dtype, device=e.device).expand(shape)
+
+    def gather(self) -> None:
+        """Stage 3: materialise the full parameters of this bucket (no-op when present)."""
+        if self.full is not None:
+            return
+        e = self.engine
+        full = torch.empty(self.padded, dtype=e.dtype, device=e.device)
+        e.collective.all_gather(full, self.param_shard, group=self.group)
+        self.full = full
+        self._bind_params(full)
+        e._live[full.untyped_storage().data_ptr()] = self
+
+    def release(self) -> None:
+        """Stage 3: free the full parameters (the owned slice stays)."""
+        if self.full is None or self.engine.zero != 3:
+            return
+        self.engine._live.pop(self.full.untyped_storage().data_ptr(), None)
+        self.full = None
+        self._release_params()
+
+    # --- gradients ------------------------------------------------------------------
+    def on_grad_ready(self) -> None:
+        self.ready += 1
+        if self.ready < len(self.params):
+            return
+        self.ready = 0
+        self.done = True
+        e = self.engine
+        if e.sync:
+            self.launch_reduce()
+        if e.zero == 3:
+            self.release()
+
+    @torch.no_grad()
+    def launch_reduce(self) -> None:
+        e = self.engine
+        # Record how many buckets were still waiting for gradients: > 0 means this
+        # communication overlaps with the rest of backward.
+        e.launch_log.append((self.index, sum(1 for b in e.buckets if not b.done)))
+        if e.zero <= 1:
+            # Divide by the whole dp degree even for expert buckets: an expert's gradient
+            # already sums the tokens of its ep group.
+            if e.dp > 1:
+                self.grad.div_(e.dp)
+            if self.n > 1:
+                self.handle = e.collective.all_reduce(self.grad, "sum", group=self.group, async_op=True)
+            return
+        parts = [p.grad.reshape(-1) for p in self.params]
+        if self.padded > sum(self.numels):
+            parts.append(torch.zeros(self.padded - sum(self.numels), dtype=e.dtype, device=e.device))
+        flat = torch.cat(parts)
+        for p in self.params:
+            p.grad = None
+        if e.dp > 1:
+            flat.div_(e.dp)
+        if self.n > 1:
+            self._inflight = flat
+            self.handle = e.collective.reduce_scatter(self.grad_shard_buf, flat, "sum", group=self.group, async_op=True)
+        else:
+            self.grad_shard_buf.copy_(flat)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        self._inflight = None
+
+    def grad_owned(self) -> torch.Tensor:
+        """The reduced gradient this rank's optimizer consumes."""
+        e = self.engine
+        if e.zero == 0:
+            return self.grad
+        if e.zero == 1:
+            return self.grad[self.lo:self.hi]
+        return self.grad_shard_buf
+
+    def zero_grad(self) -> None:
+        if self.grad is not None:
+            self.grad.zero_()
+        else:
+            self.grad_shard_buf.zero_()
+            for p in self.params:
+                p.grad = None
+
+    # --- update ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_update(self, step: int, grad_scale: float, kernels, hp: dict) -> None:
+        e = self.engine
+        with e.host_scope():
+            g = self.grad_owned()
+            if g.dtype != torch.float32 or g.device != self.master.device:
+                g = g.to(self.master.device, torch.float32)
+            # Scaled in place: the owned gradient is zeroed right after the update, so a
+            # float32 gradient on the optimizer's device needs no copy (it took one per step).
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
+            kernels.fused_adamw([self.master], [g], [self.exp_avg], [self.exp_avg_sq], step, **hp)
+            del g
+        if self.master_aliases_params:
+            pass
+        elif e.zero == 0:
+            self.full.copy_(self.master)
+        elif e.zero == 3:
+            self.param_shard.copy_(self.master)
+        else:
+            self.full[self.lo:self.hi].copy_(self.master)
+        if e.zero in (1, 2) and self.n > 1:
+            send = self.full[self.lo:self.hi].clone()
+            self.handle = e.collective.all_gather(self.full, send, group=self.group, async_op=True)
+            self._inflight = send
+
+
+def _placeholders_for_meta(model: nn.Module, dtype: torch.dtype, device: torch.device, allowed: bool) -> None:
+    """Replace every meta-device parameter of ``model`` with a zero-storage placeholder of its
+    shape (same Parameter attributes, tied parameters kept tied), marked for the bucket that
+    takes it. Why: ``Parameter.data`` cannot be re-pointed from the meta device to a real
+    one, and allocating the whole tensor would defeat building on the meta device."""
+    made: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if not allowed:
+                raise UsageError(
+                    f"parameter {name!r} of {type(mod).__name__} is on the meta device (it has no values); "
+                    "build the model on a real device, or let chipset fill it from a file (model.init_from)")
+            if id(p) not in made:
+                kind = dtype if p.is_floating_point() else p.dtype
+                new = nn.Parameter(torch.zeros((), dtype=kind, device=device).expand(p.shape),
+                                   requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                new._chipset_unfilled = True
+                made[id(p)] = new
+            mod._parameters[name] = made[id(p)]
+
+
+def _each(buckets: list[Bucket], fn) -> None:
+    """Module hooks must return None (a value would replace the module's input or output)."""
+    for b in buckets:
+        fn(b)
+
+
+def _notify(ref: weakref.ref) -> None:
+    bucket = ref()
+    if bucket is not None:  # None once the engine is gone and the model trains without it
+        bucket.on_grad_ready()
+
+
+class DataParallel:
+    """Wraps a model for data-parallel training with ZeRO stage ``dims.zero``.
+
+    Use: ``loss = dp.forward_backward(tokens, targets, last=...)`` per micro-batch, then
+    ``dp.step(lr)``. ``dp.full_parameters()`` returns every parameter unsharded, float32.
+    """
+
+    def __init__(self, model: nn.Module, backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
+                 bucket_mb: float = 25.0, micro_batches: int = 1, grad_clip: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 scaler: LossScaler | None = None, offload_optimizer: bool = False, weights_to_load: bool = False):
+        self.model = model
+        self.backend = backend
+        self.collective = backend.collective
+        self.kernels = backend.kernels
+        self.dims = dims
+        self.zero = dims.zero
+        self.dtype = dtype
+        self.device = backend.device.torch_device()
+        self.host = torch.device("cpu")
+        self.offload = offload_optimizer
+        # Gradients are averaged over the ranks holding replicas: dp x cp, never tp or pp.
+        self.group: Group = dims.replica_group(self.collective)
+        # Clipping sums squares of tp-sharded gradients over tp (replicated ones count once).
+        self.tp_group: Group | None = dims.group("tp", self.collective) if dims.tp_enabled else None
+        self.dp = self.group.size
+        self.dp_rank = self.group.ranks.index(self.collective.rank())
+        # MoE with ep > 1: expert weights are sharded over "ep" and reduced over "edp".
+        self.ep_group: Group | None = dims.group("ep", self.collective) if dims.ep_enabled else None
+        self.edp_group: Group | None = dims.group("edp", self.collective) if dims.ep_enabled else None
+        self.micro_batches = micro_batches
+        self.grad_clip = grad_clip
+        self.hp = {"beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
+        self.scaler = scaler or LossScaler(scale=1.0, dynamic=False)
+        self.sync = True
+        self.step_count = 0
+        self._live: dict[int, Bucket] = {}
+        self.launch_log: list[tuple[int, int]] = []
+        """(bucket index, buckets still computing gradients) per gradient launch of the last step."""
+        self.norm_groups: list[Group] = []
+        """Extra groups whose ranks hold disjoint parts of the model (pipeline stages): the squared
+        gradient norm and the overflow flag are summed over each, so clipping sees the whole model."""
+
+        # Parameters on the meta device (a model built to be filled from a file afterwards:
+        # model.init_from) get zero-storage placeholders; their buckets start at zero.
+        _placeholders_for_meta(model, dtype, self.device, weights_to_load)
+        model.to(device=self.device, dtype=dtype)
+        named = list(model.named_parameters())
+        self.buckets = self._make_buckets(named, bucket_mb)
+        # Hooks hold their bucket weakly: a tensor's hooks live in C++, where Python's
+        # garbage collector cannot see the cycle param -> hook -> bucket -> param.
+        for b in self.buckets:
+            ref = weakref.ref(b)
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(lambda _p, ref=ref: _notify(ref))
+        if self.zero == 3:
+            for i, unit in enumerate(model.units()):
+                # One bucket per unit; two when ep splits a MoE block into dense and expert weights.
+                bs = [b for b, u in zip(self.buckets, self._bucket_units, strict=True) if u == i]
+                unit.register_forward_pre_hook(lambda _m, _a, bs=bs: _each(bs, Bucket.gather))
+                unit.register_forward_hook(lambda _m, _a, _o, bs=bs: _each(bs, Bucket.release))
+
+    def host_scope(self):
+        """Offload: allocations inside are host memory (``Memory.host_allocations``)."""
+        return self.backend.memory.host_allocations() if self.offload else contextlib.nullcontext()
+
+    def place_host(self, t: torch.Tensor) -> torch.Tensor:
+        return self.backend.memory.pin_memory(t) if self.offload else t
+
+    def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
+        if self.zero == 3:
+            if not callable(getattr(self.model, "units", None)):
+                raise UsageError(
+                    f"ZeRO stage 3 needs the model to list its gather units (model.units()); "
+                    f"{type(self.model).__name__} has none. Add units() or use parallel.zero <= 2"
+                )
+            by_id = {id(p): n for n, p in named}
+            groups = [[(by_id[id(p)], p) for p in unit.parameters()] for unit in self.model.units()]
+            covered = sum(len(g) for g in groups)
+            if covered != len(named):
+                raise UsageError(f"model.units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all of them")
+            experts = self._expert_names()
+            if experts:  # ep: a unit's expert weights are sharded over edp, the rest over dp
+                split = [[[x for x in g if (x[0] in experts) == e] for e in (False, True)] for g in groups]
+                self._bucket_units = [u for u, parts in enumerate(split) for part in parts if part]
+                return [Bucket(i, part, self, self.edp_group if part[0][0] in experts else None)
+                        for i, part in enumerate(part for parts in split for part in parts if part)]
+            self._bucket_units = list(range(len(groups)))
+        else:
+            limit = max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=self.dtype).element_size()))
+            groups, cur, size = [], [], 0
+            experts = self._expert_names()
+            for n, p in reversed(named):
+                if cur and (size + p.numel() > limit or (n in experts) != (cur[0][0] in experts)):
+                    groups.append(cur)  # expert and other weights never share a bucket
+                    cur, size = [], 0
+                cur.append((n, p))
+                size += p.numel()
+            if cur:
+                groups.append(cur)
+            return [Bucket(i, g, self, self.edp_group if g[0][0] in experts else None) for i, g in enumerate(groups)]
+        return [Bucket(i, g, self) for i, g in enumerate(groups)]
+
+    def _expert_names(self) -> set[str]:
+        if self.ep_group is None:
+            return set()
+        from chipset.parallel.experts import expert_param_names
+
+        return expert_param_names(self.model)
+
+    # --- training ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _saved_param_hooks(self) -> Iterator[None]:
+        """Stage 3: saved weights are stored as references and re-gathered when backward needs them."""
+        if self.zero != 3:
+            yield
+            return
+
+        def pack(t: torch.Tensor):
+            b = self._live.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            if b is None:
+                return t
+            return (b, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+        def unpack(x):
+            if not isinstance(x, tuple):
+                return x
+            b, off, shape, stride, _ = x
+            b.gather()
+            return b.full.as_strided(shape, stride, off)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, *, last: bool = True) -> float:
+        """Forward and backward of one micro-batch; returns its (unscaled) loss.
+
+        ``last=False`` accumulates gradients locally; ``last=True`` launches the gradient
+        communication bucket by bucket during backward.
+        """
+        self.sync = last
+        if last:
+            self.launch_log = []
+        for b in self.buckets:
+            b.ready, b.done = 0, False
+            if b.grad is not None and any(p.grad is None for p in b.params):
+                # Someone ran model.zero_grad(set_to_none=True): honour it, re-attach the views.
+                b.grad.zero_()
+                b._bind_grads()
+        with self._saved_param_hooks(), trace_range("chipset::forward"):
+            loss = self.model.loss(tokens, targets)
+        scaled = loss.float() * (self.scaler.scale / self.micro_batches)
+        with trace_range("chipset::backward"):
+            scaled.backward()
+        if self.zero == 3:
+            for b in self.buckets:
+                b.release()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def step(self, lr: float) -> dict:
+        """Finish communication, unscale, check overflow, clip and update. Returns step stats."""
+        for b in self.buckets:
+            b.wait()
+        inv_scale = 1.0 / self.scaler.scale
+        # Sum of squares and an overflow flag over what this rank owns, in one all-reduce.
+        sq = torch.zeros(2, dtype=torch.float32, device=self.device)
+        ep_sum = self.ep_group is not None and self.zero == 0
+        for b in self.buckets:
+            if not (ep_sum and b.expert):
+                sq[0] += b.owned_sq()
+        if ep_sum:
+            # Each ep rank holds only its experts' (already edp-reduced) gradients.
+            esq = torch.zeros(1, dtype=torch.float32, device=self.device)
+            for b in self.buckets:
+                if b.expert:
+                    esq += b.owned_sq()
+            self.collective.all_reduce(esq, "sum", group=self.ep_group)
+            sq[0] += esq[0]
+        if not torch.isfinite(sq[0]):
+            sq[1] = 1.0
+            sq[0] = 0.0
+        if self.zero >= 1 and self.dp > 1:
+            self.collective.all_reduce(sq, "sum", group=self.group)
+        if self.tp_group is not None:
+            self.collective.all_reduce(sq, "sum", group=self.tp_group)
+        for g in self.norm_groups:  # pipeline stages: each holds a different part of the model
+            self.collective.all_reduce(sq, "sum", group=g)
+        found_inf = bool(sq[1] > 0)
+        norm = math.sqrt(float(sq[0])) * inv_scale
+        self.scaler.update(found_inf)
+        stats = {"grad_norm": float("nan") if found_inf else norm, "skipped": found_inf,
+                 "loss_scale": self.scaler.scale}
+        if not found_inf:
+            coef = inv_scale
+            if self.grad_clip > 0 and norm > self.grad_clip:
+                coef *= self.grad_clip / (norm + 1e-6)
+            self.step_count += 1
+            hp = dict(self.hp, lr=lr)
+            for b in self.buckets:
+                b.apply_update(self.step_count, coef, self.kernels, hp)
+            for b in self.buckets:
+                b.wait()
+        for b in self.buckets:
+            b.zero_grad()
+        return stats
+
+    # --- inspection -------------------------------------------------------------------
+    @torch.no_grad()
+    def iter_full_parameters(self):
+        """``(name, tensor)`` for every parameter, unsharded, float32 on the host, by its
+        single-process name: one bucket's worth at a time, so host memory holds one bucket, not
+        the model. Collective for ZeRO-3 and under tp and ep (tp slices gathered, vocabulary
+        padding dropped; expert shards gathered): every rank of the job iterates to the end."""
+        order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
+        tp = None
+        if self.tp_group is not None:
+            from chipset.parallel.tensor import TPContext, gather_full_parameters
+
+            tp = TPContext(self.collective, self.tp_group)
+        for b in self.buckets:
+            was = b.full is not None
+            b.gather()
+            part = {n: b.full[off:off + k].view(shape).float().to(self.host).clone()
+                    for n, off, k, shape in zip(b.names, b.offsets, b.numels, b.shapes, strict=True)}
+            if not was:
+                b.release()
+            part = {n: part[n] for n in sorted(part, key=order.__getitem__)}  # the same order on every rank
+            if tp is not None:
+                part = gather_full_parameters(part, self.model, tp, self.device)
+            if self.ep_group is not None:
+                from chipset.parallel.experts import gather_expert_params
+
+                part = gather_expert_params(part, self.model, dims=self.dims, collective=self.collective)
+            yield from part.items()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, as float32 on the host, by its single-process name
+        (collective, as :meth:`iter_full_parameters`). Holds the whole model: for a digest use
+        :meth:`params_digest`, which holds one bucket."""
+        return dict(self.iter_full_parameters())
+
+    def param_hashes(self) -> dict[str, bytes]:
+        """Name -> :func:`chipset.runtime.digest.param_hash` of every parameter (collective)."""
+        return {n: param_hash(n, t) for n, t in self.iter_full_parameters()}
+
+    def params_digest(self) -> str:
+        """The layout-independent digest of the whole model (collective; runtime/digest.py)."""
+        return combine(self.param_hashes())
+
+    def state_dict(self) -> dict:
+        """This rank's training state: what it owns of parameters and optimizer, plus the layout.
+
+        Each bucket entry says which parameters (names, shapes, offsets) its flat buffer
+        holds and which slice ``[lo, hi)`` this rank owns, so a checkpoint writer can map
+        shards to parameters (checkpoint/layout.py reshards across layouts). Tensors are copies on
+        the host. :meth:`load_state_dict` restores it under the same layout.
+        """
+        buckets = []
+        for b in self.buckets:
+            b.wait()
+            if self.zero == 0:
+                owned = b.full
+            elif self.zero == 3:
+                owned = b.param_shard
+            else:
+                owned = b.full[b.lo:b.hi]
+            buckets.append({
+                "names": list(b.names), "shapes": [tuple(x) for x in b.shapes], "offsets": list(b.offsets),
+                "padded": b.padded, "lo": 0 if self.zero == 0 else b.lo, "hi": b.padded if self.zero == 0 else b.hi,
+                # "edp": MoE expert weights, this rank's ep block sharded over the expert-data-parallel group
+                "group": "edp" if b.expert else "dp",
+                "params": owned.detach().to(self.host, copy=True),
+                "master": b.master.detach().to(self.host, copy=True),
+                "exp_avg": b.exp_avg.detach().to(self.host, copy=True),
+                "exp_avg_sq": b.exp_avg_sq.detach().to(self.host, copy=True),
+            })
+        return {"step": self.step_count, "scaler": self.scaler.state_dict(), "zero": self.zero,
+                "dp": self.dp, "dp_rank": self.dp_rank, "dtype": str(self.dtype).removeprefix("torch."),
+                "buckets": buckets}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output written under the same layout (collective for zero 1/2)."""
+        mine = {"zero": self.zero, "dp": self.dp, "dp_rank": self.dp_rank,
+                "dtype": str(self.dtype).removeprefix("torch."), "buckets": len(self.buckets)}
+        theirs = {k: state.get(k) for k in ("zero", "dp", "dp_rank", "dtype")}
+        theirs["buckets"] = len(state.get("buckets", []))
+        if mine != theirs or any(
+            sb["names"] != b.names or sb["padded"] != b.padded for sb, b in zip(state["buckets"], self.buckets, strict=True)
+        ):
+            raise UsageError(
+                f"training state was written under layout {theirs}, this engine is {mine} (or its buckets "
+                "hold different parameters); to continue under another layout, save and resume through a "
+                "checkpoint (chipset.train.checkpoint.Checkpointer, `chipset train --resume`), which reshards"
+            )
+        for sb, b in zip(state["buckets"], self.buckets, strict=True):
+            if self.zero == 0:
+                b.full.copy_(sb["params"])
+            elif self.zero == 3:
+                b.param_shard.copy_(sb["params"])
+            else:
+                b.full[b.lo:b.hi].copy_(sb["params"])
+            if not b.master_aliases_params:
+                b.master.copy_(sb["master"])
+            b.exp_avg.copy_(sb["exp_avg"])
+            b.exp_avg_sq.copy_(sb["exp_avg_sq"])
+            if self.zero in (1, 2) and b.n > 1:
+                send = b.full[b.lo:b.hi].clone()
+                self.collective.all_gather(b.full, send, group=b.group)
+        self.step_count = int(state["step"])
+        self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,126 @@
+"""Pipeline parallelism with schedules as data (docs/engine.md, "Pipeline parallel").
+
+* :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B as per-rank instruction lists.
+* :mod:`.check` — a simulator proving a schedule deadlock-free with matching transfers,
+  before anything runs; also its timeline and bubble.
+* :mod:`.split` — the rules of a split: ``parallel.pipeline_split`` read, a chain balanced.
+* :mod:`.units` — a family's chain of pipeline units cut into stages (balanced by parameters
+  or explicit), a rank's stages as one module under single-process names.
+* :mod:`.runtime` — :class:`PipelineEngine` executes a schedule with batched p2p, data
+  parallelism (ZeRO 0-3) over each stage's parameters; with context parallelism each cp
+  rank pipelines its share of every sequence, with sequence parallelism each tp rank sends
+  only its slice of the hidden states.
+"""
+
+from __future__ import annotations
+
+from chipset.errors import ConfigError
+from chipset.parallel.split import parse_split
+from chipset.parallel.stages import UnitSpec, UnitStageModel, split_units
+from chipset.runtime.pipeline.check import ScheduleError, SimResult, check_schedule, render
+from chipset.runtime.pipeline.engine import PipelineEngine
+from chipset.runtime.pipeline.schedules import (
+    SCHEDULES,
+    Instruction,
+    Op,
+    PipelineSchedule,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Instruction",
+    "Op",
+    "PipelineEngine",
+    "PipelineSchedule",
+    "ScheduleError",
+    "SimResult",
+    "UnitSpec",
+    "UnitStageModel",
+    "build_pipeline",
+    "check_schedule",
+    "describe_pipeline",
+    "render",
+    "gpipe",
+    "interleaved_1f1b",
+    "make_schedule",
+    "one_f_one_b",
+    "parse_split",
+    "pipeline_problems",
+    "schedule_for",
+    "split_units",
+]
+
+
+def schedule_for(par) -> PipelineSchedule:
+    """The checked schedule a :class:`chipset.train.config.ParallelConfig` asks for (ScheduleError if broken)."""
+    sched = make_schedule(par.schedule, par.pp, par.micro_batches, par.virtual_stages)
+    check_schedule(sched)
+    return sched
+
+
+def pipeline_problems(cfg, builtin: bool = True) -> list[str]:
+    """Every configuration problem of a pp > 1 run, as messages (called by config validation).
+
+    ``builtin=False`` (another model family): the schedule only; how the family's chain of
+    units splits is checked with its layout (:func:`chipset.parallel.stages.chain_problems`)."""
+    m, par = cfg.model, cfg.parallel
+    parts = par.pp * max(par.virtual_stages, 1)
+    fits = not builtin or parts <= m.num_hidden_layers + 2  # else refused below
+    problems = []
+    if par.schedule not in SCHEDULES:
+        problems.append(f"parallel.schedule = {par.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    elif par.virtual_stages < 1:
+        problems.append(f"parallel.virtual_stages = {par.virtual_stages!r}: expected a positive number of chunks")
+    elif par.schedule == "interleaved_1f1b" and par.virtual_stages < 2:
+        problems.append(
+            f"parallel.schedule = 'interleaved_1f1b' needs parallel.virtual_stages >= 2 (found {par.virtual_stages}); "
+            "set parallel.virtual_stages=2 or choose schedule 1f1b"
+        )
+    elif par.micro_batches > 0 and fits:
+        try:
+            schedule_for(par)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if not builtin:
+        return problems
+    if par.pipeline_split:
+        try:
+            parse_split(par.pipeline_split, parts, m.num_hidden_layers)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    elif parts > m.num_hidden_layers + 2:
+        problems.append(
+            f"pp*virtual_stages ({parts}) exceeds the model's {m.num_hidden_layers + 2} pipeline units (embedding, "
+            f"{m.num_hidden_layers} blocks, head); lower parallel.pp/virtual_stages or raise model.num_hidden_layers"
+        )
+    return problems
+
+
+def build_pipeline(par, model, backend, dims, **dp_kwargs) -> PipelineEngine:
+    """This rank's :class:`PipelineEngine` for ``model`` (bound to its family) under ``par``."""
+    sched = schedule_for(par)
+    specs = split_units(model, par.pp * par.virtual_stages, par.pipeline_split)
+    return PipelineEngine(model, backend, dims, sched, specs, **dp_kwargs)
+
+
+def describe_pipeline(cfg, model) -> str:
+    """What ``chipset train --print-schedule`` prints: the split, then the checked schedule.
+
+    ``model``: the run's model bound to its family, built on the meta device (shapes only: no
+    memory, no initialisation cost; ``chipset.models.family.meta_model``)."""
+    par = cfg.parallel
+    sched = schedule_for(par)
+    specs = split_units(model, par.pp * par.virtual_stages, par.pipeline_split)
+    units = model.pipeline_units()
+    how = "explicit: " + par.pipeline_split if par.pipeline_split else "balanced by parameter count"
+    lines = [f"pipeline split ({how}):"]
+    for spec in specs:
+        n = sum(p.numel() for m in units[spec.first:spec.last] for p in m.parameters())
+        rank, chunk = sched.locate(spec.virtual_stage)
+        chunk_txt = f", chunk {chunk}" if sched.virtual_stages > 1 else ""
+        lines.append(f"  virtual stage {spec.virtual_stage} (rank {rank}{chunk_txt}): {spec.describe()}  [{n} params]")
+    return "\n".join(lines) + "\n\n" + render(sched)

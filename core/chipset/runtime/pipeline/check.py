@@ -1,0 +1,252 @@
+"""Check a pipeline schedule before anything runs: a small simulator of every rank at once.
+
+Two passes, each raising :class:`ScheduleError` (a ConfigError: exit 2) that names the
+rank, the instruction index and the instruction:
+
+1. Per rank, in order: every (chunk, micro-batch) is run forward once and backward once,
+   backward after forward; a forward on a non-first virtual stage comes after its
+   activation was received, a backward on a non-last one after its gradient was
+   received; sends come after the compute that produces them; peers are the neighbouring
+   virtual stages' ranks.
+2. All ranks together, under the strictest transport semantics (a transfer completes
+   only once both sides have posted it; a batch of consecutive transfers blocks until all
+   of it completes; the n-th send on an ordered pair of ranks meets the n-th receive).
+   Anything that cannot make progress is a deadlock; a send meeting a receive of another
+   kind, micro-batch or stage is a mismatch. A schedule that passes under these
+   semantics also runs under laxer (buffered) ones.
+
+The same simulation times every compute instruction (forward = 1, backward = 2 units by
+default) and so gives the schedule's bubble and a printable timeline.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from chipset.errors import ConfigError
+from chipset.runtime.pipeline.schedules import Instruction, Op, PipelineSchedule
+
+__all__ = ["ScheduleError", "SimResult", "check_schedule", "render"]
+
+
+class ScheduleError(ConfigError):
+    """A pipeline schedule would deadlock, mismatch transfers or compute out of order."""
+
+
+@dataclass
+class SimResult:
+    """Timing of a checked schedule: ``spans[r]`` = [(start, end, instruction)] of rank r's compute."""
+
+    schedule: PipelineSchedule
+    spans: list[list[tuple[float, float, Instruction]]] = field(default_factory=list)
+    makespan: float = 0.0
+    forward_cost: float = 1.0
+    backward_cost: float = 2.0
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over ideal time (m*v*(f+b) per rank), as docs/formulas.md defines the bubble."""
+        s = self.schedule
+        ideal = s.micro_batches * s.virtual_stages * (self.forward_cost + self.backward_cost)
+        return (self.makespan - ideal) / ideal
+
+    def timeline(self) -> str:
+        s = self.schedule
+        width = max(len(ins.cell(s.virtual_stages)) for spans in self.spans for _, _, ins in spans) + 1
+        cols = int(round(self.makespan))
+        rows = []
+        for r, spans in enumerate(self.spans):
+            cells = ["." * 1 + " " * (width - 1)] * cols
+            for start, end, ins in spans:
+                label = ins.cell(s.virtual_stages)
+                for t in range(int(round(start)), int(round(end))):
+                    cells[t] = label.ljust(width)
+            rows.append(f"  rank {r}: " + "".join(cells).rstrip())
+        return "\n".join(rows)
+
+
+def _fail(schedule: PipelineSchedule, rank: int, index: int, ins: Instruction | None, problem: str) -> ScheduleError:
+    where = f"rank {rank}, instruction {index} ({ins})" if ins is not None else f"rank {rank}"
+    return ScheduleError(
+        f"pipeline schedule {schedule.name!r} (p={schedule.stages}, m={schedule.micro_batches}, "
+        f"v={schedule.virtual_stages}) is broken at {where}: {problem}. "
+        "Fix the schedule generator, or choose another parallel.schedule"
+    )
+
+
+def _static_check(s: PipelineSchedule) -> None:
+    p, m, v = s.stages, s.micro_batches, s.virtual_stages
+    last = s.num_virtual - 1
+    if len(s.ranks) != p:
+        raise ScheduleError(f"pipeline schedule {s.name!r} lists {len(s.ranks)} ranks, expected {p}")
+    for r, instrs in enumerate(s.ranks):
+        done_f, done_b, got_act, got_grad = set(), set(), set(), set()
+        for i, ins in enumerate(instrs):
+            key = (ins.chunk, ins.mb)
+            if not (0 <= ins.chunk < v and 0 <= ins.mb < m):
+                raise _fail(s, r, i, ins, f"chunk must be in [0, {v}) and micro-batch in [0, {m})")
+            vs = s.virtual_stage(r, ins.chunk)
+            if not ins.op.is_compute:
+                want = {Op.SEND_ACT: vs + 1, Op.RECV_ACT: vs - 1, Op.SEND_GRAD: vs - 1, Op.RECV_GRAD: vs + 1}[ins.op]
+                if not 0 <= want <= last:
+                    raise _fail(s, r, i, ins, f"virtual stage {vs} has no neighbour {want} to transfer with")
+                if ins.peer != s.locate(want)[0]:
+                    raise _fail(s, r, i, ins, f"peer must be rank {s.locate(want)[0]} (virtual stage {want})")
+            if ins.op is Op.FORWARD:
+                if key in done_f:
+                    raise _fail(s, r, i, ins, "this forward already ran")
+                if vs > 0 and key not in got_act:
+                    raise _fail(s, r, i, ins, "forward before its input activation was received (RECV_ACT)")
+                done_f.add(key)
+            elif ins.op is Op.BACKWARD:
+                if key in done_b:
+                    raise _fail(s, r, i, ins, "this backward already ran")
+                if key not in done_f:
+                    raise _fail(s, r, i, ins, "backward before its forward")
+                if vs < last and key not in got_grad:
+                    raise _fail(s, r, i, ins, "backward before its output gradient was received (RECV_GRAD)")
+                done_b.add(key)
+            elif ins.op is Op.SEND_ACT and key not in done_f:
+                raise _fail(s, r, i, ins, "activation sent before the forward that produces it")
+            elif ins.op is Op.SEND_GRAD and key not in done_b:
+                raise _fail(s, r, i, ins, "gradient sent before the backward that produces it")
+            elif ins.op is Op.RECV_ACT:
+                got_act.add(key)
+            elif ins.op is Op.RECV_GRAD:
+                got_grad.add(key)
+        everything = {(c, mb) for c in range(v) for mb in range(m)}
+        for what, done in (("forward", done_f), ("backward", done_b)):
+            if done != everything:
+                c, mb = min(everything - done)
+                raise _fail(s, r, len(instrs), None, f"never runs the {what} of chunk {c}, micro-batch {mb}")
+
+
+def _edge(s: PipelineSchedule, rank: int, ins: Instruction) -> tuple[str, int, int]:
+    """What a transfer carries: (kind, micro-batch, lower virtual stage of the edge)."""
+    vs = s.virtual_stage(rank, ins.chunk)
+    if ins.op is Op.SEND_ACT:
+        return ("activation", ins.mb, vs)
+    if ins.op is Op.RECV_ACT:
+        return ("activation", ins.mb, vs - 1)
+    if ins.op is Op.SEND_GRAD:
+        return ("gradient", ins.mb, vs - 1)
+    return ("gradient", ins.mb, vs)
+
+
+def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_cost: float = 2.0) -> SimResult:
+    """Raise :class:`ScheduleError` unless ``s`` is well-formed and deadlock-free; return its timing."""
+    _static_check(s)
+    p = s.stages
+    pc = [0] * p  # next instruction per rank
+    clock = [0.0] * p
+    res = SimResult(s, [[] for _ in range(p)], forward_cost=forward_cost, backward_cost=backward_cost)
+    # FIFO of posted-but-unmatched transfers per ordered (src, dst) pair, per side.
+    sends: dict[tuple[int, int], deque] = defaultdict(deque)
+    recvs: dict[tuple[int, int], deque] = defaultdict(deque)
+    posted: list[list | None] = [None] * p  # the open batch per rank: [[op_state...], post_time]
+    n_sent: dict[tuple[int, int], int] = defaultdict(int)
+    n_recv: dict[tuple[int, int], int] = defaultdict(int)
+
+    def post_batch(r: int) -> None:
+        instrs = s.ranks[r]
+        ops = []
+        while pc[r] < len(instrs) and not instrs[pc[r]].op.is_compute:
+            ins = instrs[pc[r]]
+            state = {"rank": r, "index": pc[r], "ins": ins, "done_at": None, "t": clock[r]}
+            if ins.op.is_send:
+                pair = (r, ins.peer)
+                state["seq"] = n_sent[pair]
+                n_sent[pair] += 1
+                mine, theirs = sends[pair], recvs[pair]
+            else:
+                pair = (ins.peer, r)
+                state["seq"] = n_recv[pair]
+                n_recv[pair] += 1
+                mine, theirs = recvs[pair], sends[pair]
+            if theirs:
+                other = theirs.popleft()
+                a, b = (state, other) if ins.op.is_send else (other, state)
+                ea, eb = _edge(s, a["rank"], a["ins"]), _edge(s, b["rank"], b["ins"])
+                if ea != eb:
+                    raise _fail(
+                        s, r, pc[r], ins,
+                        f"transfer #{state['seq']} between ranks {a['rank']} -> {b['rank']} pairs "
+                        f"rank {a['rank']} instruction {a['index']} ({a['ins']}, the {ea[0]} of micro-batch {ea[1]} "
+                        f"leaving virtual stage {ea[2]}) with rank {b['rank']} instruction {b['index']} "
+                        f"({b['ins']}, expecting the {eb[0]} of micro-batch {eb[1]} leaving virtual stage {eb[2]})",
+                    )
+                t = max(state["t"], other["t"])
+                state["done_at"] = other["done_at"] = t
+            else:
+                mine.append(state)
+            ops.append(state)
+            pc[r] += 1
+        posted[r] = ops
+
+    while True:
+        progressed = False
+        for r in range(p):
+            instrs = s.ranks[r]
+            while True:
+                if posted[r] is not None:
+                    ops = posted[r]
+                    if any(o["done_at"] is None for o in ops):
+                        break
+                    clock[r] = max([clock[r]] + [o["done_at"] for o in ops])
+                    posted[r] = None
+                    progressed = True
+                    continue
+                if pc[r] >= len(instrs):
+                    break
+                ins = instrs[pc[r]]
+                if ins.op.is_compute:
+                    cost = forward_cost if ins.op is Op.FORWARD else backward_cost
+                    res.spans[r].append((clock[r], clock[r] + cost, ins))
+                    clock[r] += cost
+                    pc[r] += 1
+                else:
+                    post_batch(r)
+                progressed = True
+        if all(pc[r] >= len(s.ranks[r]) and posted[r] is None for r in range(p)):
+            break
+        if not progressed:
+            blocked = []
+            for r in range(p):
+                for o in posted[r] or []:
+                    if o["done_at"] is None:
+                        blocked.append(f"rank {r} instruction {o['index']} ({o['ins']}) waits for rank {o['ins'].peer}")
+                        break
+            first = next(r for r in range(p) if posted[r] is not None)
+            o = next(o for o in posted[first] if o["done_at"] is None)
+            raise _fail(s, first, o["index"], o["ins"],
+                        "deadlock: no rank can make progress; " + "; ".join(blocked))
+    res.makespan = max(clock)
+    return res
+
+
+def render(schedule: PipelineSchedule) -> str:
+    """Readable form of ``schedule``, checked: the header, a per-rank timeline, then every rank's
+    instruction list (what ``chipset train --print-schedule`` prints)."""
+    sim = check_schedule(schedule)
+    lines = [
+        f"pipeline schedule {schedule.name}: {schedule.stages} ranks, {schedule.micro_batches} micro-batches, "
+        f"{schedule.virtual_stages} chunk(s) per rank",
+        f"checked: deadlock-free, every send matches its receive; simulated bubble {sim.bubble:.3f} "
+        f"(theory {schedule.theoretical_bubble():.3f}) with forward = 1, backward = 2 time units",
+        "",
+        "timeline (one column per time unit; . = idle):",
+        sim.timeline(),
+        "",
+    ]
+    for r, instrs in enumerate(schedule.ranks):
+        lines.append(f"rank {r} ({len(instrs)} instructions):")
+        batch_open = False
+        for i, ins in enumerate(instrs):
+            is_xfer = not ins.op.is_compute
+            joined = is_xfer and batch_open
+            lines.append(f"  {i:>3}  {'+ ' if joined else '  '}{ins}")
+            batch_open = is_xfer
+        lines.append("")
+    lines.append("'+' marks a transfer posted in the same batch as the line above.")
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""Pipeline schedules as data: one function per schedule, returning per-rank instruction lists.
+
+A schedule is a :class:`PipelineSchedule`: for each pipeline rank, the ordered list of
+:class:`Instruction` it executes in one optimizer step. Nothing here runs a model; the
+runtime (:mod:`chipset.runtime.pipeline.engine`) interprets the lists and the checker
+(:mod:`chipset.runtime.pipeline.check`) proves them deadlock-free first.
+
+Vocabulary:
+
+* ``p`` pipeline ranks, ``v`` model chunks per rank (virtual stages; 1 except for
+  interleaved 1F1B), ``m`` micro-batches. Chunk ``c`` of rank ``r`` is virtual stage
+  ``c*p + r``; activations flow from virtual stage ``s`` to ``s+1``, gradients back.
+  Virtual stage 0 holds the embedding, the last one the head and the loss.
+* Compute: ``FORWARD``/``BACKWARD`` of (chunk, micro-batch).
+* Transfers: ``SEND_ACT``/``RECV_ACT`` (activations forward), ``SEND_GRAD``/``RECV_GRAD``
+  (their gradients backward); ``peer`` is the other side's pipeline rank.
+* Batching rule: a maximal run of consecutive transfers is posted together as one
+  batched send/recv and waited on as a whole. Between transfers on one ordered pair of
+  ranks, the n-th send matches the n-th receive (FIFO), which the checker verifies.
+
+Every schedule is built the same way: a per-rank order of groups of compute
+instructions, then :func:`with_transfers` puts the receives a group needs right before
+it and the sends it produces right after it, so the sends of one group and the receives
+of the next share a batch (Megatron's ``send_forward_recv_backward`` pairing, derived,
+not hand-written).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from chipset.errors import ConfigError
+
+__all__ = [
+    "Op",
+    "Instruction",
+    "PipelineSchedule",
+    "SCHEDULES",
+    "gpipe",
+    "one_f_one_b",
+    "interleaved_1f1b",
+    "make_schedule",
+    "with_transfers",
+]
+
+
+class Op(str, Enum):
+    FORWARD = "FORWARD"
+    BACKWARD = "BACKWARD"
+    SEND_ACT = "SEND_ACT"
+    RECV_ACT = "RECV_ACT"
+    SEND_GRAD = "SEND_GRAD"
+    RECV_GRAD = "RECV_GRAD"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Op.FORWARD, Op.BACKWARD)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (Op.SEND_ACT, Op.SEND_GRAD)
+
+
+_SHORT = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.SEND_ACT: "send act", Op.RECV_ACT: "recv act",
+          Op.SEND_GRAD: "send grad", Op.RECV_GRAD: "recv grad"}
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step of one rank: compute on (chunk, micro-batch), or a transfer with ``peer``."""
+
+    op: Op
+    mb: int
+    chunk: int = 0
+    peer: int | None = None
+    """The other side's pipeline rank (transfers only)."""
+
+    def __str__(self) -> str:
+        where = f"mb {self.mb}" + (f" chunk {self.chunk}" if self.chunk else "")
+        if self.op.is_compute:
+            return f"{self.op.value} {where}"
+        arrow = "->" if self.op.is_send else "<-"
+        return f"{self.op.value} {where} {arrow} rank {self.peer}"
+
+    def cell(self, chunks: int) -> str:
+        """Short label for timelines: ``F3`` (``F3.1`` for chunk 1 when there are chunks)."""
+        return f"{_SHORT[self.op]}{self.mb}" + (f".{self.chunk}" if chunks > 1 else "")
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """Per-rank instruction lists of one optimizer step (``ranks[r]`` for pipeline rank r)."""
+
+    name: str
+    stages: int
+    """Pipeline ranks p."""
+    micro_batches: int
+    virtual_stages: int
+    """Model chunks per rank v."""
+    ranks: tuple[tuple[Instruction, ...], ...]
+
+    @property
+    def num_virtual(self) -> int:
+        return self.stages * self.virtual_stages
+
+    def virtual_stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.stages + rank
+
+    def locate(self, virtual_stage: int) -> tuple[int, int]:
+        """(rank, chunk) holding ``virtual_stage``."""
+        return virtual_stage % self.stages, virtual_stage // self.stages
+
+    def theoretical_bubble(self) -> float:
+        """docs/formulas.md: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved."""
+        return (self.stages - 1) / (self.virtual_stages * self.micro_batches)
+
+def _fwd(chunk: int, mb: int) -> Instruction:
+    return Instruction(Op.FORWARD, mb, chunk)
+
+
+def _bwd(chunk: int, mb: int) -> Instruction:
+    return Instruction(Op.BACKWARD, mb, chunk)
+
+
+def with_transfers(name: str, p: int, m: int, v: int, compute: list[list[tuple[Instruction, ...]]]) -> PipelineSchedule:
+    """Insert transfers around groups of compute instructions: receives before, sends after.
+
+    ``compute[r]`` is rank r's order as groups run back to back (usually one instruction;
+    interleaved 1F1B's steady state pairs a forward with a backward). The transfers
+    between two groups (the sends of the one, the receives of the next) form one batch.
+    """
+    last = p * v - 1
+    ranks = []
+    for r, groups in enumerate(compute):
+        out: list[Instruction] = []
+        for group in groups:
+            recvs, sends = [], []
+            for ins in group:
+                vs = ins.chunk * p + r
+                prev_rank, next_rank = (vs - 1) % p, (vs + 1) % p
+                if ins.op is Op.FORWARD:
+                    if vs > 0:
+                        recvs.append(Instruction(Op.RECV_ACT, ins.mb, ins.chunk, prev_rank))
+                    if vs < last:
+                        sends.append(Instruction(Op.SEND_ACT, ins.mb, ins.chunk, next_rank))
+                else:
+                    if vs < last:
+                        recvs.append(Instruction(Op.RECV_GRAD, ins.mb, ins.chunk, next_rank))
+                    if vs > 0:
+                        sends.append(Instruction(Op.SEND_GRAD, ins.mb, ins.chunk, prev_rank))
+            out += recvs + list(group) + sends
+        ranks.append(tuple(out))
+    return PipelineSchedule(name, p, m, v, tuple(ranks))
+
+
+def _check_sizes(p: int, m: int, v: int = 1) -> None:
+    if p < 1 or m < 1 or v < 1:
+        raise ConfigError(f"pipeline schedule needs ranks, micro-batches and chunks >= 1; found p={p}, m={m}, v={v}")
+
+
+def gpipe(p: int, m: int) -> PipelineSchedule:
+    """GPipe: every forward, then every backward (all m micro-batches' activations live at once)."""
+    _check_sizes(p, m)
+    compute = [[(_fwd(0, i),) for i in range(m)] + [(_bwd(0, i),) for i in range(m)] for _ in range(p)]
+    return with_transfers("gpipe", p, m, 1, compute)
+
+
+def one_f_one_b(p: int, m: int) -> PipelineSchedule:
+    """1F1B (PipeDream-flush): p-r-1 warm-up forwards, then alternate, then drain backwards.
+
+    Rank r holds at most p-r micro-batches' activations instead of m.
+    """
+    _check_sizes(p, m)
+    compute = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        order = [(_fwd(0, i),) for i in range(warm)]
+        for i in range(m - warm):
+            order += [(_fwd(0, warm + i),), (_bwd(0, i),)]
+        order += [(_bwd(0, i),) for i in range(m - warm, m)]
+        compute.append(order)
+    return with_transfers("1f1b", p, m, 1, compute)
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> PipelineSchedule:
+    """Interleaved 1F1B (Narayanan et al. 2021): v chunks per rank, micro-batches in groups of p.
+
+    The k-th forward of a rank runs chunk ``(k // p) % v`` on micro-batch
+    ``(k // (p*v)) * p + k % p``; backwards walk the chunks in reverse. Warm-up is
+    ``2*(p-r-1) + (v-1)*p`` forwards (Megatron-LM's count), capped at ``m*v``.
+    """
+    _check_sizes(p, m, v)
+    if m % p:
+        raise ConfigError(
+            f"interleaved_1f1b needs micro_batches ({m}) divisible by pipeline ranks ({p}); "
+            f"set parallel.micro_batches to a multiple of {p}"
+        )
+    total = m * v
+
+    def fwd(k: int) -> Instruction:
+        return _fwd((k // p) % v, (k // (p * v)) * p + k % p)
+
+    def bwd(k: int) -> Instruction:
+        return _bwd(v - 1 - (k // p) % v, (k // (p * v)) * p + k % p)
+
+    compute = []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+        order = [(fwd(k),) for k in range(warm)]
+        # Steady state: a forward and a backward back to back, their four transfers in one
+        # batch (strict-rendezvous deadlock freedom needs this pairing; the checker proves it).
+        for i in range(total - warm):
+            order.append((fwd(warm + i), bwd(i)))
+        order += [(bwd(k),) for k in range(total - warm, total)]
+        compute.append(order)
+    return with_transfers("interleaved_1f1b", p, m, v, compute)
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def make_schedule(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
+    """The schedule ``name`` (one of :data:`SCHEDULES`) for p ranks, m micro-batches, v chunks."""
+    if name == "gpipe":
+        sched = gpipe(p, m)
+    elif name == "1f1b":
+        sched = one_f_one_b(p, m)
+    elif name == "interleaved_1f1b":
+        sched = interleaved_1f1b(p, m, v)
+    else:
+        raise ConfigError(f"parallel.schedule = {name!r}: expected one of {', '.join(SCHEDULES)}")
+    if name != "interleaved_1f1b" and v != 1:
+        raise ConfigError(
+            f"parallel.virtual_stages = {v}: only interleaved_1f1b runs several chunks per rank; "
+            f"set parallel.virtual_stages=1 or parallel.schedule=interleaved_1f1b"
+        )
+    return sched

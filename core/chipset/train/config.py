@@ -1,0 +1,705 @@
+"""Typed run configuration: TOML file + ``--set section.key=value`` overrides -> dataclasses.
+
+The file, the command-line overrides and the Python API all land in the same
+dataclasses (:class:`RunConfig` and its sections). Every problem found is collected and
+raised together as one :class:`chipset.ConfigError` (exit code 2) that names the key,
+the value found and what was expected.
+
+TOML is read with the standard library's ``tomllib`` (Python >= 3.11) or the ``tomli``
+package on Python 3.10.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from chipset.errors import ConfigError
+from chipset.models.config import ROUTERS, ModelConfig
+from chipset.parallel.recompute import RECOMPUTE
+from chipset.preflight import read_text_file, value_problems
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "DataConfig",
+    "RunConfig",
+    "load_config",
+    "resolve_config",
+    "parse_overrides",
+    "to_toml",
+    "DTYPES",
+    "RECOMPUTE",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+DATA_SOURCES = ("synthetic", "text", "tokens", "hf", "images")
+LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
+
+
+@dataclass
+class ParallelConfig:
+    """How the job is split across ranks: dp (with zero 0..3), tp (+ sequence parallel), pp, cp and ep in any combination (dp*tp*pp*cp is the world size; ep groups are carved out of dp*cp)."""
+
+    dp: int = 0
+    """Data-parallel degree; 0 means world size / (tp*pp*cp)."""
+    tp: int = 1
+    """Tensor-parallel degree: attention heads, kv heads and the MLP width are split over tp ranks; must divide each."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model is cut into pp stages (embedding first, head+loss last), see schedule."""
+    ep: int = 1
+    """Expert-parallel degree: experts sharded over ep ranks carved out of dp x cp (needs model.num_experts divisible by ep)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over cp ranks (2*cp chunks, load-balanced causal attention)."""
+    zero: int = 0
+    """ZeRO stage: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters."""
+    micro_batches: int = 1
+    """Gradient-accumulation micro-batches per step; gradients are communicated after the last."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB for zero 0..2 (zero 3 uses one bucket per layer)."""
+    offload_optimizer: bool = False
+    """Keep the fp32 master weights and Adam state on the host (ZeRO-Offload style)."""
+    sequence_parallel: bool = False
+    """With tp > 1: split norm regions along the sequence over tp (reduce-scatter/all-gather instead of all-reduce)."""
+    cp_attention: str = "allgather"
+    """With cp > 1: allgather (all-gather K/V over cp) or ring (pass K/V blocks around the cp ring, online softmax)."""
+    schedule: str = "1f1b"
+    """With pp > 1: pipeline schedule gpipe, 1f1b or interleaved_1f1b (docs/engine.md, `chipset train --print-schedule`)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank; > 1 only with schedule interleaved_1f1b (bubble (pp-1)/(v*m))."""
+    pipeline_split: str = ""
+    """Blocks per virtual stage, e.g. "3,1" (pp*virtual_stages entries); empty = balanced by parameter count."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 20
+    """Optimizer steps to run."""
+    global_batch: int = 8
+    """Sequences per optimizer step across all data-parallel ranks and micro-batches."""
+    seq_len: int = 16
+    """Tokens per sequence."""
+    lr: float = 1e-2
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (from lr/warmup_steps to lr) before the schedule."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant, linear (to min_lr at the last step), cosine (to min_lr) or wsd (stable at lr, then linear to min_lr over the last decay_fraction of the steps)."""
+    min_lr: float = 0.0
+    """The learning rate the linear, cosine and wsd schedules end at."""
+    decay_fraction: float = 0.2
+    """wsd: fraction of the post-warm-up steps spent decaying."""
+    weight_decay: float = 0.0
+    """Decoupled AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seed of parameter initialisation and data."""
+    dtype: str = "float32"
+    """Compute dtype: float32, bfloat16 or float16 (master weights stay float32)."""
+    loss_scale: float = 0.0
+    """float16 only: 0 = dynamic loss scaling, > 0 = this fixed scale."""
+    initial_loss_scale: float = 2.0**16
+    """float16 dynamic scaling: the starting scale."""
+    loss_scale_window: int = 1000
+    """float16 dynamic scaling: clean steps before the scale doubles."""
+    hysteresis: int = 2
+    """float16 dynamic scaling: overflows tolerated before the scale halves."""
+    min_loss_scale: float = 1.0
+    """float16 dynamic scaling: the floor of the scale."""
+    recompute: str = "none"
+    """Activation recompute: none, selective (attention core) or full (whole blocks)."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (regional compilation) using the compile backend the backend plugin declares; refused (exit 2) where it declares none."""
+    eval_every: int = 0
+    """Evaluate on held-out data every N steps and after the last step (0 = never); see data.eval_path / data.eval_fraction."""
+    eval_steps: int = 10
+    """Batches of train.global_batch sequences per evaluation."""
+    log_every: int = 1
+    """Print a progress line every N steps on rank 0."""
+    checkpoint_every: int = 500
+    """Write a checkpoint to RUN_DIR/checkpoints every N steps and after the last step (0 = never).
+
+    On by default so a crash loses at most N steps; see docs/fault-tolerance.md for why 500."""
+    keep_checkpoints: int = 3
+    """Keep only the newest N complete checkpoints (0 = keep all)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in a background thread so training continues (the state is copied to host first)."""
+    profile_steps: str = ""
+    """Steps FIRST:LAST (1-based, inclusive) to record a torch.profiler Chrome trace per rank into RUN_DIR/traces; empty = off."""
+    max_nonfinite_steps: int = 20
+    """Stop the run (exit 1) after this many consecutive steps with a NaN/inf loss or a skipped (overflowed) update; 0 = never."""
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    source: str = "synthetic"
+    """Token source: synthetic (a seeded, learnable token stream), text (bytes of local text files, vocab 256) tokens (a folder made by `chipset data prepare`, or a flat uint16 .bin file) or hf (a local Hugging Face dataset saved with save_to_disk, tokenized once with data.tokenizer into a cache; needs the datasets package). Image families: synthetic, or images (data.path: one sub-folder of images per class; needs Pillow)."""
+    path: str = ""
+    """text: a file or folder of .py/.txt/.md/.rst files (empty = the Python standard library's sources); tokens: the prepared folder or .bin file; hf: the saved dataset folder; images: a folder of class sub-folders. Relative paths in a config file are resolved against the file's folder."""
+    max_bytes: int = 1 << 20
+    """text: read at most this many bytes."""
+    tokenizer: str = ""
+    """hf: the tokenizer.json (or a model directory holding one) that tokenizes the dataset."""
+    field: str = "text"
+    """hf: the dataset column holding the text."""
+    seed: int = 0
+    """Seed of the data stream (independent of train.seed)."""
+    eval_path: str = ""
+    """Held-out data for evaluation, in the same form as data.path (tokens: a prepared folder or .bin file); empty = use data.eval_fraction."""
+    eval_fraction: float = 0.0
+    """tokens: hold out this fraction of the data.path windows for evaluation (the end of the stream, never trained on); synthetic: evaluate on sequences of the same walk that training never reads."""
+
+
+@dataclass
+class RunConfig:
+    """One training run: every section plus where it writes."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config") -> RunConfig:
+        problems: list[str] = []
+        cfg = cls()
+        _apply(cfg, raw, where, problems)
+        if problems:
+            raise ConfigError(_format(problems, where))
+        return cfg
+
+    def validate(self, world_size: int | None = None, dtypes: tuple[str, ...] | None = None) -> RunConfig:
+        """Check cross-field rules; fill ``parallel.dp`` when 0. Raises ConfigError listing every problem.
+
+        ``world_size``: the job's number of ranks (None: skip the degree product check).
+        ``dtypes``: dtype names the backend supports (None: skip).
+        """
+        problems = validate(self, world_size, dtypes)
+        if problems:
+            raise ConfigError(_format(problems, "config"))
+        return self
+
+
+# --- parsing ---------------------------------------------------------------------
+
+SECTIONS = {f.name: f.default_factory for f in fields(RunConfig)}  # type: ignore[misc]
+
+KEY_ALIASES = {
+    "model.top_k": "model.num_experts_per_tok",
+    "model.aux_loss_coef": "model.router_aux_loss_coef",
+}
+"""Old chipset key -> its Hugging Face name. The old names are still read (config files, ``--set``,
+a run directory's saved config) with a deprecation warning, for one release after 0.1."""
+
+
+def canonical_key(full: str) -> str:
+    """``section.key`` under its current name (an alias maps to the key it stands for)."""
+    return KEY_ALIASES.get(full, full)
+
+
+def _alias_clashes(section: str, body: dict[str, Any]) -> list[str]:
+    """One key given under both its old and its new name in the same table: which one wins is a guess."""
+    return [f"{old} and {new} both given ({body[old.split('.', 1)[1]]!r} and {body[new.split('.', 1)[1]]!r}): "
+            f"{old} is the deprecated name of {new}; keep only {new}"
+            for old, new in KEY_ALIASES.items()
+            if old.startswith(section + ".") and old.split(".", 1)[1] in body and new.split(".", 1)[1] in body]
+
+
+def _field_types(obj: Any) -> dict[str, type]:
+    return get_type_hints(type(obj))
+
+
+def _coerce(value: Any, typ: type, key: str, problems: list[str]) -> Any:
+    """Check ``value`` against ``typ`` (int/float/bool/str), accepting ints for floats."""
+    ok = False
+    if typ is bool:
+        ok = isinstance(value, bool)
+    elif typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+    elif typ is str:
+        ok = isinstance(value, str)
+    if not ok:
+        problems.append(f"{key} = {value!r}: expected {typ.__name__}, found {type(value).__name__}")
+        return None
+    return value
+
+
+def _did_you_mean(word: str, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _apply(cfg: RunConfig, raw: dict[str, Any], where: str, problems: list[str]) -> None:
+    if not isinstance(raw, dict):
+        problems.append(f"expected a table of sections, found {type(raw).__name__}")
+        return
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            problems.append(
+                f"[{section}]: unknown section{_did_you_mean(section, SECTIONS)}; expected one of {', '.join(SECTIONS)}"
+            )
+            continue
+        if not isinstance(body, dict):
+            problems.append(f"[{section}] = {body!r}: expected a table of keys, found {type(body).__name__}")
+            continue
+        target = getattr(cfg, section)
+        types = _field_types(target)
+        clashes = _alias_clashes(section, body)
+        problems += clashes
+        if clashes:
+            continue
+        for key, value in body.items():
+            full = f"{section}.{key}"
+            if full in KEY_ALIASES:
+                full = KEY_ALIASES[full]
+                log.warning("%s: %s.%s is deprecated and will be removed in the next release; use %s "
+                            "(the Hugging Face name)", where, section, key, full)
+                key = full.split(".", 1)[1]
+            if key not in types:
+                problems.append(
+                    f"{full}: unknown key (value {value!r}){_did_you_mean(key, types)}; "
+                    f"valid keys in [{section}]: {', '.join(types)}"
+                )
+                continue
+            if full == "train.dtype" and value in DTYPE_ALIASES:
+                value = DTYPE_ALIASES[value]
+            v = _coerce(value, types[key], full, problems)
+            if v is not None:
+                setattr(target, key, v)
+
+
+def _parse_scalar(text: str) -> Any:
+    """A ``--set`` value: TOML scalar syntax, or a bare string."""
+    try:
+        return _toml_loads(f"v = {text}")["v"]
+    except Exception:
+        return text
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    """``["train.steps=5", "parallel.zero=3"]`` -> ``{"train": {"steps": 5}, "parallel": {"zero": 3}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    problems = []
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            problems.append(f"--set {item!r}: expected section.key=value (e.g. --set train.steps=20)")
+            continue
+        out.setdefault(section, {})[name] = _parse_scalar(value.strip())
+    if problems:
+        raise ConfigError(_format(problems, "--set"))
+    return out
+
+
+def _toml_loads(text: str) -> dict:
+    try:
+        import tomllib  # Python >= 3.11
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise ConfigError(
+                "reading TOML configs on Python 3.10 needs the 'tomli' package: pip install tomli "
+                "(or use Python >= 3.11, whose standard library has tomllib)"
+            ) from None
+    return tomllib.loads(text)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``--set`` overrides."""
+    cfg, problems = _load(path, overrides)
+    if problems:
+        raise ConfigError(_format(problems, _where(path, overrides)))
+    return cfg
+
+
+def resolve_config(path: str | Path | None, overrides: list[str] | None, *, world_size: int,
+                   dtypes: tuple[str, ...] | None = None) -> RunConfig:
+    """:func:`load_config` plus :meth:`RunConfig.validate`, reporting every problem of both at once."""
+    cfg, problems = _load(path, overrides)
+    problems += validate(cfg, world_size, dtypes)
+    if problems:
+        raise ConfigError(_format(problems, _where(path, overrides)))
+    return cfg
+
+
+def _where(path, overrides) -> str:
+    parts = ([str(path)] if path else []) + (["--set"] if overrides else [])
+    return " + ".join(parts) or "defaults"
+
+
+def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConfig, list[str]]:
+    problems: list[str] = []
+    cfg = RunConfig()
+    if path is not None:
+        p = Path(path)
+        text = read_text_file(p, "config file", "a TOML config file (docs/config.md)")
+        try:
+            raw = _toml_loads(text)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+        _apply(cfg, raw, str(p), problems)
+        # A relative data path in a file means "next to this file", wherever chipset is run from.
+        _absolute_data_paths(cfg, p.parent)
+    _apply(cfg, parse_overrides(overrides), "--set", problems)
+    # ... and one given with --set means "from here": stored absolute, so the run directory's
+    # config.toml (read again by the ranks and by a rerun) points at the same data.
+    _absolute_data_paths(cfg, Path.cwd())
+    hf_paths = [p for p in (cfg.model.hf_config, cfg.model.init_from) if p]
+    if hf_paths and all(isinstance(p, str) and p.isprintable() for p in hf_paths):  # else validation refuses
+        from chipset.models.hf.config import apply_hf_config  # late: models import this module
+
+        problems += apply_hf_config(cfg.model)
+    return cfg, problems
+
+
+def _absolute_data_paths(cfg: RunConfig, base: Path) -> None:
+    for key in ("path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if isinstance(value, str) and value and value.isprintable() and not Path(value).is_absolute():
+            setattr(cfg.data, key, str((base / value).resolve()))
+
+
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """``train.profile_steps``: ``"a:b"`` -> (a, b), 1-based inclusive; ``""`` -> None; ValueError if malformed."""
+    if not text:
+        return None
+    a, sep, b = text.partition(":")
+    try:
+        first, last = int(a), int(b if sep else a)
+    except ValueError:
+        raise ValueError(f"expected FIRST:LAST step numbers such as 3:5, found {text!r}") from None
+    if first < 1 or last < first:
+        raise ValueError(f"expected 1 <= FIRST <= LAST, found {text!r}")
+    return first, last
+
+
+def validate(cfg: RunConfig, world_size: int | None = None, dtypes: tuple[str, ...] | None = None) -> list[str]:
+    """Every cross-field problem of ``cfg`` as a list of messages (fills ``parallel.dp`` when 0)."""
+    bad_values, bad_keys = value_problems(cfg)
+    if any(isinstance(getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]), int) for k in bad_keys):
+        return bad_values  # cross-field rules would build tables sized by an int beyond int64
+    checked = _validate_ranges(cfg, world_size, dtypes, [])
+    # Keys already refused as non-finite, too large or not one line of text are reported once.
+    return bad_values + [p for p in checked if p.split(" ", 1)[0] not in bad_keys]
+
+
+def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, ...] | None,
+                     problems: list[str]) -> list[str]:
+    """The range and cross-field rules of :func:`validate`."""
+    m, par, tr, da = cfg.model, cfg.parallel, cfg.train, cfg.data
+    builtin = m.family in ("", "transformer")  # the rules on model.* below describe the built-in decoder
+
+    def positive(section: str, obj: Any, *names: str) -> None:
+        for n in names:
+            v = getattr(obj, n)
+            if not v > 0:
+                problems.append(f"{section}.{n} = {v!r}: expected a positive number")
+
+    positive("model", m, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "init_std")
+    positive("parallel", par, "tp", "pp", "ep", "cp", "micro_batches", "bucket_mb")
+    positive("train", tr, "steps", "global_batch", "seq_len", "lr", "eps", "log_every")
+    for name in ("checkpoint_every", "keep_checkpoints"):
+        if getattr(tr, name) < 0:
+            problems.append(f"train.{name} = {getattr(tr, name)!r}: expected an integer >= 0 (0 = {'never' if name == 'checkpoint_every' else 'keep all'})")
+    if tr.max_nonfinite_steps < 0:
+        problems.append(f"train.max_nonfinite_steps = {tr.max_nonfinite_steps!r}: expected an integer >= 0 (0 = never stop)")
+    try:
+        parse_profile_steps(tr.profile_steps)
+    except ValueError as exc:
+        problems.append(f"train.profile_steps = {tr.profile_steps!r}: {exc}")
+    if not builtin:  # the attention and position rules below describe the built-in decoder
+        pass
+    elif m.head_dim < 0 or m.head_dim % 2:
+        problems.append(f"model.head_dim = {m.head_dim!r}: expected an even number, or 0 for hidden_size / heads")
+    elif m.head_dim:
+        pass
+    elif m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        problems.append(
+            f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size ({m.hidden_size})"
+        )
+    elif m.num_attention_heads > 0 and (m.hidden_size // m.num_attention_heads) % 2:
+        problems.append(
+            f"head dim hidden_size/num_attention_heads ({m.hidden_size}/{m.num_attention_heads}) must be even for rotary embeddings"
+        )
+    kv = m.num_key_value_heads or m.num_attention_heads
+    if builtin and (m.num_key_value_heads < 0 or (kv > 0 and m.num_attention_heads % kv)):
+        problems.append(
+            f"model.num_key_value_heads ({m.num_key_value_heads}) must divide model.num_attention_heads ({m.num_attention_heads})"
+        )
+    if builtin and tr.seq_len > m.max_position_embeddings:
+        problems.append(
+            f"train.seq_len ({tr.seq_len}) must be <= model.max_position_embeddings ({m.max_position_embeddings})"
+        )
+    if par.zero not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero = {par.zero!r}: expected a ZeRO stage 0, 1, 2 or 3")
+    if par.dp < 0:
+        problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
+    if builtin:  # other families check their own layout (chipset.models.family)
+        problems += _tp_cp_problems(m, par, tr)
+    # The schedule is built to check it: only for degrees the rules below do not refuse anyway
+    # (pp beyond the world, more micro-batches than sequences).
+    if 1 < par.pp <= (world_size or par.pp) and par.micro_batches <= max(tr.global_batch, 1):
+        # schedule, split and combinations: runtime/pipeline/__init__.py
+        from chipset.runtime.pipeline import pipeline_problems
+
+        problems += pipeline_problems(cfg, builtin)
+    if tr.dtype not in DTYPES:
+        problems.append(f"train.dtype = {tr.dtype!r}: expected one of {', '.join(DTYPES)}")
+    elif dtypes is not None and tr.dtype not in dtypes:
+        problems.append(
+            f"train.dtype = {tr.dtype!r}: the backend does not support it (supported: {', '.join(dtypes)}); choose another dtype"
+        )
+    if tr.lr_schedule not in LR_SCHEDULES:
+        problems.append(f"train.lr_schedule = {tr.lr_schedule!r}: expected one of {', '.join(LR_SCHEDULES)}")
+    if not (math.isfinite(tr.min_lr) and 0 <= tr.min_lr <= tr.lr):
+        problems.append(f"train.min_lr = {tr.min_lr!r}: expected a finite value in [0, train.lr ({tr.lr})]")
+    if not 0 < tr.decay_fraction <= 1:
+        problems.append(f"train.decay_fraction = {tr.decay_fraction!r}: expected a fraction in (0, 1]")
+    if tr.recompute not in RECOMPUTE:
+        problems.append(f"train.recompute = {tr.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    if da.source not in DATA_SOURCES:
+        problems.append(f"data.source = {da.source!r}: expected one of {', '.join(DATA_SOURCES)}")
+    elif da.source == "images" and builtin:
+        problems.append("data.source = 'images' is for an image model family (model.family = \"resnet\"); "
+                        "the built-in transformer reads synthetic, text, tokens or hf")
+    elif da.source == "text" and m.vocab_size < 256:
+        problems.append(
+            f"model.vocab_size ({m.vocab_size}) must be >= 256 for data.source = 'text' (one token per byte); "
+            "set --set model.vocab_size=256"
+        )
+    elif da.source == "tokens":
+        problems += _token_data_problems(da.path, m.vocab_size)
+    elif da.source == "hf":
+        from chipset.data import hf
+
+        hf_problems = hf.problems(da.path, da.tokenizer, da.field)
+        problems += hf_problems or _tokenizer_vocab_problems(da.tokenizer, m.vocab_size)
+    problems += _eval_problems(cfg)
+    if da.max_bytes < 1:
+        problems.append(f"data.max_bytes = {da.max_bytes!r}: expected a positive number of bytes")
+    for name in ("grad_clip", "weight_decay", "loss_scale", "warmup_steps"):
+        v = getattr(tr, name)
+        if v < 0 or (isinstance(v, float) and not math.isfinite(v)):
+            problems.append(f"train.{name} = {v!r}: expected a finite number >= 0")
+    if not (0 <= tr.beta1 < 1 and 0 <= tr.beta2 < 1):
+        problems.append(f"train.beta1/beta2 = {tr.beta1!r}/{tr.beta2!r}: expected values in [0, 1)")
+    if tr.dtype == "float16":
+        if not tr.initial_loss_scale >= tr.min_loss_scale > 0:
+            problems.append(
+                f"train.initial_loss_scale ({tr.initial_loss_scale}) must be >= train.min_loss_scale ({tr.min_loss_scale}) > 0"
+            )
+        if tr.loss_scale_window < 1 or tr.hysteresis < 1:
+            problems.append(
+                f"train.loss_scale_window ({tr.loss_scale_window}) and train.hysteresis ({tr.hysteresis}) must be >= 1"
+            )
+    if world_size is not None and par.dp >= 0 and all(getattr(par, n) > 0 for n in ("tp", "pp", "cp")):
+        other = par.tp * par.pp * par.cp
+        if par.dp == 0:
+            if world_size % other:
+                problems.append(f"tp*pp*cp ({other}) must divide world size ({world_size}); run with a multiple of "
+                                f"{other} ranks, e.g. --nproc {other * max(1, round(world_size / other))}")
+            else:
+                par.dp = world_size // other
+        elif par.dp * other != world_size:
+            problems.append(f"dp*tp*pp*cp ({par.dp * other}) must equal world size ({world_size}); "
+                            f"run with --nproc {par.dp * other} (or set parallel.dp = 0 to use every rank)")
+    dp = par.dp if par.dp > 0 else None
+    if dp and par.micro_batches > 0 and tr.global_batch > 0:
+        if tr.global_batch % (dp * par.micro_batches):
+            problems.append(
+                f"train.global_batch ({tr.global_batch}) must be divisible by dp*micro_batches "
+                f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
+            )
+    if builtin:  # other families check their own layout (chipset.models.family)
+        problems += _moe_problems(m, par)
+    from chipset.models.hf.config import model_problems  # late: models import this module
+
+    if builtin:  # other families check their own layout (chipset.models.family)
+        problems += model_problems(m, tr.seq_len, par.pp, par.zero)
+    return problems
+
+
+def _eval_problems(cfg: RunConfig) -> list[str]:
+    tr, da, par = cfg.train, cfg.data, cfg.parallel
+    problems = []
+    if tr.eval_every < 0 or tr.eval_steps < 1:
+        problems.append(f"train.eval_every/eval_steps = {tr.eval_every!r}/{tr.eval_steps!r}: expected eval_every >= 0 "
+                        "(0 = never) and eval_steps >= 1")
+    if not (isinstance(da.eval_fraction, float | int) and 0 <= da.eval_fraction <= 0.5):
+        problems.append(f"data.eval_fraction = {da.eval_fraction!r}: expected a fraction in [0, 0.5]")
+    if da.eval_path and da.source != "tokens":
+        problems.append(f"data.eval_path is set but data.source = {da.source!r}; eval_path needs data.source = 'tokens'")
+    if da.eval_fraction and da.eval_path:
+        problems.append("data.eval_fraction and data.eval_path are both set; choose one source of held-out data")
+    if tr.eval_every > 0:
+        if da.source == "text":
+            problems.append("train.eval_every needs held-out data: data.source = 'text' has none; "
+                            "prepare the text with `chipset data prepare` and use data.source = 'tokens'")
+        elif da.source in ("tokens", "hf") and not (da.eval_path or da.eval_fraction):
+            problems.append("train.eval_every needs held-out data: set data.eval_path or data.eval_fraction (e.g. 0.05)")
+        if par.pp > 1:
+            problems.append("train.eval_every with parallel.pp > 1 is not supported yet (the pipeline schedules "
+                            "always run backward); evaluate with the same model on a layout without pp")
+        elif da.source == "tokens" and da.eval_path:
+            problems += [p.replace("data.path", "data.eval_path") for p in _token_data_problems(da.eval_path, cfg.model.vocab_size)]
+    return problems
+
+
+def _tokenizer_vocab_problems(tokenizer: str, vocab_size: int) -> list[str]:
+    try:
+        from tokenizers import Tokenizer
+
+        from chipset.data.prepare import tokenizer_file
+
+        vocab = Tokenizer.from_file(str(tokenizer_file(tokenizer))).get_vocab_size(with_added_tokens=True)
+    except Exception as exc:  # noqa: BLE001 - missing package or bad file: say which
+        return [f"data.tokenizer = {tokenizer!r}: cannot be loaded ({exc}); pip install 'chipset[data]' "
+                "and give a tokenizers tokenizer.json"]
+    if vocab > vocab_size:
+        return [f"model.vocab_size ({vocab_size}) is smaller than data.tokenizer's vocabulary ({vocab}); "
+                f"set --set model.vocab_size={vocab}"]
+    return []
+
+
+def _token_data_problems(path: str, vocab_size: int) -> list[str]:
+    if not path:
+        return ["data.path is empty: data.source = 'tokens' needs a folder made by `chipset data prepare` "
+                "or a flat uint16 .bin file"]
+    from chipset.data import open_tokens
+
+    try:
+        store = open_tokens(path)
+    except ConfigError as exc:
+        return [str(exc)]
+    if store.vocab_size is not None and store.vocab_size > vocab_size:
+        return [f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({store.vocab_size}, data.path = {path!r}); set --set model.vocab_size={store.vocab_size}"]
+    return []
+
+
+def _tp_cp_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig) -> list[str]:
+    """Tensor, sequence and context parallelism against the model and the sequence length."""
+    problems = []
+    kv = m.num_key_value_heads or m.num_attention_heads
+    if par.tp > 1:
+        for what, n, key in (("heads", m.num_attention_heads, "num_attention_heads"),
+                             ("kv heads", kv, "num_key_value_heads"),
+                             ("the MLP width", m.intermediate_size, "intermediate_size")):
+            if n > 0 and n % par.tp:
+                problems.append(f"tp ({par.tp}) must divide {what} ({n}) (model.{key}); choose another parallel.tp")
+    if par.cp_attention not in ("allgather", "ring"):
+        problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected allgather or ring")
+    if par.cp > 1 and tr.seq_len > 0 and tr.seq_len % (2 * par.cp):
+        problems.append(
+            f"train.seq_len ({tr.seq_len}) must be divisible by 2*cp ({2 * par.cp}): context parallelism cuts each "
+            "sequence into 2*cp chunks"
+        )
+    elif par.sequence_parallel and par.tp > 1 and par.cp > 0 and tr.seq_len > 0 and (tr.seq_len // par.cp) % par.tp:
+        problems.append(
+            f"train.seq_len/cp ({tr.seq_len}/{par.cp}) must be divisible by tp ({par.tp}) with parallel.sequence_parallel"
+        )
+    return problems
+
+
+def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
+    """Mixture-of-experts keys and their combination with the parallel layout."""
+    problems = []
+    moe = m.num_experts > 1
+    if m.num_experts < 0:
+        problems.append(f"model.num_experts = {m.num_experts!r}: expected 0 (dense) or a number of experts")
+    if m.num_experts_per_tok < 1 or m.moe_every < 1:
+        problems.append(f"model.num_experts_per_tok ({m.num_experts_per_tok}) and model.moe_every "
+                        f"({m.moe_every}) must be >= 1")
+    elif moe and m.num_experts_per_tok > m.num_experts:
+        problems.append(f"model.num_experts_per_tok ({m.num_experts_per_tok}) must be <= model.num_experts "
+                        f"({m.num_experts})")
+    if m.router not in ROUTERS:
+        problems.append(f"model.router = {m.router!r}: expected one of {', '.join(ROUTERS)}")
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if getattr(m, name) < 0:
+            problems.append(f"model.{name} = {getattr(m, name)!r}: expected an integer >= 0 (0 = {'intermediate_size' if name.startswith('moe') else 'no shared expert'})")
+    for name in ("capacity_factor", "router_aux_loss_coef"):
+        v = getattr(m, name)
+        if not (v >= 0 and math.isfinite(v)):
+            problems.append(f"model.{name} = {v!r}: expected a finite number >= 0")
+    if moe and m.num_hidden_layers > 0 and m.moe_every > m.num_hidden_layers:
+        problems.append(
+            f"model.moe_every ({m.moe_every}) > model.num_hidden_layers ({m.num_hidden_layers}) leaves no MoE block; "
+            "lower moe_every or set model.num_experts=0"
+        )
+    if par.ep > 1:
+        if not moe:
+            problems.append(
+                f"parallel.ep = {par.ep} needs a mixture-of-experts model: set model.num_experts to a multiple of {par.ep}"
+            )
+        elif m.num_experts % par.ep:
+            problems.append(f"parallel.ep ({par.ep}) must divide model.num_experts ({m.num_experts})")
+        if par.dp > 0 and par.cp > 0 and (par.dp * par.cp) % par.ep:
+            where = "parallel.dp" if par.cp == 1 else f"dp*cp ({par.dp}*{par.cp})"
+            problems.append(
+                f"parallel.ep ({par.ep}) must divide {where} ({par.dp * par.cp}): expert-parallel groups are carved "
+                "out of the data-parallel (and context-parallel) ranks"
+            )
+    return problems
+
+
+def _format(problems: list[str], where: str) -> str:
+    head = f"invalid configuration ({where}), {len(problems)} problem{'s' if len(problems) != 1 else ''}:"
+    tail = "Fix the config file or the --set overrides; `chipset train --help` lists the options and docs/config.md every key."
+    return "\n".join([head, *(f"  - {p}" for p in problems), tail])
+
+
+# --- writing ------------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML text that :func:`load_config` reads back to an equal config."""
+    lines = []
+    for section, body in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in body.items())
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,220 @@
+"""Per-step observability: what every rank did in a step, gathered on rank 0.
+
+Each rank measures, per step, its wall time, the seconds it was blocked inside chipset
+collectives (``Collective.comm_stats``, counted in the interface's ``_run`` on every
+backend), the bytes and calls per collective type, and its current and peak device
+memory. One small all-gather per step (not itself counted) brings the numbers to rank 0,
+which adds them to the step's ``metrics.jsonl`` record (see docs/observability.md):
+
+- ``compute_s``: wall time outside collectives;
+- ``idle_s``: the part of the blocked time explained by waiting for a slower peer,
+  ``min(comm_blocked, max_r(compute_s) - compute_s)``;
+- ``comm_s``: the rest of the blocked time (moving bytes);
+  so ``compute_s + comm_s + idle_s`` is the rank's step time;
+- ``slowest_rank``: the rank with the most compute time (the one the others waited for);
+- ``mfu``: PaLM model FLOPs utilisation, data/s x (6N + 12LHQT) / (peak x ranks), with
+  the planner's FLOPs count and the device's declared peak for the run dtype (None when
+  the backend declares no peak for it); for another model family, samples/s x the family's
+  ``flops_per_sample`` / (peak x ranks).
+
+Optional outputs: TensorBoard event files under ``RUN_DIR/tensorboard`` when
+``torch.utils.tensorboard`` can be imported, and with ``train.profile_steps = "a:b"`` a
+torch.profiler Chrome trace per rank, ``RUN_DIR/traces/rank<r>.json``, holding chipset's
+own ranges (``chipset::forward``, ``chipset::backward``, ``chipset::optimizer``,
+``chipset::stage<N>.forward``/``.backward`` under pipeline parallelism, one
+``chipset::<op>`` per collective).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chipset.train.config import parse_profile_steps
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OPS", "StepMetrics", "parse_profile_steps"]
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
+       "batch_p2p", "barrier", "other")
+"""Collective types reported per step; ops of any other name are summed under ``other``."""
+
+_FIXED = 4  # step time, blocked seconds, memory allocated, memory peak
+
+
+class StepMetrics:
+    """One rank's per-step metrics; call :meth:`begin_step` / :meth:`end_step` on every rank."""
+
+    def __init__(self, cfg, backend, dims, *, device: torch.device, run_dir: Path | None, rank: int, out) -> None:
+        self.backend = backend
+        self.col = backend.collective
+        self.world = dims.world_size
+        self.rank = rank
+        self.device = device
+        self.run_dir = run_dir
+        self.out = out
+        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self.model_flops_per_token, self.peak_flops = _flops(cfg, backend)
+        self._mfu_sum = 0.0
+        self._mfu_n = 0
+        self._comm_totals: dict[str, list[float]] = {}
+        self._snap: dict[str, tuple[int, int, float]] = {}
+        self._tb = _tensorboard(run_dir) if rank == 0 and run_dir is not None else None
+        self._profile = parse_profile_steps(cfg.train.profile_steps)
+        self._profiler = None
+        self._last_step = cfg.train.steps
+        if self._profile is not None and self._profile[0] > self._last_step and rank == 0:
+            log.warning("no profiler trace: profile_steps %s starts after the run's last step (%d); "
+                        "choose steps within 1:%d", cfg.train.profile_steps, self._last_step, self._last_step)
+
+    # --- the step ----------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Before step ``step`` (0-based) runs: start the profiler if asked, snapshot counters."""
+        if self._profile is not None and step + 1 == self._profile[0] and self._profiler is None:
+            self._profiler = torch.profiler.profile(activities=torch.profiler.supported_activities(),
+                                                    record_shapes=False)
+            self._profiler.__enter__()
+        self._snap = self.col.comm_stats.snapshot()
+
+    def end_step(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """Add every rank's numbers to ``rec`` (the step's record, ``step_time_s`` set). Collective."""
+        now = self.col.comm_stats.snapshot()
+        delta = {op: [0.0, 0.0, 0.0] for op in OPS}
+        for op, (calls, nbytes, secs) in now.items():
+            c0, b0, s0 = self._snap.get(op, (0, 0, 0.0))
+            d = delta[op if op in delta else "other"]
+            d[0] += calls - c0
+            d[1] += nbytes - b0
+            d[2] += secs - s0
+        mem = self.backend.memory.stats()
+        blocked = sum(d[2] for d in delta.values())
+        local = [rec["step_time_s"], blocked, float(mem.allocated), float(mem.peak_allocated)]
+        for op in OPS:
+            local += delta[op]
+        self._finish_profile_step(int(rec["step"]))  # before the gather below, which is not the step's
+        vec = torch.tensor(local, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            allv = torch.empty(self.world * vec.numel(), dtype=torch.float64, device=self.device)
+            self.col.all_gather(allv, vec)
+            rows = allv.view(self.world, -1).tolist()
+        else:
+            rows = [vec.tolist()]
+        step_t = [r[0] for r in rows]
+        blocked_t = [min(r[1], r[0]) for r in rows]
+        compute = [s - b for s, b in zip(step_t, blocked_t, strict=True)]
+        slowest = max(range(self.world), key=lambda i: compute[i])
+        idle = [min(b, compute[slowest] - c) for b, c in zip(blocked_t, compute, strict=True)]
+        comm = {}
+        for i, op in enumerate(OPS):
+            j = _FIXED + 3 * i
+            calls = [int(r[j]) for r in rows]
+            if any(calls):
+                comm[op] = {"calls": calls, "bytes": [int(r[j + 1]) for r in rows],
+                            "seconds": [r[j + 2] for r in rows]}
+                tot = self._comm_totals.setdefault(op, [0.0, 0.0, 0.0])
+                tot[0] += sum(calls)
+                tot[1] += sum(comm[op]["bytes"])
+                tot[2] += sum(comm[op]["seconds"])
+        mfu = None
+        if self.peak_flops > 0 and rec["step_time_s"] > 0:
+            mfu = rec["tokens_per_s"] * self.model_flops_per_token / (self.peak_flops * self.world)
+            self._mfu_sum += mfu
+            self._mfu_n += 1
+        rec.update({
+            "mfu": mfu,
+            "memory_bytes": [int(r[2]) for r in rows],
+            "peak_memory_bytes_per_rank": [int(r[3]) for r in rows],
+            "step_time_s_per_rank": step_t,
+            "compute_s": compute,
+            "comm_s": [b - i for b, i in zip(blocked_t, idle, strict=True)],
+            "idle_s": idle,
+            "slowest_rank": slowest,
+            "comm": comm,
+        })
+        if self._tb is not None:
+            self._write_tensorboard(rec)
+        return rec
+
+    # --- outputs -------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Run-level fields for summary.json: devices, peak FLOP/s, mean MFU, communication totals."""
+        props = self.backend.device.properties()
+        return {
+            "devices": {"name": props.name, "count_per_node": self.backend.device.device_count(),
+                        "total_memory_bytes": int(props.total_memory),
+                        "peak_flops": dict(props.peak_flops)},
+            "model_flops_per_token": self.model_flops_per_token,
+            "mfu": self._mfu_sum / self._mfu_n if self._mfu_n else None,
+            "comm_totals": {op: {"calls": int(t[0]), "bytes": int(t[1]), "seconds": t[2]}
+                            for op, t in self._comm_totals.items()},
+        }
+
+    def close(self) -> None:
+        """Stop a profiler that is still running (the run ended before its last step) and flush."""
+        self._finish_profile_step(None)
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def _finish_profile_step(self, step: int | None) -> None:
+        if self._profiler is None:
+            return
+        if step is not None and step < min(self._profile[1], self._last_step):
+            return
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        if self.run_dir is not None:
+            path = self.run_dir / "traces" / f"rank{self.rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(path))
+            if self.rank == 0:
+                log.info("profiler trace of steps %d:%s per rank in %s (open in https://ui.perfetto.dev "
+                         "or chrome://tracing)", self._profile[0], step or "?", path.parent)
+
+    def _write_tensorboard(self, rec: dict[str, Any]) -> None:
+        tb, step = self._tb, rec["step"]
+        for key in ("loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "step_time_s", "mfu"):
+            v = rec.get(key)
+            if isinstance(v, (int, float)) and v == v:
+                tb.add_scalar(f"train/{key}", v, step)
+        for r in range(self.world):
+            tb.add_scalar(f"memory/peak_bytes/rank{r}", rec["peak_memory_bytes_per_rank"][r], step)
+            tb.add_scalar(f"time/compute_s/rank{r}", rec["compute_s"][r], step)
+            tb.add_scalar(f"time/comm_s/rank{r}", rec["comm_s"][r], step)
+            tb.add_scalar(f"time/idle_s/rank{r}", rec["idle_s"][r], step)
+        for op, d in rec["comm"].items():
+            tb.add_scalar(f"comm/{op}/bytes", sum(d["bytes"]), step)
+            tb.add_scalar(f"comm/{op}/seconds", max(d["seconds"]), step)
+
+
+def _flops(cfg, backend) -> tuple[int, float]:
+    """PaLM model FLOPs per token (the planner's count) and the total peak FLOP/s of one device."""
+    from chipset.planner.flops import model_flops_per_token
+    from chipset.planner.model import from_engine_model_config
+
+    try:
+        if cfg.model.family in ("", "transformer"):
+            spec = from_engine_model_config(cfg.model, seq_len=cfg.train.seq_len)
+            per_token = model_flops_per_token(spec)
+        else:  # the family counts its own FLOPs; "tokens" per step are global_batch x seq_len
+            from chipset.models.registry import resolve_family
+
+            per_token = resolve_family(cfg.model.family).flops_per_sample(cfg) / cfg.train.seq_len
+    except Exception:  # a model the planner cannot describe yet: no MFU rather than no run
+        per_token = 0
+    peak = backend.device.properties().peak_flops_for(cfg.train.dtype)
+    return per_token, (peak if per_token else 0.0)
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception:
+        log.warning("TensorBoard event files not written (pip install tensorboard to get them in "
+                    "RUN_DIR/tensorboard)")
+        return None
+    return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
