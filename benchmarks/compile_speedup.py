@@ -1,7 +1,7 @@
 """``train.compile = true`` vs eager: ``chipset train`` (2 ranks, ``--backend``) with and without per-block torch.compile.
 
 The two variants alternate job by job (eager first on even repetitions). Each job reports
-steady data/s (steps after the first, as ``chipset train`` does), the first step's
+steady tokens/s (steps after the first, as ``chipset train`` does), the first step's
 time (which holds the compile under ``train.compile``) and the largest rank's peak memory;
 the table gives medians and the ratios compiled / eager. Layouts and sizes as in
 benchmarks/vs_plain_torch.py, whose ``run_chipset`` runs each job.

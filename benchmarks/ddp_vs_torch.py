@@ -72,7 +72,7 @@ def main() -> None:
     base = held()
     mine = DataParallel(Transformer(cfg.model, b.kernels, seed=1), b,
                         ParallelDims(dp=world, zero=zero, world_size=world),
-                        bucket_mb=args.bucket_mb, grad_clip=1.0, betas=(0.9, 0.95))
+                        bucket_mb=args.bucket_mb, grad_clip=1.0)
     mid = held()
     ref_model = Transformer(cfg.model, b.kernels, seed=1).to(dev)
     if args.against == "ddp":

@@ -12,7 +12,7 @@ stock torch parts (``nn.Embedding``, ``nn.Linear``, ``nn.RMSNorm``,
   the blocks; the rest + norm + head + loss), ``Schedule1F1B`` over ``--micro-batches``,
   the global gradient norm summed over both stages before clipping (as chipset does).
 
-It never imports chipset. Rank 0 prints one JSON line: data/s over the steps after the
+It never imports chipset. Rank 0 prints one JSON line: tokens/s over the steps after the
 first (steady state, as ``chipset train`` reports it) and each rank's peak resident memory
 over the step loop (``VmHWM`` after resetting it through ``/proc/self/clear_refs``).
 

@@ -58,7 +58,7 @@ def main() -> None:
         "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
         "intermediate_size": args.ffn, "max_position_embeddings": args.seq}})
     engine = DataParallel(Transformer(cfg.model, b.kernels, seed=1), b, ParallelDims(dp=1, world_size=1),
-                          grad_clip=1.0, betas=(0.9, 0.95))
+                          grad_clip=1.0)
     data = SyntheticTokens(args.vocab, args.seq, args.batch, seed=0)
     dev = b.device.torch_device()
 
@@ -76,7 +76,7 @@ def main() -> None:
             step(args.warmup + i)
             times.append(time.perf_counter() - t0)
     print(f"backend {b.name}{' (reference kernels)' if args.reference else ''}: median step {statistics.median(times) * 1e3:.1f} ms over {args.steps} "
-          f"(under the profiler), {args.batch * args.seq / statistics.median(times):.0f} data/s")
+          f"(under the profiler), {args.batch * args.seq / statistics.median(times):.0f} tokens/s")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top,
                                     max_name_column_width=40))
     b.collective.destroy()

@@ -91,7 +91,7 @@ def main() -> None:
         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "intermediate_size": a.ffn,
         "max_position_embeddings": a.seq}})
     engine = DataParallel(Transformer(cfg.model, b.kernels, seed=1), b, ParallelDims(dp=1, world_size=1),
-                          grad_clip=1.0, betas=(0.9, 0.95))
+                          grad_clip=1.0)
     data = SyntheticTokens(a.vocab, a.seq, a.batch, seed=0)
     times: dict[str, list[float]] = {"on": [], "off": []}
     cpu: dict[str, list[float]] = {"on": [], "off": []}

@@ -5,8 +5,8 @@ Run: python benchmarks/tokens_loader.py [--tokens 50000000] [--seq-len 1024] [--
 Writes a flat uint16 token file of --tokens random ids (nanoGPT layout, read through the
 same memmap path as prepared folders) in a temporary folder, then measures:
 - loader: sequences/s of TokenFiles.batch for one data-parallel rank (random windows of the
-  epoch order, so page-cache misses are included on the first pass), as data/s;
-- step: data/s of `chipset train` on the default backend with data.source = tokens on
+  epoch order, so page-cache misses are included on the first pass), as tokens/s;
+- step: tokens/s of `chipset train` on the default backend with data.source = tokens on
   the same file (the small default model), as printed in its summary.
 The ratio says how many times faster the loader is than the step it feeds; above ~10 the
 loader is never the bottleneck.

@@ -2,9 +2,9 @@
 
 For each model size and layout, the two trainers run as separate jobs of 2 ranks,
 alternating (chipset first on even repetitions, torch first on odd ones) so that load
-from other processes hits both alike. Each job reports steady data/s (steps after the
+from other processes hits both alike. Each job reports steady tokens/s (steps after the
 first) and each rank's peak resident memory; the table gives the medians over
-repetitions and the ratios chipset / torch (data/s: above 1.00 means chipset is
+repetitions and the ratios chipset / torch (tokens/s: above 1.00 means chipset is
 faster; memory: below 1.00 means chipset holds less).
 
 Layouts: ``dp`` (chipset dp=2, ZeRO-0) vs ``DistributedDataParallel``; ``zero3`` (chipset
@@ -67,7 +67,7 @@ def run_chipset(size: str, layout: str, a) -> dict:
         s = json.loads((Path(d) / "summary.json").read_text())
         first = json.loads((Path(d) / "metrics.jsonl").read_text().splitlines()[0])
     # The first step holds torch.compile's compile time under train.compile (its steps are
-    # excluded from data/s as every first step is).
+    # excluded from tokens/s as every first step is).
     return {"tokens_per_s": s["tokens_per_s"], "peak_rss_bytes": max(s["peak_memory_bytes"]),
             "first_step_s": first["step_time_s"]}
 

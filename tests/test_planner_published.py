@@ -117,7 +117,7 @@ def test_write_regenerates_the_tables_in_place_and_refuses_a_page_without_marker
 
 def test_the_sweep_pairs_h100_and_a100_rows_of_the_same_model_and_sequence():
     """paired(): measured H100/A100 speed-up over the predicted one, for each model and sequence
-    that ran on both devices, from the published data/s and the planner's predictions."""
+    that ran on both devices, from the published tokens/s and the planner's predictions."""
     from chipset.planner.published_sweep import ROWS, _run, errors, paired
 
     pairs = dict(paired(errors()))

@@ -14,7 +14,7 @@ conformance tolerances); kernel time vs the eager reference at training shapes; 
 matmul and flash-attention throughput against the declared peak; the planner's compute model
 against this GPU (a bf16 GEMM sweep fitted to its efficiency curve, flash attention
 forward+backward, copy bandwidth, eager launch latency); MosaicML's MPT-7B and 13B blocks
-timed beside the planner (the blocks of its published known-gap rows); data/s and MFU of a
+timed beside the planner (the blocks of its published known-gap rows); tokens/s and MFU of a
 ~1.1B-parameter reference Transformer in bf16; ``chipset train`` (the engine, one rank, bf16)
 and a plain PyTorch loop of the same shape (benchmarks/plain_torch_lm.py's model), each of
 these three steps beside the planner's step time for it (chipset.planner.measured_steps);
@@ -396,7 +396,7 @@ def train_gpt() -> dict:
     """~1.1B-parameter reference Transformer (TinyLlama shape), bf16, on the registry's kernels.
 
     A fixed batch is trained for a few steps (the loss must fall: gradients flow through
-    the kernels); data/s and MFU (PaLM: data/s x (6N + 12 L H Q T) / peak, N without
+    the kernels); tokens/s and MFU (PaLM: tokens/s x (6N + 12 L H Q T) / peak, N without
     the input embedding) come from the timed steps after warm-up.
     """
     import torch
@@ -665,7 +665,7 @@ def mpt_blocks() -> dict:
 
 def engine_train(out_dir: Path) -> dict:
     """``chipset train`` itself on this GPU: the engine (one rank), bf16, the registry's kernels,
-    a ~0.4B-parameter transformer; data/s, MFU and loss read back from metrics.jsonl."""
+    a ~0.4B-parameter transformer; tokens/s, MFU and loss read back from metrics.jsonl."""
     import chipset
 
     chipset.backend("cuda")  # the reason, where cuda is unavailable
@@ -785,16 +785,16 @@ def summary(data: dict) -> str:
             lines.append(f"| {k} | {r.get('impl_ms', r.get('impl'))} | {r.get('reference_ms', '')} | {r.get('speedup', '')} |")
     gpt = (data["steps"].get("train_gpt_1b") or {}).get("detail") or {}
     if gpt:
-        lines += ["", f"GPT {gpt['params'] / 1e9:.2f}B bf16: {gpt['tokens_per_s']} data/s, MFU {gpt['mfu']}, "
+        lines += ["", f"GPT {gpt['params'] / 1e9:.2f}B bf16: {gpt['tokens_per_s']} tokens/s, MFU {gpt['mfu']}, "
                   f"step {gpt['step_ms']} ms, peak {gpt['peak_memory_gib']} GiB, loss {gpt['loss_first_last']}"]
     eng = (data["steps"].get("engine_train") or {}).get("detail") or {}
     if eng:
-        lines += ["", f"chipset train (engine, 1 rank, bf16, ~0.4B): {eng['median_tokens_per_s']} data/s, "
+        lines += ["", f"chipset train (engine, 1 rank, bf16, ~0.4B): {eng['median_tokens_per_s']} tokens/s, "
                   f"MFU {eng['median_mfu']}, peak {eng['peak_memory_gib']} GiB, loss {eng['loss_first_last']}"]
     peer = (data["steps"].get("plain_torch_gpu") or {}).get("detail") or {}
     if peer:
         ratio = f"; chipset/plain {eng['median_tokens_per_s'] / peer['median_tokens_per_s']:.3f}" if eng else ""
-        lines += [f"plain PyTorch, same shape ({peer['recipe']}): {peer['median_tokens_per_s']} data/s, "
+        lines += [f"plain PyTorch, same shape ({peer['recipe']}): {peer['median_tokens_per_s']} tokens/s, "
                   f"peak {peer['peak_memory_gib']} GiB{ratio}"]
     mpt = ((data["steps"].get("mpt_blocks") or {}).get("detail") or {}).get("rows") or []
     if mpt:

@@ -258,7 +258,7 @@ def run(args) -> int:
         print(f"  discarded {count}: {reason}")
     print()
     hdr = (f"{'#':>2} {'dp':>4} {'tp':>3} {'pp':>3} {'ep':>3} {'cp':>3} {'zero':>4} {'mb':>3} {'schedule':<15} "
-           f"{'recompute':<9} {'mem/dev':>10} {'step s':>9} {'data/s':>11} {'TFLOP/s':>8} {'MFU':>6}")
+           f"{'recompute':<9} {'mem/dev':>10} {'step s':>9} {'tokens/s':>11} {'TFLOP/s':>8} {'MFU':>6}")
     print(hdr)
     for i, p in enumerate(shown, 1):
         lay = p.layout

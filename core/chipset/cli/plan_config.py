@@ -160,7 +160,7 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         f"# Cluster {cluster.nodes}x{cluster.devices_per_node} {cluster.profile} = {n} devices; "
         f"model {spec.name}, {spec.num_params() / 1e9:.3g}B parameters.",
         f"# Predicted (the planner's best layout): {pred.step_time_s:.4g} s/step, "
-        f"{pred.tokens_per_s:.4g} data/s, MFU {pred.mfu:.1%}, {pred.memory.total / 2**30:.1f} GiB per device.",
+        f"{pred.tokens_per_s:.4g} tokens/s, MFU {pred.mfu:.1%}, {pred.memory.total / 2**30:.1f} GiB per device.",
         f"# Launch with world size {n}: chipset train {shlex.quote(args.write_config)} {launch}",
         ("# Other [train] keys and [data] are the source config's." if src else
          "# Add steps, lr and a [data] table before a real run (defaults: docs/config.md)."),

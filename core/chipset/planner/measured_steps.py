@@ -75,12 +75,12 @@ def _shape(layers: int, heads: int) -> ModelSpec:
 _EAGER = ("eager rotary and SwiGLU, an fp32 residual stream under autocast: the planner counts one fused bf16 "
           "kernel's bytes per operation")
 H200_STEPS: list[MeasuredStep] = [
-    # train_gpt_1b: "step 234 ms" (70,088 data/s at 8 x 2048 tokens)
+    # train_gpt_1b: "step 234 ms" (70,088 tokens/s at 8 x 2048 tokens)
     MeasuredStep("reference transformer 1.10B, driven directly", "train_gpt_1b", _shape(22, 32), 8, 0.234,
                  train={"update_bytes": 14.0, "optimizer_bytes": 4}),
-    # engine_train: median 160,620 data/s at 8 x 2048 tokens per step
+    # engine_train: median 160,620 tokens/s at 8 x 2048 tokens per step
     MeasuredStep("chipset train, 0.4B, one rank", "engine_train", _shape(8, 16), 8, 8 * 2048 / 160_620),
-    # plain_torch_gpu: median 134,108 data/s at 8 x 2048 tokens per step
+    # plain_torch_gpu: median 134,108 tokens/s at 8 x 2048 tokens per step
     MeasuredStep("plain PyTorch loop, 0.4B", "plain_torch_gpu", _shape(8, 16), 8, 8 * 2048 / 134_108,
                  train={"update_bytes": 40.0, "loss_bytes": 36.0}, note=_EAGER),
 ]

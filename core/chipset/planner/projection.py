@@ -165,11 +165,11 @@ def format_projection(p: dict, measured_step_s: float | None = None, measured_to
     """The one line ``chipset train --project`` prints."""
     here = ""
     if measured_step_s:
-        here = f"; measured here on cpu_sim: {measured_step_s:.3g} s/step, {measured_tokens_per_s:.0f} data/s"
+        here = f"; measured here on cpu_sim: {measured_step_s:.3g} s/step, {measured_tokens_per_s:.0f} tokens/s"
     return (f"chipset train: projected on {p['devices']} x {p['profile']} ({p['dtype']}): step {_ms(p['step_time_s'])} "
             f"(compute {_ms(p['compute_s'])}, communication {_ms(p['comm_s'])} of which {_ms(p['comm_exposed_s'])} "
             f"exposed, bubble {_ms(p['bubble_s'])}, optimizer {_ms(p['optimizer_s'])}, host {_ms(p['host_s'])}), "
-            f"{p['tokens_per_s']:.3g} data/s, MFU {format_mfu(p['mfu'])}{here}")
+            f"{p['tokens_per_s']:.3g} tokens/s, MFU {format_mfu(p['mfu'])}{here}")
 
 
 def format_mfu(mfu: float) -> str:

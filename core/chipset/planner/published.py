@@ -116,7 +116,7 @@ RUNS: list[PublishedRun] = [
 ] + [
     PublishedRun(f"Llama 3 405B, {n} GPUs", f"{_LLAMA3}, Table 4", PRESETS["llama3-405b"], "h100-sxm", n, 2048,
                  {"tp": 8, "cp": 1, "pp": 16, "dp": dp, "zero": 2, "recompute": "none"}, x, mfu=u,
-                 notes="seq 8192, 16M data/batch; no activation checkpointing (Sec. 3.3.2); FSDP shards "
+                 notes="seq 8192, 16M tokens/batch; no activation checkpointing (Sec. 3.3.2); FSDP shards "
                        "optimizer and gradients (zero 2); 126 layers on 16 stages (uneven); interleaving "
                        "depth not stated", schedules=("interleaved",))
     for n, dp, x, u in ((8192, 64, 430, 0.43), (16384, 128, 400, 0.41))
@@ -132,7 +132,7 @@ def _tokens_run(label: str, source: str, m: ModelSpec, profile: str, gpus: int, 
                 micro_batch: int, recompute: str, tokens_per_gpu: float, mfu: float | None, notes: str,
                 **stated: Any) -> PublishedRun:
     """A run with no model parallelism, sharded over every GPU (FSDP FULL_SHARD = ZeRO-3), that
-    reports data/s per GPU; ``stated``: further PublishedRun fields (gap, train)."""
+    reports tokens/s per GPU; ``stated``: further PublishedRun fields (gap, train)."""
     return PublishedRun(label, source, m, profile, gpus, global_batch,
                         {"tp": 1, "pp": 1, "cp": 1, "dp": gpus, "zero": 3, "micro_batch": micro_batch,
                          "recompute": recompute},
@@ -291,7 +291,7 @@ def table(profiles=None) -> str:
     for run in RUNS:
         p = predict(run, profiles)
         label = run.label + (" (known gap)" if run.gap else "")
-        pub = f"{run.tflops:.0f}" + (f" ({run.tokens_per_gpu:,.0f} data/s)" if run.tokens_per_gpu else "")
+        pub = f"{run.tflops:.0f}" + (f" ({run.tokens_per_gpu:,.0f} tokens/s)" if run.tokens_per_gpu else "")
         if p is None:
             out.append(f"| {label} | profile {run.profile} not installed | {pub} | - | - | - | - |")
             continue

@@ -27,7 +27,7 @@ SHAPES = {"760m": (1536, 12, 24), "1b": (2048, 16, 24), "3b": (2560, 20, 32), "7
           "13b": (5120, 40, 40), "30b": (7168, 56, 48)}
 """d_model, heads, layers of scripts/train/yamls/pretrain/mpt-*.yaml (head_dim 128 throughout)."""
 
-# (profile, model, sequence length, micro-batch, global batch, data/s per GPU, recompute)
+# (profile, model, sequence length, micro-batch, global batch, tokens/s per GPU, recompute)
 ROWS: list[tuple[str, str, int, int, int, int, bool]] = [
     ("h100-sxm", "30b", 8192, 1, 168, 1384, True),
     ("h100-sxm", "30b", 4096, 1, 168, 1802, True),
@@ -148,7 +148,7 @@ def paired(res: list[tuple[tuple, float]]) -> list[tuple[tuple[str, int], float]
 
 def table(res: list[tuple[tuple, float]]) -> str:
     """Every row of ``res`` (from :func:`errors`) and the error by device and recompute, as Markdown."""
-    out = ["| device | model | sequence | micro-batch | recompute | published data/s per GPU | error |",
+    out = ["| device | model | sequence | micro-batch | recompute | published tokens/s per GPU | error |",
            "|---|---|---|---|---|---|---|"]
     for (prof, model, seq, mb, _, tokens, rec), e in res:
         out.append(f"| {prof} | {model} | {seq} | {mb} | {'full' if rec else 'none'} | {tokens:,} | {e:+.0%} |")

@@ -3,8 +3,8 @@
 Read by attribute, so the planner never imports the engine's config (a ``chipset.train.config.RunConfig``
 or anything shaped like it: ``.model``, ``.parallel``, ``.train``). The engine's optimizer keeps
 float32 master weights except where the parameters already are them (float32 compute under ZeRO 0
-and 3, ``runtime/data_parallel.py``), so the optimizer bytes per parameter (ZeRO's K) are 8 there
-and 12 elsewhere.
+and 3, ``runtime/data_parallel.py``), plus the float32 state tensors its optimizer declares
+(``runtime/optim.py``): ZeRO's K is 8 there and 12 elsewhere for AdamW, 4 and 8 for SGD with momentum.
 """
 
 from __future__ import annotations
@@ -18,13 +18,21 @@ from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import MemoryBreakdown, memory_per_stage
 from chipset.planner.model import ModelSpec, from_engine_model_config
 from chipset.preflight import host_memory_available
+from chipset.runtime.optim import make_optimizer
 
-__all__ = ["from_run_config", "peak_memory_per_rank", "check_job_memory", "DTYPE_BYTES"]
+__all__ = ["from_run_config", "optimizer_bytes", "peak_memory_per_rank", "check_job_memory", "DTYPE_BYTES"]
 
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "interleaved"}
+
+
+def optimizer_bytes(train: Any, masters_are_params: bool) -> int:
+    """ZeRO's K for the run's optimizer: 4 bytes per declared state tensor, plus 4 for the float32
+    master unless the parameters are their own masters."""
+    states = len(make_optimizer(train).state_names)
+    return 4 * states + (0 if masters_are_params else 4)
 
 
 def from_run_config(cfg: Any, world_size: int | None = None,
@@ -48,7 +56,7 @@ def from_run_config(cfg: Any, world_size: int | None = None,
                  recompute=tr.recompute, sequence_parallel=par.sequence_parallel,
                  cp_attention=getattr(par, "cp_attention", "allgather"))
     train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e,
-                      optimizer_bytes=8 if masters_are_params else 12, bucket_mb=par.bucket_mb)
+                      optimizer_bytes=optimizer_bytes(tr, masters_are_params), bucket_mb=par.bucket_mb)
     return m, lay.check(), train
 
 

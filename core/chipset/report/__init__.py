@@ -28,7 +28,7 @@ PLOTS = {
     "plot-loss": "Loss",
     "plot-grad-norm": "Gradient norm",
     "plot-lr": "Learning rate",
-    "plot-throughput": "Throughput (data/s)",
+    "plot-throughput": "Throughput (tokens/s)",
     "plot-mfu": "Model FLOPs utilisation",
     "plot-memory": "Peak device memory per rank",
     "plot-comm-bytes": "Communication bytes per step (all ranks)",
@@ -125,7 +125,7 @@ def _series(run: Run) -> dict[str, dict[str, list[tuple[float, float]]]]:
                       **({"eval loss": ev} if (ev := pts(lambda r: r.get("eval_loss"))) else {})},
         "plot-grad-norm": {"grad norm": pts(lambda r: r["grad_norm"])},
         "plot-lr": {"lr": pts(lambda r: r["lr"])},
-        "plot-throughput": {"data/s": pts(lambda r: r["tokens_per_s"])},
+        "plot-throughput": {"tokens/s": pts(lambda r: r["tokens_per_s"])},
         "plot-mfu": {"MFU (%)": pts(lambda r: None if r.get("mfu") is None else 100 * r["mfu"])},
         "plot-memory": memory,
         "plot-comm-bytes": {op: pts(lambda r, op=op: sum(r["comm"][op]["bytes"]) if op in r["comm"] else 0)
@@ -141,7 +141,7 @@ def _series(run: Run) -> dict[str, dict[str, list[tuple[float, float]]]]:
 
 
 _UNITS = {"plot-memory": "bytes", "plot-comm-bytes": "bytes", "plot-comm-time": "seconds",
-          "plot-time-split": "seconds", "plot-mfu": "%", "plot-throughput": "data/s"}
+          "plot-time-split": "seconds", "plot-mfu": "%", "plot-throughput": "tokens/s"}
 
 
 def _bytes(n: float) -> str:
@@ -199,7 +199,7 @@ def render_html(run: Run) -> str:
         ("steps recorded", len(recs)),
         ("loss first -> final", f"{_fixed(recs[0].get('loss'), 4)} -> {_fixed(last.get('loss'), 4)}"
          if recs else "no steps"),
-        ("data/s (steady)", _fixed(s.get("tokens_per_s"), 0)),
+        ("tokens/s (steady)", _fixed(s.get("tokens_per_s"), 0)),
         ("MFU (mean)", f"{100 * mfu:.3g} %" if isinstance(mfu, (int, float)) else "n/a (no declared peak)"),
         ("peak memory per rank", ", ".join(_bytes(x) for x in s.get("peak_memory_bytes") or []) or "?"),
         ("skipped steps", s.get("skipped_steps", "?")),

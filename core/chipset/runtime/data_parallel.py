@@ -16,9 +16,13 @@ How it works (one mechanism for every stage):
     - stage 1: the same all-reduce; only the owned slice feeds the optimizer.
     - stage 2/3: the gradients are flattened and reduce-scattered into the owned slice; the
       unsharded gradients are freed.
-* The optimizer (AdamW through ``backend.kernels.fused_adamw``) keeps float32 master
-  weights and moments for the owned slice only (stage >= 1) or for everything (stage 0),
+* The optimizer is injected (``runtime/optim.py``: AdamW through ``backend.kernels.fused_adamw``
+  by default, or SGD with momentum) and declares its state; the engine keeps float32 master
+  weights and that state for the owned slice only (stage >= 1) or for everything (stage 0),
   optionally on the host (``offload_optimizer``).
+* Frozen parameters (``requires_grad=False``) live in buckets of their own that hold and shard
+  the values only: no gradient buffer, no hooks, no master weights or optimizer state, left out
+  of the gradient norm. ZeRO-3 still shards and gathers them, so a frozen base costs 1/dp.
 * After the update: stage 0 copies masters into the parameters; stages 1/2 all-gather the
   updated slices; stage 3 keeps only its slice and gathers a unit just in time (forward
   pre-hook, or during backward when autograd unpacks a saved weight) and frees it after
@@ -45,6 +49,7 @@ from chipset.errors import UsageError
 from chipset.interfaces import Group, Handle
 from chipset.parallel.dims import ParallelDims
 from chipset.runtime.digest import combine, param_hash
+from chipset.runtime.optim import AdamW, Optimizer
 from chipset.runtime.precision import LossScaler
 from chipset.runtime.trace import trace_range
 
@@ -57,6 +62,7 @@ class Bucket:
     def __init__(self, index: int, params: list[tuple[str, nn.Parameter]], engine: DataParallel,
                  group: Group | None = None):
         self.index = index
+        self.frozen = not params[0][1].requires_grad  # a bucket is all frozen or all trainable
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.engine = engine
@@ -97,6 +103,12 @@ class Bucket:
             self.full = flat
             self._bind_params(flat)
         # Gradients: persistent flat buffer for stage 0/1; owned slice for stage 2/3.
+        self.state: dict[str, torch.Tensor] = {}
+        self.master_aliases_params = False
+        if self.frozen:  # values only: no gradient, no optimizer state (see the module docstring)
+            self.grad = self.grad_shard_buf = self.master = None
+            self.done = True
+            return
         if e.zero <= 1:
             self.grad = torch.zeros(self.padded, dtype=e.dtype, device=e.device)
             self._bind_grads()
@@ -118,8 +130,7 @@ class Bucket:
                 self.master = src  # fp32 compute: the parameters are their own master weights
             else:
                 self.master = e.place_host(src.detach().float().to(opt_dev).clone())
-            self.exp_avg = e.place_host(torch.zeros_like(self.master))
-            self.exp_avg_sq = e.place_host(torch.zeros_like(self.master))
+            self.state = {n: e.place_host(torch.zeros_like(self.master)) for n in e.optimizer.state_names}
 
     def _norm_segments(self) -> list[tuple[int, int, float]]:
         """(start, end, weight) over the owned gradient for the global-norm sum under tp:
@@ -180,6 +191,14 @@ class Bucket:
         self._release_params()
 
     # --- gradients ------------------------------------------------------------------
+    def reset(self) -> None:
+        """Before a micro-batch's backward: no gradient has arrived yet (frozen: never any)."""
+        self.ready, self.done = 0, self.frozen
+        if self.grad is not None and any(p.grad is None for p in self.params):
+            # Someone ran model.zero_grad(set_to_none=True): honour it, re-attach the views.
+            self.grad.zero_()
+            self._bind_grads()
+
     def on_grad_ready(self) -> None:
         self.ready += 1
         if self.ready < len(self.params):
@@ -236,6 +255,8 @@ class Bucket:
         return self.grad_shard_buf
 
     def zero_grad(self) -> None:
+        if self.frozen:
+            return
         if self.grad is not None:
             self.grad.zero_()
         else:
@@ -245,8 +266,10 @@ class Bucket:
 
     # --- update ---------------------------------------------------------------------------
     @torch.no_grad()
-    def apply_update(self, step: int, grad_scale: float, kernels, hp: dict) -> None:
+    def apply_update(self, step: int, grad_scale: float, lr: float) -> None:
         e = self.engine
+        if self.frozen:
+            return
         with e.host_scope():
             g = self.grad_owned()
             if g.dtype != torch.float32 or g.device != self.master.device:
@@ -255,7 +278,7 @@ class Bucket:
             # float32 gradient on the optimizer's device needs no copy (it took one per step).
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
-            kernels.fused_adamw([self.master], [g], [self.exp_avg], [self.exp_avg_sq], step, **hp)
+            e.optimizer.update(self.master, g, self.state, step, lr, e.kernels)
             del g
         if self.master_aliases_params:
             pass
@@ -316,8 +339,8 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
                  bucket_mb: float = 25.0, micro_batches: int = 1, grad_clip: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 scaler: LossScaler | None = None, offload_optimizer: bool = False, weights_to_load: bool = False):
+                 optimizer: Optimizer | None = None, scaler: LossScaler | None = None,
+                 offload_optimizer: bool = False, weights_to_load: bool = False):
         self.model = model
         self.backend = backend
         self.collective = backend.collective
@@ -339,7 +362,7 @@ class DataParallel:
         self.edp_group: Group | None = dims.group("edp", self.collective) if dims.ep_enabled else None
         self.micro_batches = micro_batches
         self.grad_clip = grad_clip
-        self.hp = {"beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
+        self.optimizer: Optimizer = optimizer if optimizer is not None else AdamW()
         self.scaler = scaler or LossScaler(scale=1.0, dynamic=False)
         self.sync = True
         self.step_count = 0
@@ -359,6 +382,8 @@ class DataParallel:
         # Hooks hold their bucket weakly: a tensor's hooks live in C++, where Python's
         # garbage collector cannot see the cycle param -> hook -> bucket -> param.
         for b in self.buckets:
+            if b.frozen:
+                continue
             ref = weakref.ref(b)
             for p in b.params:
                 p.register_post_accumulate_grad_hook(lambda _p, ref=ref: _notify(ref))
@@ -389,26 +414,32 @@ class DataParallel:
             if covered != len(named):
                 raise UsageError(f"model.units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all of them")
             experts = self._expert_names()
-            if experts:  # ep: a unit's expert weights are sharded over edp, the rest over dp
-                split = [[[x for x in g if (x[0] in experts) == e] for e in (False, True)] for g in groups]
-                self._bucket_units = [u for u, parts in enumerate(split) for part in parts if part]
-                return [Bucket(i, part, self, self.edp_group if part[0][0] in experts else None)
-                        for i, part in enumerate(part for parts in split for part in parts if part)]
-            self._bucket_units = list(range(len(groups)))
+
+            def kind(x):  # ep: expert weights are sharded over edp; frozen ones get value-only buckets
+                return (x[0] in experts, not x[1].requires_grad)
+
+            # One bucket per unit, split by kind (kinds in a fixed order, so every rank agrees).
+            split = [[[x for x in g if kind(x) == k] for k in sorted({kind(x) for x in g})] for g in groups]
+            self._bucket_units = [u for u, parts in enumerate(split) for part in parts if part]
+            parts = [part for parts in split for part in parts if part]
         else:
             limit = max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=self.dtype).element_size()))
-            groups, cur, size = [], [], 0
+            parts, cur, size = [], [], 0
             experts = self._expert_names()
+
+            def kind(x):
+                return (x[0] in experts, not x[1].requires_grad)
+
             for n, p in reversed(named):
-                if cur and (size + p.numel() > limit or (n in experts) != (cur[0][0] in experts)):
-                    groups.append(cur)  # expert and other weights never share a bucket
+                if cur and (size + p.numel() > limit or kind((n, p)) != kind(cur[0])):
+                    parts.append(cur)  # expert and other weights, frozen and trainable, never share a bucket
                     cur, size = [], 0
                 cur.append((n, p))
                 size += p.numel()
             if cur:
-                groups.append(cur)
-            return [Bucket(i, g, self, self.edp_group if g[0][0] in experts else None) for i, g in enumerate(groups)]
-        return [Bucket(i, g, self) for i, g in enumerate(groups)]
+                parts.append(cur)
+        return [Bucket(i, part, self, self.edp_group if part[0][0] in experts else None)
+                for i, part in enumerate(parts)]
 
     def _expert_names(self) -> set[str]:
         if self.ep_group is None:
@@ -451,11 +482,7 @@ class DataParallel:
         if last:
             self.launch_log = []
         for b in self.buckets:
-            b.ready, b.done = 0, False
-            if b.grad is not None and any(p.grad is None for p in b.params):
-                # Someone ran model.zero_grad(set_to_none=True): honour it, re-attach the views.
-                b.grad.zero_()
-                b._bind_grads()
+            b.reset()
         with self._saved_param_hooks(), trace_range("chipset::forward"):
             loss = self.model.loss(tokens, targets)
         scaled = loss.float() * (self.scaler.scale / self.micro_batches)
@@ -476,13 +503,13 @@ class DataParallel:
         sq = torch.zeros(2, dtype=torch.float32, device=self.device)
         ep_sum = self.ep_group is not None and self.zero == 0
         for b in self.buckets:
-            if not (ep_sum and b.expert):
+            if not (ep_sum and b.expert or b.frozen):
                 sq[0] += b.owned_sq()
         if ep_sum:
             # Each ep rank holds only its experts' (already edp-reduced) gradients.
             esq = torch.zeros(1, dtype=torch.float32, device=self.device)
             for b in self.buckets:
-                if b.expert:
+                if b.expert and not b.frozen:
                     esq += b.owned_sq()
             self.collective.all_reduce(esq, "sum", group=self.ep_group)
             sq[0] += esq[0]
@@ -505,9 +532,8 @@ class DataParallel:
             if self.grad_clip > 0 and norm > self.grad_clip:
                 coef *= self.grad_clip / (norm + 1e-6)
             self.step_count += 1
-            hp = dict(self.hp, lr=lr)
             for b in self.buckets:
-                b.apply_update(self.step_count, coef, self.kernels, hp)
+                b.apply_update(self.step_count, coef, lr)
             for b in self.buckets:
                 b.wait()
         for b in self.buckets:
@@ -580,11 +606,11 @@ class DataParallel:
                 # "edp": MoE expert weights, this rank's ep block sharded over the expert-data-parallel group
                 "group": "edp" if b.expert else "dp",
                 "params": owned.detach().to(self.host, copy=True),
-                "master": b.master.detach().to(self.host, copy=True),
-                "exp_avg": b.exp_avg.detach().to(self.host, copy=True),
-                "exp_avg_sq": b.exp_avg_sq.detach().to(self.host, copy=True),
+                **({} if b.frozen else {"master": b.master.detach().to(self.host, copy=True)}),
+                **{n: t.detach().to(self.host, copy=True) for n, t in b.state.items()},
             })
         return {"step": self.step_count, "scaler": self.scaler.state_dict(), "zero": self.zero,
+                "optimizer": self.optimizer.name,
                 "dp": self.dp, "dp_rank": self.dp_rank, "dtype": str(self.dtype).removeprefix("torch."),
                 "buckets": buckets}
 
@@ -593,7 +619,9 @@ class DataParallel:
         """Restore :meth:`state_dict` output written under the same layout (collective for zero 1/2)."""
         mine = {"zero": self.zero, "dp": self.dp, "dp_rank": self.dp_rank,
                 "dtype": str(self.dtype).removeprefix("torch."), "buckets": len(self.buckets)}
+        mine["optimizer"] = self.optimizer.name
         theirs = {k: state.get(k) for k in ("zero", "dp", "dp_rank", "dtype")}
+        theirs["optimizer"] = state.get("optimizer", "adamw")  # written before optimizers were injected
         theirs["buckets"] = len(state.get("buckets", []))
         if mine != theirs or any(
             sb["names"] != b.names or sb["padded"] != b.padded for sb, b in zip(state["buckets"], self.buckets, strict=True)
@@ -610,10 +638,10 @@ class DataParallel:
                 b.param_shard.copy_(sb["params"])
             else:
                 b.full[b.lo:b.hi].copy_(sb["params"])
-            if not b.master_aliases_params:
+            if not (b.master_aliases_params or b.frozen):
                 b.master.copy_(sb["master"])
-            b.exp_avg.copy_(sb["exp_avg"])
-            b.exp_avg_sq.copy_(sb["exp_avg_sq"])
+            for n, t in b.state.items():
+                t.copy_(sb[n])
             if self.zero in (1, 2) and b.n > 1:
                 send = b.full[b.lo:b.hi].clone()
                 self.collective.all_gather(b.full, send, group=b.group)

@@ -22,6 +22,7 @@ from chipset.errors import ConfigError
 from chipset.models.config import ROUTERS, ModelConfig
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
+from chipset.runtime.optim import OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,12 @@ class TrainConfig:
     """AdamW second-moment decay."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    optimizer: str = "adamw"
+    """adamw, or sgd (SGD with momentum; train.momentum, train.nesterov, train.weight_decay): docs/engine.md, "Optimizers"."""
+    momentum: float = 0.9
+    """SGD momentum (0: plain SGD, which keeps no optimizer state)."""
+    nesterov: bool = False
+    """SGD: Nesterov momentum."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 1234
@@ -482,6 +489,10 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(
             f"train.dtype = {tr.dtype!r}: the backend does not support it (supported: {', '.join(dtypes)}); choose another dtype"
         )
+    if tr.optimizer not in OPTIMIZERS:
+        problems.append(f"train.optimizer = {tr.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    if not (math.isfinite(tr.momentum) and 0 <= tr.momentum < 1):
+        problems.append(f"train.momentum = {tr.momentum!r}: expected a value in [0, 1)")
     if tr.lr_schedule not in LR_SCHEDULES:
         problems.append(f"train.lr_schedule = {tr.lr_schedule!r}: expected one of {', '.join(LR_SCHEDULES)}")
     if not (math.isfinite(tr.min_lr) and 0 <= tr.min_lr <= tr.lr):

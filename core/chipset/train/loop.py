@@ -30,9 +30,10 @@ from chipset.parallel.moe import apply_cp_moe
 from chipset.parallel.recompute import apply_recompute
 from chipset.parallel.tensor import TPContext, apply_plan
 from chipset.runtime.data_parallel import DataParallel
+from chipset.runtime.digest import params_digest
+from chipset.runtime.optim import make_optimizer
 from chipset.runtime.pipeline import build_pipeline
 from chipset.runtime.precision import DTYPE_BY_NAME, LossScaler
-from chipset.runtime.digest import params_digest
 from chipset.runtime.trace import trace_range
 from chipset.train import lr as lr_schedule
 from chipset.train.config import RunConfig
@@ -115,7 +116,8 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
 
 def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
     """The engine that trains ``model`` (from :func:`build_model`) under ``dims``: gradient
-    reduction, ZeRO sharding, AdamW, loss scaling, and the pipeline schedule when pp > 1."""
+    reduction, ZeRO sharding, the optimizer ``train.optimizer`` names (runtime/optim.py), loss
+    scaling, and the pipeline schedule when pp > 1."""
     par, tr = cfg.parallel, cfg.train
     dtype = DTYPE_BY_NAME[tr.dtype]
     backend.device.check_dtype(dtype)
@@ -130,7 +132,7 @@ def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
     make = partial(build_pipeline, par) if dims.pp_enabled else DataParallel
     engine = make(
         model, backend, dims, dtype=dtype, bucket_mb=par.bucket_mb, micro_batches=par.micro_batches,
-        grad_clip=tr.grad_clip, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
+        grad_clip=tr.grad_clip, optimizer=make_optimizer(tr),
         scaler=scaler, offload_optimizer=par.offload_optimizer, weights_to_load=bool(cfg.model.init_from),
     )
     if cfg.model.init_from:  # Hugging Face weights into the shards this rank holds (models/hf/weights.py)
@@ -376,7 +378,7 @@ def _print_table(summary: dict, res: TrainResult, out) -> None:
     rows = [
         ("steps", str(summary["steps"])),
         ("loss (first -> final)", f"{fmt(first)} -> {fmt(summary['final_loss'])}"),
-        ("data/s (steady)", f"{summary['tokens_per_s']:.0f}"),
+        ("tokens/s (steady)", f"{summary['tokens_per_s']:.0f}"),
         ("world size", str(summary["world_size"])),
         ("layout", " ".join(f"{k}={v}" for k, v in summary["layout"].items())),
         ("dtype / recompute", f"{summary['dtype']} / {summary['recompute']}"),

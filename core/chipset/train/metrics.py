@@ -12,7 +12,7 @@ which adds them to the step's ``metrics.jsonl`` record (see docs/observability.m
 - ``comm_s``: the rest of the blocked time (moving bytes);
   so ``compute_s + comm_s + idle_s`` is the rank's step time;
 - ``slowest_rank``: the rank with the most compute time (the one the others waited for);
-- ``mfu``: PaLM model FLOPs utilisation, data/s x (6N + 12LHQT) / (peak x ranks), with
+- ``mfu``: PaLM model FLOPs utilisation, tokens/s x (6N + 12LHQT) / (peak x ranks), with
   the planner's FLOPs count and the device's declared peak for the run dtype (None when
   the backend declares no peak for it); for another model family, samples/s x the family's
   ``flops_per_sample`` / (peak x ranks).

@@ -1,7 +1,7 @@
 """The console line of a training run, on rank 0: what a person watching a run wants to read.
 
 Every ``train.log_every`` steps (and at the last step): step/total, loss, lr, gradient norm,
-data/s averaged over the steps since the previous line, MFU when the backend declares its
+tokens/s averaged over the steps since the previous line, MFU when the backend declares its
 peak, peak memory, elapsed time and the estimated time left (mean step time of the last
 interval times the steps to go). On a terminal a rich progress bar sits below the lines;
 elsewhere (a log file, CI) only the plain lines are written.

@@ -131,6 +131,11 @@ class PipelineEngine:
         return self.engine.zero
 
     @property
+    def optimizer(self):
+        """The injected optimizer (runtime/optim.py) every stage's buckets update with."""
+        return self.engine.optimizer
+
+    @property
     def dtype(self) -> torch.dtype:
         """The compute dtype of this rank's parameters."""
         return self.engine.dtype
@@ -186,10 +191,7 @@ class PipelineEngine:
             raise ValueError(f"schedule expects {m} micro-batches, got {len(batches)}")
         e.sync = False
         for b in e.buckets:
-            b.ready, b.done = 0, False
-            if b.grad is not None and any(p.grad is None for p in b.params):
-                b.grad.zero_()  # someone ran model.zero_grad(set_to_none=True): re-attach the views
-                b._bind_grads()
+            b.reset()
         if self.seq_shards > 1:
             seq_len = batches[0][0].shape[1]
             if seq_len % self.seq_shards:
@@ -279,7 +281,7 @@ class PipelineEngine:
                 if overlap and i == final_backward:
                     e.sync = True
                     for b in e.buckets:
-                        b.ready, b.done = 0, False
+                        b.reset()
                     e.launch_log = []
                 out = outputs.pop(key)
                 if vs == last_vs:

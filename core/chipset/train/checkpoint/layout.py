@@ -2,7 +2,8 @@
 
 A checkpoint stores every parameter and optimizer tensor under its logical name and
 its full (unsharded) shape: ``model.<fqn>``, ``optim.master.<fqn>``,
-``optim.exp_avg.<fqn>``, ``optim.exp_avg_sq.<fqn>``. Each rank contributes the pieces it
+and one family per optimizer state tensor (AdamW: ``optim.exp_avg.<fqn>``,
+``optim.exp_avg_sq.<fqn>``; :func:`kinds`). Each rank contributes the pieces it
 owns as chunks of that logical tensor at explicit offsets (:func:`write_planner`), so
 torch.distributed.checkpoint records where every piece sits and can read any other
 split back: a different dp degree or ZeRO stage only changes which pieces a rank asks
@@ -29,10 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KINDS", "Box", "Piece", "engine_pieces", "flat_range_boxes", "logical_shapes", "host_boxes", "read_planner", "write_planner"]
+__all__ = ["KINDS", "kinds", "Box", "Piece", "engine_pieces", "flat_range_boxes", "logical_shapes", "host_boxes", "read_planner", "write_planner"]
 
-KINDS = ("model", "optim.master", "optim.exp_avg", "optim.exp_avg_sq")
-"""Logical tensor families; the key of a tensor is ``f"{kind}.{parameter fqn}"``."""
+KINDS = ("model", "optim.master")
+"""Logical tensor families every engine has; the key of a tensor is ``f"{kind}.{parameter fqn}"``."""
+
+
+def kinds(engine) -> tuple[str, ...]:
+    """Every logical tensor family of ``engine``: the parameters, the float32 masters and one
+    family per state tensor its optimizer declares (AdamW: ``optim.exp_avg``, ``optim.exp_avg_sq``)."""
+    return (*KINDS, *(f"optim.{name}" for name in engine.optimizer.state_names))
 
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[list[int], list[int]]]:
@@ -179,6 +186,8 @@ def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, t
     replica = _index_in(dims, "dp_cp" if dims.cp_enabled else "dp")
     edp, ep = (_index_in(dims, "edp"), _index_in(dims, "ep")) if dims.ep_enabled else ({}, {})
     for bkt in e.buckets:
+        if bkt.frozen and kind != "model":
+            continue  # frozen parameters have no master weights or optimizer state
         i = (edp if bkt.expert else replica)[me]
         if i * bkt.shard != bkt.lo:  # the rank arithmetic must match the engine's groups
             raise RuntimeError(f"checkpoint layout: rank {me} owns bucket {bkt.index} from {bkt.lo}, expected "
@@ -207,7 +216,7 @@ def _source(b, kind: str) -> tuple[torch.Tensor, int]:
         if b.full is not None:
             return b.full, 0
         return b.param_shard, b.lo
-    t = {"optim.master": b.master, "optim.exp_avg": b.exp_avg, "optim.exp_avg_sq": b.exp_avg_sq}[kind]
+    t = b.master if kind == "optim.master" else b.state[kind.removeprefix("optim.")]
     return t, 0 if e.zero == 0 else b.lo
 
 

@@ -29,9 +29,9 @@ import torch
 from chipset.errors import ChipsetError, ConfigError
 from chipset.train.checkpoint import store
 from chipset.train.checkpoint.layout import (
-    KINDS,
     engine_pieces,
     host_boxes,
+    kinds,
     logical_shapes,
     read_planner,
     write_planner,
@@ -240,7 +240,7 @@ class Checkpointer:
             raise refuse_shapes(path, problems)
         alias = all(b.master_aliases_params for b in e.buckets)
         chunks, copies = {}, []
-        for kind in KINDS:
+        for kind in kinds(e):
             if kind == "model" and alias:
                 continue  # the parameters are their own fp32 masters: load optim.master into them
             for name, _, pieces in engine_pieces(e, kind, for_load=True):
@@ -295,7 +295,7 @@ class Checkpointer:
         e = self.engine
         tensors = {}  # staged to host now: an asynchronous save must not see later steps
         with torch.no_grad():
-            for kind in KINDS:
+            for kind in kinds(e):
                 for name, shape, pieces in engine_pieces(e, kind, for_load=False):
                     dtype = e.dtype if kind == "model" else torch.float32
                     tensors[f"{kind}.{name}"] = (shape, dtype, host_boxes(pieces, dtype))
