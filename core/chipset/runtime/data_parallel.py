@@ -50,7 +50,7 @@ from chipset.interfaces import Group, Handle
 from chipset.parallel.dims import ParallelDims
 from chipset.runtime.digest import combine, param_hash
 from chipset.runtime.optim import AdamW, Optimizer
-from chipset.runtime.precision import LossScaler
+from chipset.runtime.precision import LossScaler, compute_input
 from chipset.runtime.trace import trace_range
 
 __all__ = ["DataParallel", "Bucket"]
@@ -484,7 +484,7 @@ class DataParallel:
         for b in self.buckets:
             b.reset()
         with self._saved_param_hooks(), trace_range("chipset::forward"):
-            loss = self.model.loss(tokens, targets)
+            loss = self.model.loss(compute_input(tokens, self.dtype), targets)
         scaled = loss.float() * (self.scaler.scale / self.micro_batches)
         with trace_range("chipset::backward"):
             scaled.backward()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DTYPE_BY_NAME", "LossScaler"]
+__all__ = ["DTYPE_BY_NAME", "LossScaler", "compute_input"]
 
 DTYPE_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,3 +74,10 @@ class LossScaler:
         self.clean_steps = int(state["clean_steps"])
         self.hysteresis_left = int(state["hysteresis_left"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def compute_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the model's input under compute dtype ``dtype``: floating-point inputs (images,
+    features) follow the parameters' dtype, as torch.autocast would cast them for a conv or
+    linear; integer inputs (token ids) and inputs already in ``dtype`` pass unchanged."""
+    return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from chipset.runtime.precision import compute_input
+
 
 class Evaluator:
     def __init__(self, cfg, engine, dims, col, rank: int):
@@ -39,7 +41,7 @@ class Evaluator:
             for i in range(self.steps):
                 for m in range(mbs):
                     tokens, targets = self.data.batch(i, self.dp_rank, self.dp, m, mbs, device=e.device)
-                    total += model.loss(tokens, targets, aux=False).double()
+                    total += model.loss(compute_input(tokens, e.dtype), targets, aux=False).double()
         finally:
             model.train(was_training)
         total /= self.steps * mbs

@@ -32,6 +32,7 @@ from chipset.parallel.stages import UnitSpec, UnitStageModel
 from chipset.parallel.tensor import logical_slice
 from chipset.runtime.data_parallel import DataParallel
 from chipset.runtime.digest import combine
+from chipset.runtime.precision import compute_input
 from chipset.runtime.pipeline.check import check_schedule
 from chipset.runtime.pipeline.schedules import Instruction, Op, PipelineSchedule
 from chipset.runtime.trace import trace_range
@@ -262,7 +263,7 @@ class PipelineEngine:
             stage_range.__enter__()
             if ins.op is Op.FORWARD:
                 tokens, targets = batches[ins.mb]
-                x = self.model.local(tokens) if vs == 0 else inputs[key]
+                x = self.model.local(compute_input(tokens, e.dtype)) if vs == 0 else inputs[key]
                 with e._saved_param_hooks():  # ZeRO-3: saved weights re-gathered in backward
                     out = self.model.chunk_forward(ins.chunk, x)
                 aux = self.model.aux_loss(ins.chunk)  # MoE: each stage adds its layers' aux loss
