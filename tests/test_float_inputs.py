@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import testenv
-from conftest import ROOT
 from chipset.runtime.precision import compute_input
+from conftest import ROOT
 
 
 def test_float_inputs_take_the_compute_dtype_and_token_ids_do_not():

@@ -32,9 +32,9 @@ from chipset.parallel.stages import UnitSpec, UnitStageModel
 from chipset.parallel.tensor import logical_slice
 from chipset.runtime.data_parallel import DataParallel
 from chipset.runtime.digest import combine
-from chipset.runtime.precision import compute_input
 from chipset.runtime.pipeline.check import check_schedule
 from chipset.runtime.pipeline.schedules import Instruction, Op, PipelineSchedule
+from chipset.runtime.precision import compute_input
 from chipset.runtime.trace import trace_range
 
 __all__ = ["PipelineEngine"]
