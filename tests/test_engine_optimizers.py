@@ -55,13 +55,13 @@ def _train(b, over: dict, run_dir=None, resume: str = "none") -> dict:
     return {"losses": res.losses, "digest": res.summary["params_digest"]}
 
 
-def _frozen(b, zero: int) -> dict:
+def _frozen(b, zero: int, over: dict | None = None) -> dict:
     """Freeze the embedding and the first block's attention, train 2 steps, report what the engine holds."""
     from chipset.models.registry import resolve_family
     from chipset.train.checkpoint.layout import engine_pieces, kinds
     from chipset.train.loop import build_model, make_dims, rank_batches, train_step, wrap
 
-    cfg = _cfg(b, {"parallel": {"zero": zero}})
+    cfg = _cfg(b, _merge({"parallel": {"zero": zero}}, over or {}))
     dims = make_dims(cfg, b.collective.world_size())
     model = build_model(cfg, b, dims, resolve_family(cfg.model.family))
     frozen = {n for n, p in model.named_parameters() if n.startswith(("embed_tokens", "layers.0.self_attn"))}
@@ -73,7 +73,7 @@ def _frozen(b, zero: int) -> dict:
     data = make_dataset(cfg)
     before = engine.full_parameters()
     for step in range(2):
-        train_step(engine, rank_batches(data, step, engine, 1), cfg.train.lr)
+        train_step(engine, rank_batches(data, step, engine, cfg.parallel.micro_batches), cfg.train.lr)
     after = engine.full_parameters()
     optim_names = {name for kind in kinds(engine) if kind != "model"
                    for name, _, _ in engine_pieces(engine, kind, for_load=True)}
@@ -89,6 +89,42 @@ def _frozen(b, zero: int) -> dict:
         "unchanged": sorted(n for n in before if torch.equal(before[n], after[n])),
         "names": sorted(before),
     }
+
+
+def _sync_api(b, zero: int) -> dict:
+    """The public gradient-sync API: backward passes under ``no_sync`` then ``start_grad_sync``
+    give the same update as the overlapped step; both engines satisfy the Engine protocol."""
+    from chipset.runtime.engine import Engine
+    from chipset.train import build
+    from chipset.train.loop import rank_batches
+
+    cfg = _cfg(b, {"parallel": {"zero": zero, "micro_batches": 2}})
+    params = []
+    for deferred in (False, True):
+        engine, data, _ = build(cfg, b)
+        batches = rank_batches(data, 0, engine, 2)
+        if deferred:
+            with engine.no_sync():
+                for x, y in batches:
+                    engine.forward_backward(x, y, last=True)
+            launched_during_backward = len(engine.launch_log)
+            engine.start_grad_sync()
+        else:
+            engine.forward_backward_step(batches)
+        engine.step(cfg.train.lr)
+        params.append(engine.full_parameters())
+    pp_engine, _, _ = build(_cfg(b, LAYOUTS["pp2"]), b)
+    return {"equal": all(torch.equal(params[0][n], params[1][n]) for n in params[0]),
+            "moved": any(not torch.equal(params[0][n], before) for n, before in _initial(b, cfg).items()),
+            "launched_during_backward": launched_during_backward,
+            "protocol": [isinstance(engine, Engine), isinstance(pp_engine, Engine)]}
+
+
+def _initial(b, cfg) -> dict:
+    from chipset.train import build
+
+    engine, _, _ = build(cfg, b)
+    return engine.full_parameters()
 
 
 def _job(mode: str, out_path: str) -> None:
@@ -108,6 +144,8 @@ def _job(mode: str, out_path: str) -> None:
         resumed = _train(b, over, tmp / "ckpt", resume="auto")
         results["checkpoint"] = {"whole": whole, "first": part, "resumed": resumed}
         results["frozen"] = {z: _frozen(b, z) for z in (0, 1, 2, 3)}
+        results["frozen_pp"] = _frozen(b, 1, LAYOUTS["pp2"])
+        results["sync_api"] = {z: _sync_api(b, z) for z in (0, 2, 3)}
     multirank.finish(b, results, out_path)
 
 
@@ -147,6 +185,20 @@ def test_frozen_parameters_get_no_gradient_and_no_optimizer_state(runs, zero):
     assert all(f["frozen_grads"])
     assert set(f["optim_names"]) == set(f["names"]) - set(f["frozen"])  # checkpoints hold no optimizer state for them
     assert set(f["unchanged"]) == set(f["frozen"])  # frozen ones stay put, every other parameter moved
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_no_sync_then_start_grad_sync_equals_the_overlapped_step(runs, zero):
+    r = runs[0]["sync_api"][zero]
+    assert r["launched_during_backward"] == 0  # no_sync really held the reductions back
+    assert r["moved"] and r["equal"]
+    assert r["protocol"] == [True, True]
+
+
+def test_frozen_parameters_under_a_pipeline(runs):
+    f = runs[0]["frozen_pp"]
+    assert f["frozen"] and set(f["unchanged"]) == set(f["frozen"])
+    assert all(all(x) for x in f["frozen_bucket_state"]) and all(f["frozen_grads"])
 
 
 def test_frozen_parameters_in_one_process(runs):

@@ -365,6 +365,9 @@ class DataParallel:
         self.optimizer: Optimizer = optimizer if optimizer is not None else AdamW()
         self.scaler = scaler or LossScaler(scale=1.0, dynamic=False)
         self.sync = True
+        """Whether a bucket whose gradients are complete launches its reduction (the last
+        micro-batch of a step); False accumulates locally (:meth:`begin_accumulation`)."""
+        self._no_sync = False
         self.step_count = 0
         self._live: dict[int, Bucket] = {}
         self.launch_log: list[tuple[int, int]] = []
@@ -448,9 +451,49 @@ class DataParallel:
 
         return expert_param_names(self.model)
 
+    # --- gradient synchronisation (public: the pipeline runtime and custom loops use it) ---
+    def begin_accumulation(self, sync: bool) -> None:
+        """Before the backward passes of a micro-batch: no gradient has arrived yet. ``sync``:
+        each bucket launches its reduction as soon as its gradients are complete (overlapping
+        the rest of backward); else gradients only accumulate locally."""
+        self.sync = sync
+        if sync:
+            self.launch_log = []
+        for b in self.buckets:
+            b.reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, whatever ``last`` says (like
+        DistributedDataParallel.no_sync); reduce them later with :meth:`start_grad_sync`."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every trainable bucket now (after backward passes that ran
+        without sync); :meth:`finish_grad_sync` or :meth:`step` waits for them."""
+        self.launch_log = []
+        for b in self.buckets:
+            if not b.frozen:
+                b.launch_reduce()
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every launched reduction: gradients are then reduced (the owned slice)."""
+        for b in self.buckets:
+            b.wait()
+
+    def release_units(self) -> None:
+        """ZeRO-3: free every gathered unit's full parameters (no-op at stages 0-2)."""
+        if self.zero == 3:
+            for b in self.buckets:
+                b.release()
+
     # --- training ---------------------------------------------------------------------
     @contextlib.contextmanager
-    def _saved_param_hooks(self) -> Iterator[None]:
+    def gathered_saved_weights(self) -> Iterator[None]:
         """Stage 3: saved weights are stored as references and re-gathered when backward needs them."""
         if self.zero != 3:
             yield
@@ -478,26 +521,25 @@ class DataParallel:
         ``last=False`` accumulates gradients locally; ``last=True`` launches the gradient
         communication bucket by bucket during backward.
         """
-        self.sync = last
-        if last:
-            self.launch_log = []
-        for b in self.buckets:
-            b.reset()
-        with self._saved_param_hooks(), trace_range("chipset::forward"):
+        self.begin_accumulation(sync=last and not self._no_sync)
+        with self.gathered_saved_weights(), trace_range("chipset::forward"):
             loss = self.model.loss(compute_input(tokens, self.dtype), targets)
         scaled = loss.float() * (self.scaler.scale / self.micro_batches)
         with trace_range("chipset::backward"):
             scaled.backward()
-        if self.zero == 3:
-            for b in self.buckets:
-                b.release()
+        self.release_units()
         return float(loss.detach())
+
+    def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """Forward and backward of every micro-batch of a step (``(inputs, targets)`` each); the
+        last launches the gradient reduction during its backward. Returns the micro-batch losses
+        (the :class:`chipset.runtime.engine.Engine` protocol, shared with the pipeline engine)."""
+        return [self.forward_backward(x, y, last=m == len(batches) - 1) for m, (x, y) in enumerate(batches)]
 
     @torch.no_grad()
     def step(self, lr: float) -> dict:
         """Finish communication, unscale, check overflow, clip and update. Returns step stats."""
-        for b in self.buckets:
-            b.wait()
+        self.finish_grad_sync()
         inv_scale = 1.0 / self.scaler.scale
         # Sum of squares and an overflow flag over what this rank owns, in one all-reduce.
         sq = torch.zeros(2, dtype=torch.float32, device=self.device)

@@ -159,14 +159,10 @@ def train_step(engine, batches, lr: float) -> tuple[float, dict]:
     mean over micro-batches and dp ranks, the same on every rank) and the step's stats
     (``grad_norm``, ``skipped``, ``loss_scale``)."""
     batches = list(batches)
-    want = engine.schedule.micro_batches if engine.dims.pp_enabled else engine.micro_batches
-    if len(batches) != want:
+    if len(batches) != engine.micro_batches:
         raise ConfigError(f"train_step got {len(batches)} micro-batch(es), the engine was built for "
-                          f"{want} (parallel.micro_batches); pass exactly that many (inputs, targets)")
-    if engine.dims.pp_enabled:  # the schedule runs every micro-batch at once
-        losses = engine.forward_backward_step(batches)
-    else:
-        losses = [engine.forward_backward(x, y, last=m == len(batches) - 1) for m, (x, y) in enumerate(batches)]
+                          f"{engine.micro_batches} (parallel.micro_batches); pass exactly that many (inputs, targets)")
+    losses = engine.forward_backward_step(batches)
     with trace_range("chipset::optimizer"):
         stats = engine.step(lr)
     loss_t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32, device=engine.device)

@@ -132,6 +132,11 @@ class PipelineEngine:
         return self.engine.zero
 
     @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step: the schedule's."""
+        return self.schedule.micro_batches
+
+    @property
     def optimizer(self):
         """The injected optimizer (runtime/optim.py) every stage's buckets update with."""
         return self.engine.optimizer
@@ -190,9 +195,7 @@ class PipelineEngine:
         m, last_vs = s.micro_batches, s.num_virtual - 1
         if len(batches) != m:
             raise ValueError(f"schedule expects {m} micro-batches, got {len(batches)}")
-        e.sync = False
-        for b in e.buckets:
-            b.reset()
+        e.begin_accumulation(sync=False)
         if self.seq_shards > 1:
             seq_len = batches[0][0].shape[1]
             if seq_len % self.seq_shards:
@@ -264,7 +267,7 @@ class PipelineEngine:
             if ins.op is Op.FORWARD:
                 tokens, targets = batches[ins.mb]
                 x = self.model.local(compute_input(tokens, e.dtype)) if vs == 0 else inputs[key]
-                with e._saved_param_hooks():  # ZeRO-3: saved weights re-gathered in backward
+                with e.gathered_saved_weights():  # ZeRO-3: saved weights re-gathered in backward
                     out = self.model.chunk_forward(ins.chunk, x)
                 aux = self.model.aux_loss(ins.chunk)  # MoE: each stage adds its layers' aux loss
                 if vs == last_vs:
@@ -280,10 +283,7 @@ class PipelineEngine:
                 delay = self.compute_delay[0]
             else:
                 if overlap and i == final_backward:
-                    e.sync = True
-                    for b in e.buckets:
-                        b.reset()
-                    e.launch_log = []
+                    e.begin_accumulation(sync=True)
                 out = outputs.pop(key)
                 if vs == last_vs:
                     out.backward()
@@ -302,13 +302,9 @@ class PipelineEngine:
         for h, _ in sends:
             h.wait()
         sends.clear()
-        if e.zero == 3:
-            for b in e.buckets:  # any unit still gathered (gradient arrival releases most)
-                b.release()
+        e.release_units()  # any unit still gathered (gradient arrival releases most)
         if not overlap:
-            e.launch_log = []
-            for b in e.buckets:
-                b.launch_reduce()
+            e.start_grad_sync()
         e.sync = True
         if s.stages > 1:
             self.collective.all_reduce(losses, "sum", group=self.pp_group)
@@ -370,6 +366,11 @@ class PipelineEngine:
             raw = flat.to("cpu").numpy().tobytes()
             out.update({n: raw[32 * i:32 * (i + 1)] for i, n in enumerate(names)})
         return out
+
+    def iter_full_parameters(self):
+        """``(name, tensor)`` of this rank's stages, unsharded one bucket at a time (collective
+        over the stage's dp, tp and ep groups; other stages' parameters are not included)."""
+        return self.engine.iter_full_parameters()
 
     def params_digest(self) -> str:
         """The layout-independent digest of the whole model (collective; runtime/digest.py)."""
