@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from chipset.errors import ConfigError, UsageError
-from chipset.models.family import ModelFamily, TransformerFamily
+from chipset.models.family import ModelFamily, family_data
 from chipset.models.registry import resolve_family
 from chipset.train import lr as lr_schedule
 from chipset.train.config import RunConfig, _apply, _format, load_config, parse_overrides
@@ -160,11 +160,7 @@ def dataset(cfg: RunConfig, model: ModelFamily | None = None):
     """The data ``chipset train`` would read: ``model.data(cfg)`` for a family, else that of
     ``cfg.model.family`` (token sequences from ``data.*`` for the transformer)."""
     family = model if model is not None else resolve_family(cfg.model.family)
-    if isinstance(family, TransformerFamily):
-        from chipset.data.datasets import make_dataset
-
-        return make_dataset(cfg)
-    return family.data(cfg)
+    return family_data(family, cfg)
 
 
 def batches(data, step: int, engine, cfg: RunConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -195,10 +195,8 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int, family=None)
         ensure_prepared(cfg.data.path, cfg.data.tokenizer, cfg.data.field)
     collective_timeout()
     check_compile(cfg.train.compile, b.name, b.record.descriptor)
-    from chipset.models.family import TransformerFamily
-
-    if family is not None and not isinstance(family, TransformerFamily):
-        return  # the planner's memory model describes the built-in transformer only
+    if family is not None and not getattr(family, "described_by_planner", False):
+        return  # the planner's memory model describes the decoder-only transformer only
     caps = b.capabilities
     total = b.device.properties(0).total_memory if caps.memory_capacity_enforced else None
     check_job_memory(cfg, world, local_ranks, total, b.device.torch_device(0).type == "cpu",

@@ -14,13 +14,15 @@ beside it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from chipset.parallel.plan import LAYOUTS, PLAN_STYLES, plan_matches
 
-__all__ = ["LAYOUTS", "ModelFamily", "TransformerFamily", "bind", "layout_problems", "meta_model"]
+__all__ = ["LAYOUTS", "ModelFamily", "TransformerFamily", "bind", "build_for_run", "family_data", "layout_problems", "meta_model"]
 
 class ModelFamily:
     """Base class of a model family; override what your model needs.
@@ -149,6 +151,30 @@ class ModelFamily:
         from chipset.data.datasets import make_dataset
 
         return make_dataset(cfg)
+
+    evaluates: bool = False
+    """Whether ``train.eval_every`` can evaluate this family (its ``loss`` takes ``aux=False``)."""
+
+    described_by_planner: bool = False
+    """Whether the planner's decoder spec (planner/model.py, read from ``cfg.model``) describes this
+    family's models: the memory preflight before launch and the MFU of a run then use it; else
+    MFU comes from :meth:`flops_per_sample` and the run has no memory estimate before launch."""
+
+    def pipeline_unit_count(self, cfg) -> int | None:
+        """How many pipeline units the model of ``cfg`` has, when known without building it (lets
+        config validation skip building a schedule that cannot fit). Default: unknown."""
+        return None
+
+    def config_problems(self, cfg) -> list[str]:
+        """Rules of this family's ``[model]`` keys, alone and with the layout, checked by the run
+        configuration's validation (before launch, with exit 2). Default: none."""
+        return []
+
+    def layout_problems(self, cfg) -> list[str]:
+        """Why this family cannot run ``cfg``'s layout beyond the layout names (see
+        :func:`layout_problems`): :meth:`problems`, recompute modes, evaluation, and the
+        tensor-parallel plan and pipeline chain checked on the model built on the meta device."""
+        return _layout_checks(self, cfg)
 
     def problems(self, cfg) -> list[str]:
         """What this family cannot run in ``cfg`` beyond the layout (for example a data source
@@ -281,14 +307,18 @@ def layout_problems(family: ModelFamily, cfg) -> list[str]:
         problems.append(f"model family {family.name!r} does not support {', '.join(missing)} "
                         f"(it supports {', '.join(x for x in LAYOUTS if x in family.layouts)}); "
                         "change parallel.* or use a family that does")
-    if isinstance(family, TransformerFamily):
-        return problems
-    problems += list(family.problems(cfg)) if callable(getattr(family, "problems", None)) else []
+    own = getattr(family, "layout_problems", None)  # ModelFamily subclasses; a duck-typed family gets the checks
+    return problems + (own(cfg) if callable(own) else _layout_checks(family, cfg))
+
+
+def _layout_checks(family, cfg) -> list[str]:
+    """The checks every family gets unless it declares its own (ModelFamily.layout_problems)."""
+    problems = list(family.problems(cfg)) if callable(getattr(family, "problems", None)) else []
     modes = getattr(family, "recompute_modes", frozenset({"none"}))
     if cfg.train.recompute not in modes:
         problems.append(f"train.recompute = {cfg.train.recompute!r}: model family {family.name!r} supports "
                         f"{', '.join(sorted(modes))}; use one of those")
-    if cfg.train.eval_every:
+    if cfg.train.eval_every and not getattr(family, "evaluates", False):
         problems.append(f"train.eval_every = {cfg.train.eval_every}: evaluation runs only for the built-in "
                         "transformer family yet; use 0")
     if not problems and "tp" in family.layouts and cfg.parallel.tp > 1:
@@ -298,6 +328,34 @@ def layout_problems(family: ModelFamily, cfg) -> list[str]:
 
         problems += chain_problems(meta_model(family, cfg), cfg.parallel)
     return problems
+
+
+def family_pipeline_units(family, cfg) -> int | None:
+    """``family.pipeline_unit_count(cfg)`` (None for a duck-typed family without it)."""
+    own = getattr(family, "pipeline_unit_count", None)
+    return own(cfg) if callable(own) else None
+
+
+def family_data(family, cfg):
+    """The family's training data (``family.data(cfg)``; a duck-typed family without ``data`` reads
+    token sequences, as :meth:`ModelFamily.data` does)."""
+    own = getattr(family, "data", None)
+    if callable(own):
+        return own(cfg)
+    from chipset.data.datasets import make_dataset
+
+    return make_dataset(cfg)
+
+
+def build_for_run(family, cfg, kernels=None) -> nn.Module:
+    """The model a run trains, with ``train.seed`` seeding torch's generator (the same weights on
+    every rank; the generator's state is restored after). With ``model.init_from`` it is built on
+    the meta device: the weights come from the files into each rank's shards, so no rank holds
+    or initialises the whole model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        with torch.device("meta") if cfg.model.init_from else contextlib.nullcontext():
+            return build_for(family, cfg, kernels)
 
 
 def plan_problems(family: ModelFamily, cfg) -> list[str]:
@@ -344,6 +402,36 @@ class TransformerFamily(ModelFamily):
 
     name = "transformer"
     layouts = frozenset(LAYOUTS)
+    evaluates = True
+    described_by_planner = True
+
+    def pipeline_unit_count(self, cfg) -> int:
+        return cfg.model.num_hidden_layers + 2  # embedding, each block, head
+
+    def config_problems(self, cfg) -> list[str]:
+        """The decoder's rules (models/transformer_rules.py) and those of a Hugging Face config
+        it was translated from (models/hf/config.py); data.source = 'images' is refused."""
+        from chipset.models.hf.config import model_problems
+        from chipset.models.transformer_rules import (
+            attention_problems,
+            moe_problems,
+            pipeline_split_problems,
+            tp_cp_problems,
+        )
+
+        m, par, tr = cfg.model, cfg.parallel, cfg.train
+        problems = attention_problems(m, tr) + tp_cp_problems(m, par, tr)
+        if par.pp > 1:
+            problems += pipeline_split_problems(m, par)
+        if cfg.data.source == "images":
+            problems.append("data.source = 'images' is for an image model family (model.family = \"resnet\"); "
+                            "the built-in transformer reads synthetic, text, tokens or hf")
+        return problems + moe_problems(m, par) + model_problems(m, tr.seq_len, par.pp, par.zero)
+
+    def layout_problems(self, cfg) -> list[str]:
+        """None beyond :meth:`config_problems`: its rules already cover the layout (the plan and
+        the chain are the decoder's own, so they fit whenever those rules pass)."""
+        return []
 
     def build(self, cfg, kernels=None) -> nn.Module:
         from chipset.models.transformer import Transformer

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from chipset.errors import ConfigError
-from chipset.models.config import ROUTERS, ModelConfig
+from chipset.models.config import ModelConfig
+from chipset.models.family import family_pipeline_units
+from chipset.models.registry import resolve_family
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
 from chipset.runtime.optim import OPTIMIZERS
@@ -426,7 +428,11 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
                      problems: list[str]) -> list[str]:
     """The range and cross-field rules of :func:`validate`."""
     m, par, tr, da = cfg.model, cfg.parallel, cfg.train, cfg.data
-    builtin = m.family in ("", "transformer")  # the rules on model.* below describe the built-in decoder
+    try:
+        family = resolve_family(m.family)
+    except ConfigError as exc:  # an unknown or broken family: said once, its own rules cannot run
+        problems.append(str(exc))
+        family = None
 
     def positive(section: str, obj: Any, *names: str) -> None:
         for n in names:
@@ -447,42 +453,19 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         parse_profile_steps(tr.profile_steps)
     except ValueError as exc:
         problems.append(f"train.profile_steps = {tr.profile_steps!r}: {exc}")
-    if not builtin:  # the attention and position rules below describe the built-in decoder
-        pass
-    elif m.head_dim < 0 or m.head_dim % 2:
-        problems.append(f"model.head_dim = {m.head_dim!r}: expected an even number, or 0 for hidden_size / heads")
-    elif m.head_dim:
-        pass
-    elif m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
-        problems.append(
-            f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size ({m.hidden_size})"
-        )
-    elif m.num_attention_heads > 0 and (m.hidden_size // m.num_attention_heads) % 2:
-        problems.append(
-            f"head dim hidden_size/num_attention_heads ({m.hidden_size}/{m.num_attention_heads}) must be even for rotary embeddings"
-        )
-    kv = m.num_key_value_heads or m.num_attention_heads
-    if builtin and (m.num_key_value_heads < 0 or (kv > 0 and m.num_attention_heads % kv)):
-        problems.append(
-            f"model.num_key_value_heads ({m.num_key_value_heads}) must divide model.num_attention_heads ({m.num_attention_heads})"
-        )
-    if builtin and tr.seq_len > m.max_position_embeddings:
-        problems.append(
-            f"train.seq_len ({tr.seq_len}) must be <= model.max_position_embeddings ({m.max_position_embeddings})"
-        )
     if par.zero not in (0, 1, 2, 3):
         problems.append(f"parallel.zero = {par.zero!r}: expected a ZeRO stage 0, 1, 2 or 3")
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
-    if builtin:  # other families check their own layout (chipset.models.family)
-        problems += _tp_cp_problems(m, par, tr)
+    if par.cp_attention not in ("allgather", "ring"):
+        problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected allgather or ring")
     # The schedule is built to check it: only for degrees the rules below do not refuse anyway
     # (pp beyond the world, more micro-batches than sequences).
     if 1 < par.pp <= (world_size or par.pp) and par.micro_batches <= max(tr.global_batch, 1):
         # schedule, split and combinations: runtime/pipeline/__init__.py
         from chipset.runtime.pipeline import pipeline_problems
 
-        problems += pipeline_problems(cfg, builtin)
+        problems += pipeline_problems(cfg, units=family_pipeline_units(family, cfg))
     if tr.dtype not in DTYPES:
         problems.append(f"train.dtype = {tr.dtype!r}: expected one of {', '.join(DTYPES)}")
     elif dtypes is not None and tr.dtype not in dtypes:
@@ -503,9 +486,6 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"train.recompute = {tr.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if da.source not in DATA_SOURCES:
         problems.append(f"data.source = {da.source!r}: expected one of {', '.join(DATA_SOURCES)}")
-    elif da.source == "images" and builtin:
-        problems.append("data.source = 'images' is for an image model family (model.family = \"resnet\"); "
-                        "the built-in transformer reads synthetic, text, tokens or hf")
     elif da.source == "text" and m.vocab_size < 256:
         problems.append(
             f"model.vocab_size ({m.vocab_size}) must be >= 256 for data.source = 'text' (one token per byte); "
@@ -554,12 +534,10 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
                 f"train.global_batch ({tr.global_batch}) must be divisible by dp*micro_batches "
                 f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
             )
-    if builtin:  # other families check their own layout (chipset.models.family)
-        problems += _moe_problems(m, par)
-    from chipset.models.hf.config import model_problems  # late: models import this module
-
-    if builtin:  # other families check their own layout (chipset.models.family)
-        problems += model_problems(m, tr.seq_len, par.pp, par.zero)
+    # The family's own rules on the [model] keys and their combination with the layout
+    # (the built-in transformer's: heads, kv heads, rotary, tp/cp/sp divisibility, MoE, HF).
+    if family is not None and callable(getattr(family, "config_problems", None)):
+        problems += family.config_problems(cfg)
     return problems
 
 
@@ -619,72 +597,6 @@ def _token_data_problems(path: str, vocab_size: int) -> list[str]:
         return [f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's vocabulary "
                 f"({store.vocab_size}, data.path = {path!r}); set --set model.vocab_size={store.vocab_size}"]
     return []
-
-
-def _tp_cp_problems(m: ModelConfig, par: ParallelConfig, tr: TrainConfig) -> list[str]:
-    """Tensor, sequence and context parallelism against the model and the sequence length."""
-    problems = []
-    kv = m.num_key_value_heads or m.num_attention_heads
-    if par.tp > 1:
-        for what, n, key in (("heads", m.num_attention_heads, "num_attention_heads"),
-                             ("kv heads", kv, "num_key_value_heads"),
-                             ("the MLP width", m.intermediate_size, "intermediate_size")):
-            if n > 0 and n % par.tp:
-                problems.append(f"tp ({par.tp}) must divide {what} ({n}) (model.{key}); choose another parallel.tp")
-    if par.cp_attention not in ("allgather", "ring"):
-        problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected allgather or ring")
-    if par.cp > 1 and tr.seq_len > 0 and tr.seq_len % (2 * par.cp):
-        problems.append(
-            f"train.seq_len ({tr.seq_len}) must be divisible by 2*cp ({2 * par.cp}): context parallelism cuts each "
-            "sequence into 2*cp chunks"
-        )
-    elif par.sequence_parallel and par.tp > 1 and par.cp > 0 and tr.seq_len > 0 and (tr.seq_len // par.cp) % par.tp:
-        problems.append(
-            f"train.seq_len/cp ({tr.seq_len}/{par.cp}) must be divisible by tp ({par.tp}) with parallel.sequence_parallel"
-        )
-    return problems
-
-
-def _moe_problems(m: ModelConfig, par: ParallelConfig) -> list[str]:
-    """Mixture-of-experts keys and their combination with the parallel layout."""
-    problems = []
-    moe = m.num_experts > 1
-    if m.num_experts < 0:
-        problems.append(f"model.num_experts = {m.num_experts!r}: expected 0 (dense) or a number of experts")
-    if m.num_experts_per_tok < 1 or m.moe_every < 1:
-        problems.append(f"model.num_experts_per_tok ({m.num_experts_per_tok}) and model.moe_every "
-                        f"({m.moe_every}) must be >= 1")
-    elif moe and m.num_experts_per_tok > m.num_experts:
-        problems.append(f"model.num_experts_per_tok ({m.num_experts_per_tok}) must be <= model.num_experts "
-                        f"({m.num_experts})")
-    if m.router not in ROUTERS:
-        problems.append(f"model.router = {m.router!r}: expected one of {', '.join(ROUTERS)}")
-    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-        if getattr(m, name) < 0:
-            problems.append(f"model.{name} = {getattr(m, name)!r}: expected an integer >= 0 (0 = {'intermediate_size' if name.startswith('moe') else 'no shared expert'})")
-    for name in ("capacity_factor", "router_aux_loss_coef"):
-        v = getattr(m, name)
-        if not (v >= 0 and math.isfinite(v)):
-            problems.append(f"model.{name} = {v!r}: expected a finite number >= 0")
-    if moe and m.num_hidden_layers > 0 and m.moe_every > m.num_hidden_layers:
-        problems.append(
-            f"model.moe_every ({m.moe_every}) > model.num_hidden_layers ({m.num_hidden_layers}) leaves no MoE block; "
-            "lower moe_every or set model.num_experts=0"
-        )
-    if par.ep > 1:
-        if not moe:
-            problems.append(
-                f"parallel.ep = {par.ep} needs a mixture-of-experts model: set model.num_experts to a multiple of {par.ep}"
-            )
-        elif m.num_experts % par.ep:
-            problems.append(f"parallel.ep ({par.ep}) must divide model.num_experts ({m.num_experts})")
-        if par.dp > 0 and par.cp > 0 and (par.dp * par.cp) % par.ep:
-            where = "parallel.dp" if par.cp == 1 else f"dp*cp ({par.dp}*{par.cp})"
-            problems.append(
-                f"parallel.ep ({par.ep}) must divide {where} ({par.dp * par.cp}): expert-parallel groups are carved "
-                "out of the data-parallel (and context-parallel) ranks"
-            )
-    return problems
 
 
 def _format(problems: list[str], where: str) -> str:

@@ -6,7 +6,6 @@ writes ``metrics.jsonl`` and ``summary.json`` into the run directory.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -18,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from chipset.data.datasets import SyntheticTokens, TextBytes, make_dataset
+from chipset.data.datasets import SyntheticTokens, TextBytes
 from chipset.errors import ChipsetError, ConfigError
-from chipset.models.family import TransformerFamily, bind, layout_problems
+from chipset.models.family import bind, build_for_run, family_data, layout_problems
 from chipset.models.registry import resolve_family
 from chipset.parallel.compile import apply_compile, check_compile, compile_backend_of
 from chipset.parallel.context import ContextParallel, apply_cp
@@ -77,7 +76,7 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
     dims = make_dims(cfg, backend.collective.world_size())
     family = resolve_family(cfg.model.family)
     engine = wrap(build_model(cfg, backend, dims, family), cfg, backend, dims)
-    data = make_dataset(cfg) if isinstance(family, TransformerFamily) else family.data(cfg)
+    data = family_data(family, cfg)
     return engine, data, dims
 
 
@@ -90,13 +89,8 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
     problems = layout_problems(family, cfg)
     if problems:  # the launcher refused these already; a worker started by hand refuses too
         raise ConfigError("; ".join(problems))
-    if isinstance(family, TransformerFamily):
-        # With init_from the weights come from the file into the shards this rank holds (wrap):
-        # the parameters are built on the meta device, so no rank holds or initialises the whole model.
-        with torch.device("meta") if cfg.model.init_from else contextlib.nullcontext():
-            model = family.build(cfg, backend.kernels)
-    else:
-        model = _build_family(family, cfg)
+    # With init_from the weights come from the file into the shards this rank holds (wrap).
+    model = build_for_run(family, cfg, backend.kernels)
     if dims.tp_enabled:  # the family's plan; the engine names no module (models/family.py)
         tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
         apply_plan(model, family.plan(cfg), tp=tp)
@@ -170,14 +164,6 @@ def train_step(engine, batches, lr: float) -> tuple[float, dict]:
         engine.collective.all_reduce(loss_t, "sum", group=engine.group)
         loss_t /= engine.dp
     return float(loss_t), stats
-
-
-def _build_family(family, cfg: RunConfig) -> torch.nn.Module:
-    """A model of another family, built with the run's seed (same weights on every rank)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.train.seed)
-        model = family.build(cfg)
-    return model
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:

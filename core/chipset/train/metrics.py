@@ -193,17 +193,17 @@ class StepMetrics:
 
 def _flops(cfg, backend) -> tuple[int, float]:
     """PaLM model FLOPs per token (the planner's count) and the total peak FLOP/s of one device."""
+    from chipset.models.registry import resolve_family
     from chipset.planner.flops import model_flops_per_token
     from chipset.planner.model import from_engine_model_config
 
     try:
-        if cfg.model.family in ("", "transformer"):
+        family = resolve_family(cfg.model.family)
+        if getattr(family, "described_by_planner", False):
             spec = from_engine_model_config(cfg.model, seq_len=cfg.train.seq_len)
             per_token = model_flops_per_token(spec)
         else:  # the family counts its own FLOPs; "tokens" per step are global_batch x seq_len
-            from chipset.models.registry import resolve_family
-
-            per_token = resolve_family(cfg.model.family).flops_per_sample(cfg) / cfg.train.seq_len
+            per_token = family.flops_per_sample(cfg) / cfg.train.seq_len
     except Exception:  # a model the planner cannot describe yet: no MFU rather than no run
         per_token = 0
     peak = backend.device.properties().peak_flops_for(cfg.train.dtype)

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 from chipset.errors import ConfigError
-from chipset.parallel.split import parse_split
 from chipset.parallel.stages import UnitSpec, UnitStageModel, split_units
 from chipset.runtime.pipeline.check import ScheduleError, SimResult, check_schedule, render
 from chipset.runtime.pipeline.engine import PipelineEngine
@@ -62,14 +61,16 @@ def schedule_for(par) -> PipelineSchedule:
     return sched
 
 
-def pipeline_problems(cfg, builtin: bool = True) -> list[str]:
-    """Every configuration problem of a pp > 1 run, as messages (called by config validation).
+def pipeline_problems(cfg, units: int | None = None) -> list[str]:
+    """The schedule's problems for a pp > 1 run, as messages (called by config validation).
 
-    ``builtin=False`` (another model family): the schedule only; how the family's chain of
-    units splits is checked with its layout (:func:`chipset.parallel.stages.chain_problems`)."""
-    m, par = cfg.model, cfg.parallel
+    ``units``: how many pipeline units the model has, when the family knows it before any model
+    exists (the schedule is not built when pp*virtual_stages exceeds it: the family refuses
+    that itself). How a family's chain of units splits is the family's rule
+    (``ModelFamily.config_problems``, :func:`chipset.parallel.stages.chain_problems`)."""
+    par = cfg.parallel
     parts = par.pp * max(par.virtual_stages, 1)
-    fits = not builtin or parts <= m.num_hidden_layers + 2  # else refused below
+    fits = units is None or parts <= units
     problems = []
     if par.schedule not in SCHEDULES:
         problems.append(f"parallel.schedule = {par.schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -85,18 +86,6 @@ def pipeline_problems(cfg, builtin: bool = True) -> list[str]:
             schedule_for(par)
         except ConfigError as exc:
             problems.append(str(exc))
-    if not builtin:
-        return problems
-    if par.pipeline_split:
-        try:
-            parse_split(par.pipeline_split, parts, m.num_hidden_layers)
-        except ConfigError as exc:
-            problems.append(str(exc))
-    elif parts > m.num_hidden_layers + 2:
-        problems.append(
-            f"pp*virtual_stages ({parts}) exceeds the model's {m.num_hidden_layers + 2} pipeline units (embedding, "
-            f"{m.num_hidden_layers} blocks, head); lower parallel.pp/virtual_stages or raise model.num_hidden_layers"
-        )
     return problems
 
 
