@@ -81,3 +81,17 @@ def test_the_scan_sees_a_module_name(module_names):
     # Negative control: the engine's old pipeline split read these names.
     src = "def f(model):\n    return [model.embed_tokens, *model.layers, model.head]\n"
     assert sorted(n for n, _ in _uses(src, module_names)) == ["embed_tokens", "head", "layers"]
+
+
+def test_the_built_in_family_has_no_special_path_outside_models():
+    """The built-in transformer is reached only through the family contract: no isinstance
+    check on it and no test of its name outside chipset/models (issue 30's back doors)."""
+    hits = []
+    for path in sorted(CORE.rglob("*.py")):
+        rel = path.relative_to(CORE).as_posix()
+        if rel.startswith("models/"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "TransformerFamily" in line or '("", "transformer")' in line or "== \"transformer\"" in line:
+                hits.append(f"{rel}:{n}: {line.strip()}")
+    assert not hits, "special paths for the built-in family outside models/:\n" + "\n".join(hits)
