@@ -26,5 +26,5 @@ def run(args) -> int:
     if pngs:
         print(f"chipset report: PNG plots in {pngs[0].parent}")
     elif not args.no_png:
-        print("chipset report: no PNG plots (pip install matplotlib to get them)")
+        print("chipset report: no PNG plots (pip install 'chipset[matplotlib]' to get them)")
     return 0

@@ -214,7 +214,7 @@ def _tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except Exception:
-        log.warning("TensorBoard event files not written (pip install tensorboard to get them in "
+        log.warning("TensorBoard event files not written (pip install 'chipset[tensorboard]' to get them in "
                     "RUN_DIR/tensorboard)")
         return None
     return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
