@@ -137,7 +137,7 @@ def test_tensorboard_event_files_when_installed_else_a_note(tmp_path):
     try:
         import torch.utils.tensorboard  # noqa: F401
     except Exception:
-        assert "TensorBoard event files not written (pip install tensorboard" in r.stderr
+        assert "TensorBoard event files not written (pip install 'chipset[tensorboard]'" in r.stderr
         pytest.skip("tensorboard is not installed: checked the note instead of the event files")
     events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0

@@ -179,7 +179,7 @@ def test_report_of_a_real_resumed_run_with_pngs_when_matplotlib_is_installed(tmp
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert "pip install matplotlib" in out
+        assert "pip install 'chipset[matplotlib]'" in out
         pytest.skip("matplotlib is not installed: checked the note instead of the PNG plots")
     pngs = sorted(p.name for p in (run_dir / "report_png").glob("*.png"))
     assert pngs == sorted(f"{pid.removeprefix('plot-')}.png" for pid in PLOTS)
