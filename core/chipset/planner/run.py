@@ -19,12 +19,13 @@ from chipset.planner.memory import MemoryBreakdown, memory_per_stage
 from chipset.planner.model import ModelSpec, from_engine_model_config
 from chipset.preflight import host_memory_available
 from chipset.runtime.optim import make_optimizer
+from chipset.runtime.precision import DTYPE_BY_NAME
 
 __all__ = ["from_run_config", "optimizer_bytes", "peak_memory_per_rank", "check_job_memory", "DTYPE_BYTES"]
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPE_BY_NAME.items()}
 _SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "interleaved"}
 
 

@@ -25,6 +25,7 @@ from chipset.models.registry import resolve_family
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
 from chipset.runtime.optim import OPTIMIZERS
+from chipset.runtime.precision import DTYPE_BY_NAME
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ __all__ = [
     "RECOMPUTE",
 ]
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(DTYPE_BY_NAME)  # declared once, with the torch dtypes (runtime/precision.py)
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 DATA_SOURCES = ("synthetic", "text", "tokens", "hf", "images")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
