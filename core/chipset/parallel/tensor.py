@@ -22,14 +22,16 @@ A vocabulary tp does not divide is padded to the next multiple of tp; the padded
 the embedding are never looked up and the padded logits are masked to -inf, so results
 equal the unpadded model's and the padded weights stay zero.
 
-Every sharded parameter carries ``tp_dim`` (the split dimension) and ``tp_size`` (its
-logical size along it, before padding); :func:`gather_full_parameters` uses them to
-rebuild single-process tensors by name.
+Every sharded parameter carries a :class:`TPShard` record (the split dimension, its logical
+size along it before padding, this rank's slice index), read with :func:`tp_shard`;
+:func:`gather_full_parameters` and the checkpoint layout use it to rebuild single-process
+tensors by name.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,8 @@ from chipset.parallel.plan import PLAN_STYLES, plan_matches
 
 __all__ = [
     "TPContext",
+    "TPShard",
+    "tp_shard",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
@@ -182,12 +186,27 @@ def _shard(full: torch.Tensor, dim: int, tp: TPContext) -> tuple[torch.Tensor, i
     return full.narrow(dim, tp.rank * per, per).clone(), size
 
 
+@dataclass(frozen=True)
+class TPShard:
+    """Where a tensor-parallel parameter's local tensor sits in its logical one."""
+
+    dim: int
+    """The split dimension."""
+    size: int
+    """The logical size along ``dim`` (vocabulary padding excluded)."""
+    rank: int
+    """This rank's slice index: it holds entries ``rank * local .. (rank+1) * local - 1``."""
+
+
+def tp_shard(p: torch.Tensor) -> TPShard | None:
+    """The placement record of a tp-sharded parameter; None for a replicated one."""
+    return getattr(p, "_chipset_tp_shard", None)
+
+
 def _sharded_param(full: torch.Tensor, dim: int, tp: TPContext) -> nn.Parameter:
     data, size = _shard(full.detach(), dim, tp)
     p = nn.Parameter(data)
-    p.tp_dim = dim
-    p.tp_size = size
-    p.tp_rank = tp.rank
+    p._chipset_tp_shard = TPShard(dim, size, tp.rank)
     return p
 
 
@@ -466,7 +485,7 @@ def apply_plan(model: nn.Module, plan: dict[str, str], *, tp: TPContext) -> nn.M
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is one rank's slice of a tensor-parallel parameter."""
-    return hasattr(p, "tp_dim")
+    return tp_shard(p) is not None
 
 
 def logical_slice(p: torch.Tensor) -> tuple[int, int, int, tuple[int, ...]] | None:
@@ -477,14 +496,15 @@ def logical_slice(p: torch.Tensor) -> tuple[int, int, int, tuple[int, ...]] | No
     are vocabulary padding (zero, never trained). ``None`` for replicated parameters.
     For checkpoint writers that store logical tensors (resharding across tp degrees).
     """
-    if not is_tp_sharded(p):
+    shard = tp_shard(p)
+    if shard is None:
         return None
-    per = p.shape[p.tp_dim]
-    start = p.tp_rank * per
-    length = max(0, min(per, p.tp_size - start))
+    per = p.shape[shard.dim]
+    start = shard.rank * per
+    length = max(0, min(per, shard.size - start))
     shape = list(p.shape)
-    shape[p.tp_dim] = p.tp_size
-    return p.tp_dim, start, length, tuple(shape)
+    shape[shard.dim] = shard.size
+    return shard.dim, start, length, tuple(shape)
 
 
 @torch.no_grad()
@@ -494,7 +514,7 @@ def gather_full_parameters(local: dict[str, torch.Tensor], model: nn.Module, tp:
 
     ``local``: name -> this rank's tensor (e.g. ``DataParallel.full_parameters()`` before
     the gather). Replicated parameters pass through; sharded ones are all-gathered over
-    tp along ``tp_dim`` and trimmed to ``tp_size`` (vocabulary padding dropped). Every tp
+    tp along the split dimension and trimmed to the logical size (vocabulary padding dropped). Every tp
     rank returns the same dict, on the device of ``local``'s tensors.
     """
     if tp is None or tp.size == 1:
@@ -507,6 +527,7 @@ def gather_full_parameters(local: dict[str, torch.Tensor], model: nn.Module, tp:
         if p is None or not is_tp_sharded(p):
             out[name] = t
             continue
-        full = gather_along(t.to(device), p.tp_dim, tp.collective, tp.group)
-        out[name] = full.narrow(p.tp_dim, 0, p.tp_size).to(t.device).clone()
+        shard = tp_shard(p)
+        full = gather_along(t.to(device), shard.dim, tp.collective, tp.group)
+        out[name] = full.narrow(shard.dim, 0, shard.size).to(t.device).clone()
     return out

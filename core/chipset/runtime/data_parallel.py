@@ -48,6 +48,7 @@ from torch import nn
 from chipset.errors import UsageError
 from chipset.interfaces import Group, Handle
 from chipset.parallel.dims import ParallelDims
+from chipset.parallel.tensor import is_tp_sharded
 from chipset.runtime.digest import combine, param_hash
 from chipset.runtime.optim import AdamW, Optimizer
 from chipset.runtime.precision import LossScaler, compute_input
@@ -142,7 +143,7 @@ class Bucket:
         for p, off, n in zip(self.params, self.offsets, self.numels, strict=True):
             a, b = max(lo, off), min(hi, off + n)
             if a < b:
-                out.append((a - lo, b - lo, 1.0 if hasattr(p, "tp_dim") else 1.0 / e.tp_group.size))
+                out.append((a - lo, b - lo, 1.0 if is_tp_sharded(p) else 1.0 / e.tp_group.size))
         return out
 
     def owned_sq(self) -> torch.Tensor:

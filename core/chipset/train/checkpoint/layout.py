@@ -15,7 +15,7 @@ Where a piece sits in the logical tensor, per layout dimension:
 
 * dp / cp / ZeRO: the owned slice of the bucket (index in the bucket's sharding group:
   dp, dp x cp, or for experts edp); cp ranks are replicas, so each piece is written once.
-* tp: shifted along ``tp_dim`` by the tp slice offset (vocabulary padding dropped);
+* tp: shifted along the split dimension (``parallel.tensor.TPShard``) by the tp slice offset (vocabulary padding dropped);
   tp-replicated parameters are written by tp index 0 only.
 * ep: expert tensors hold rows ``[ep_idx * E_local, ...)`` of the logical ``[E, ...]``.
 * pp: each stage writes the parameters it holds, under the single-process names.
@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from chipset.parallel.tensor import tp_shard
 
 __all__ = ["KINDS", "kinds", "Box", "Piece", "engine_pieces", "flat_range_boxes", "logical_shapes", "host_boxes", "read_planner", "write_planner"]
 
@@ -107,13 +109,13 @@ def _splits(p, expert_ep: int = 1, ep_index: int = 0, tp_index: int = 0) -> list
     """How local tensor ``p`` is cut from its logical tensor: ``[(dim, index, logical size), ...]``.
 
     Slice ``index`` along ``dim`` starts at ``index * local size``. tp-sharded parameters
-    carry ``tp_dim``/``tp_size`` (the logical size, vocabulary padding excluded); ep-sharded
+    carry a ``TPShard`` (the logical size, vocabulary padding excluded); ep-sharded
     experts (``expert_ep > 1``) are one block of rows of ``[E, ...]``.
     """
     out = []
-    dim = getattr(p, "tp_dim", None)
-    if dim is not None:
-        out.append((int(dim), tp_index, int(p.tp_size)))
+    shard = tp_shard(p)
+    if shard is not None:
+        out.append((shard.dim, tp_index, shard.size))
     if expert_ep > 1:
         out.append((0, ep_index, p.shape[0] * expert_ep))
     return out
@@ -200,7 +202,7 @@ def engine_pieces(engine, kind: str, *, for_load: bool) -> Iterator[tuple[str, t
             logical = _logical_shape(shape, _splits(p, expert_ep))
             pieces = []
             hit = (0, n) if held_whole else _intersect(i * bkt.shard, (i + 1) * bkt.shard, off, n)
-            writes = for_load or hasattr(p, "tp_dim") or tp_j == 0  # a tp-replicated parameter: tp index 0
+            writes = for_load or tp_shard(p) is not None or tp_j == 0  # a tp-replicated parameter: tp index 0
             if hit is not None and writes:
                 boxes = _boxes(shape, hit[0], hit[1], _splits(p, expert_ep, ep.get(me, 0), tp_j), me)
                 if boxes:
