@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ __all__ = [
     "value_problems",
     "check_writable_dir",
     "check_output_file",
+    "check_optional_packages",
     "host_memory_available",
 ]
 
@@ -163,6 +165,44 @@ def check_output_file(path: str | Path, what: str, flag: str) -> None:
         raise UsageError(f"{what} {str(p)!r}: its folder {str(parent)!r} does not exist; create it first "
                          f"(mkdir -p {parent}) or pass another {flag}")
     check_writable_dir(parent, f"the folder of {what}", flag)
+
+
+# --- optional packages ---------------------------------------------------------------------
+
+
+def _needs(cfg: Any) -> list[tuple[str, str, str, str]]:
+    """(config feature, import name, pip name, chipset extra) for each optional package ``cfg`` will import.
+
+    The import names are the ones the code imports lazily (models/hf/weights.py, data/prepare.py,
+    data/hf.py, models/resnet.py); the extras are pyproject.toml's [project.optional-dependencies]."""
+    m, d = cfg.model, cfg.data
+    needs = []
+    if m.init_from:
+        needs.append((f"model.init_from = {m.init_from!r} (reading its safetensors weights)", "safetensors",
+                      "safetensors", "hf"))
+    if d.source == "hf":
+        needs += [("data.source = 'hf'", "datasets", "datasets", "hf-data"),
+                  ("data.source = 'hf' (tokenizing with data.tokenizer)", "tokenizers", "tokenizers", "hf-data")]
+    if d.source == "images":
+        needs.append(("data.source = 'images' (decoding the images)", "PIL", "pillow", "images"))
+    return needs
+
+
+def check_optional_packages(cfg: Any) -> None:
+    """UsageError naming each optional package the run config needs but this Python cannot import.
+
+    Why here: the ranks import these packages only when they load weights or data, after the run
+    directory exists, so a missing one used to fail there with one traceback per rank. Importing
+    (not just finding) the package also catches one that is installed but broken."""
+    problems = []
+    for feature, module, pip_name, extra in _needs(cfg):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            problems.append(f"{feature} needs the '{pip_name}' package, which cannot be imported here ({exc}); "
+                            f"install it: pip install 'chipset[{extra}]' (or pip install {pip_name})")
+    if problems:
+        raise UsageError("\n".join([*problems, "Nothing was written; install the package(s) and run the command again."]))
 
 
 # --- memory --------------------------------------------------------------------------------

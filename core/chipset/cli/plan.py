@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from chipset.errors import ConfigError
 
@@ -16,6 +17,9 @@ def add_parser(sub) -> None:
                     "policy for a model on a cluster; discard those that are invalid or do not fit; rank the rest "
                     "by predicted step time. Formulas and their sources: docs/planner.md.",
     )
+    p.add_argument("config", nargs="?", metavar="CONFIG.toml",
+                   help="a chipset train config, a run directory's config.toml included (as --model FILE); its "
+                        "train.global_batch, seq_len and dtype are the starting point the flags override")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="FILE", help="TOML file with a [model] table (a chipset train config), or a "
                      "Hugging Face config.json or model directory")
@@ -28,8 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",
                    help="override one model field (repeatable)")
     p.add_argument("--cluster", metavar="NODESxDEVICES:PROFILE", help="for example 64x8:a100-80g")
-    p.add_argument("--global-batch", type=int, default=512, metavar="N", help="sequences per step (default 512)")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="sequence length (default: the model's)")
+    p.add_argument("--global-batch", type=int, default=None, metavar="N",
+                   help="sequences per step (default: the config's train.global_batch, else 512)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help="sequence length (default: the config's train.seq_len, else the model's)")
     p.add_argument("--fix", action="append", default=[], metavar="parallel.KEY=VALUE,...",
                    help="pin layout fields: dp, tp, pp, ep, cp, zero, micro_batch, schedule (1f1b, gpipe, "
                         "interleaved-vN), recompute (none, selective, full), sequence_parallel")
@@ -42,7 +48,8 @@ def add_parser(sub) -> None:
                    help="override the profile's device-to-device bandwidth within a node, GB/s per direction")
     p.add_argument("--inter-node-bw", type=float, default=None, metavar="GBps",
                    help="override the profile's per-device bandwidth across nodes, GB/s per direction")
-    p.add_argument("--dtype", default="bfloat16", help="compute dtype whose peak FLOP/s applies (default bfloat16)")
+    p.add_argument("--dtype", default=None, help="compute dtype whose peak FLOP/s applies; float32 also plans "
+                   "4-byte parameters and gradients (default: the config's train.dtype, else bfloat16)")
     p.add_argument("--efficiency", type=float, default=None, metavar="FRACTION",
                    help="fraction of peak large GEMMs sustain (default: the profile's, e.g. 0.70 on H100; "
                         "see docs/planner.md)")
@@ -92,6 +99,37 @@ def _model(args):
 
         spec = replace(spec, seq_len=args.seq_len)
     return spec.validate()
+
+
+DEFAULT_GLOBAL_BATCH, DEFAULT_DTYPE = 512, "bfloat16"
+
+
+def _train_settings(args) -> tuple[int, str]:
+    """(global batch, dtype): the flags, else the ``[train]`` table of a chipset train config given as
+    the model, else the defaults. Why: planning a run's own config.toml should plan that run; a flag
+    that changes one of its values says so on stderr, since --write-config carries the change.
+    (``train.seq_len`` is read with the model, planner/model_file.py.)"""
+    from chipset.planner.hf import is_hf_config
+    from chipset.train.config import DTYPE_ALIASES
+
+    train = {}
+    if args.model and not is_hf_config(args.model):
+        from chipset.cli.plan_config import _source_tables
+
+        train = _source_tables(Path(args.model).expanduser()).get("train") or {}
+    out = []
+    for flag, key, value, default in (("--global-batch", "global_batch", args.global_batch, DEFAULT_GLOBAL_BATCH),
+                                      ("--dtype", "dtype", args.dtype, DEFAULT_DTYPE),
+                                      ("--seq-len", "seq_len", args.seq_len, 0)):
+        mine = train.get(key)
+        if mine is not None and (type(mine) is not type(default)):
+            raise ConfigError(f"{args.model}: train.{key} = {mine!r}: expected "
+                              f"{'a dtype name' if key == 'dtype' else 'a positive integer'}; fix the config")
+        same = DTYPE_ALIASES.get(value, value) == mine if key == "dtype" else value == mine
+        if value is not None and mine is not None and not same:
+            print(f"chipset plan: {flag} {value} replaces train.{key} = {mine!r} of {args.model}", file=sys.stderr)
+        out.append(value if value is not None else mine if mine is not None else default)
+    return out[0], out[1]
 
 
 def _list_profiles(as_json: bool) -> int:
@@ -183,13 +221,17 @@ def _validation() -> int:
 
 
 def run(args) -> int:
+    if args.config is not None:
+        if args.model or args.preset or args.module:
+            raise ConfigError(f"{args.config!r} and --model/--preset/--module both name the model; give one "
+                              "(the positional CONFIG.toml is the same as --model CONFIG.toml)")
+        args.model = args.config
     if args.list_profiles:
         return _list_profiles(args.json)
     if args.validation:
         return _validation()
     from chipset.planner.assumptions import Assumptions
     from chipset.planner.cluster import resolve_cluster
-    from chipset.planner.layout import TrainSpec
     from chipset.planner.search import parse_fix, search
 
     if not args.cluster:
@@ -214,8 +256,6 @@ def run(args) -> int:
     for flag, value, per in (("--update-bytes", args.update_bytes, "parameter"), ("--loss-bytes", args.loss_bytes, "logit")):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be positive bytes per {per} (found {value})")
-    train = TrainSpec(global_batch=args.global_batch, dtype=args.dtype, update_bytes=args.update_bytes or 0.0,
-                      loss_bytes=args.loss_bytes or 0.0, recompute_early_stop=not args.whole_forward_recompute)
     if args.write_config:
         from chipset.cli.plan_config import check_target
 
@@ -225,8 +265,10 @@ def run(args) -> int:
             raise ConfigError("--write-config needs --model or --preset: a --module factory returns an nn.Module, "
                               "while chipset train's model.family = 'package.module:factory' expects a model "
                               "family (an object with build(cfg), docs/models.md)")
-        return _run_module(args, cluster, fix, a, train)
+        batch = DEFAULT_GLOBAL_BATCH if args.global_batch is None else args.global_batch
+        return _run_module(args, cluster, fix, a, _train_spec(args, batch, args.dtype or DEFAULT_DTYPE))
     model = _model(args)
+    train = _train_spec(args, *_train_settings(args))
     res = search(model, train, cluster, fix=fix, assumptions=a)
     _warn_unknown_bandwidth(cluster)
     shown = res.candidates[: args.top]
@@ -272,6 +314,19 @@ def run(args) -> int:
         print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and not fixed else None,
                       model, cluster, "The fixed layout" if fixed else "The fastest layout"))
     return 0
+
+
+def _train_spec(args, global_batch: int, dtype: str):
+    """The planner's step; parameters and gradients take the dtype's bytes (a float32 run keeps 4-byte
+    ones, as planner/run.py plans a run), 2 for a dtype train does not know."""
+    from chipset.planner.layout import TrainSpec
+    from chipset.planner.run import DTYPE_BYTES
+    from chipset.train.config import DTYPE_ALIASES
+
+    e = DTYPE_BYTES.get(DTYPE_ALIASES.get(dtype, dtype), 2)
+    return TrainSpec(global_batch=global_batch, dtype=dtype, param_bytes=e, grad_bytes=e,
+                     update_bytes=args.update_bytes or 0.0, loss_bytes=args.loss_bytes or 0.0,
+                     recompute_early_stop=not args.whole_forward_recompute)
 
 
 def _write_config(args, model, train, cluster, shown) -> None:

@@ -175,7 +175,8 @@ def _check_family(cfg):
 def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int, family=None) -> None:
     """What would otherwise fail inside every rank (or after the run directory exists): check it here.
 
-    The run directory must be a writable folder, ``data.path`` must exist, ``CHIPSET_COLLECTIVE_TIMEOUT``
+    The run directory must be a writable folder, the optional packages the config needs must import,
+    ``data.path`` must exist, ``CHIPSET_COLLECTIVE_TIMEOUT``
     must parse, and the planner's per-rank memory estimate must fit the backend's devices (and the
     host's available memory where the devices are host memory), so absurd sizes exit 2 in seconds.
     """
@@ -183,9 +184,10 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int, family=None)
     from chipset.interfaces.collective import collective_timeout
     from chipset.parallel.compile import check_compile
     from chipset.planner.run import check_job_memory
-    from chipset.preflight import check_writable_dir
+    from chipset.preflight import check_optional_packages, check_writable_dir
 
     check_writable_dir(run_dir, "run directory", "--run-dir")
+    check_optional_packages(cfg)  # e.g. init_from without safetensors: exit 2 here, not a traceback per rank
     if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError(f"data.path = {cfg.data.path!r}: no such file or directory; give a text file or a "
                           "folder of them (or leave data.path empty for the Python standard library's sources)")

@@ -110,29 +110,70 @@ def _input_bytes(f: Path) -> int:
     return sum(x.stat().st_size for x in f.rglob("*") if x.is_file()) if f.is_dir() else f.stat().st_size
 
 
-def input_files(inputs: list[str]) -> list[Path]:
-    """Every input file, folders walked in sorted order; unknown suffixes refused.
+def parse_extensions(text: str) -> tuple[str, ...]:
+    """``--ext .py,md,.txt`` -> ``('.py', '.md', '.txt')``: the suffixes taken from folders."""
+    exts = tuple(dict.fromkeys("." + e.strip().lstrip(".").lower() for e in text.split(",") if e.strip().lstrip(".")))
+    if not exts:
+        raise usage(f"--ext {text!r} names no extension",
+                    f"give a comma-separated list, e.g. --ext {','.join(INPUT_SUFFIXES)},.py")
+    return exts
 
+
+def _looks_binary(f: Path) -> bool:
+    with open(f, "rb") as fh:
+        return b"\0" in fh.read(8192)
+
+
+def input_files(inputs: list[str], extensions: tuple[str, ...] = INPUT_SUFFIXES) -> tuple[list[Path], dict[str, int]]:
+    """Every input file, folders walked in sorted order, and how many folder files were skipped per suffix.
+
+    Folders contribute the files whose suffix is in ``extensions``; the others are counted, not
+    read, so the caller can say what was left out (a corpus of code is mostly ``.py``). A file named
+    on its own is always read, as text unless it is JSONL or Parquet: naming it is the choice.
     A folder saved by ``datasets`` (``save_to_disk``) is one input, read through ``datasets``."""
     files: list[Path] = []
+    skipped: dict[str, int] = {}
     for item in inputs:
         p = Path(item)
         if is_hf_dataset(p):
             files.append(p)
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in INPUT_SUFFIXES)
+            found, other = [], {}
+            for f in sorted(f for f in p.rglob("*") if f.is_file()):
+                if f.suffix.lower() in extensions:
+                    found.append(f)
+                else:
+                    key = f.suffix.lower() or "(no extension)"
+                    other[key] = other.get(key, 0) + 1
             if not found:
-                raise usage(f"folder {item!r} holds no {', '.join(INPUT_SUFFIXES)} files",
-                            "give text, JSONL or Parquet inputs")
+                raise usage(f"folder {item!r} holds no {','.join(extensions)} files"
+                            + (f" (it holds {_counts(other)})" if other else ""),
+                            "choose the extensions to read with --ext, e.g. --ext .txt,.md,.py")
             files += found
+            for key, n in other.items():
+                skipped[key] = skipped.get(key, 0) + n
         elif p.is_file():
-            if p.suffix not in INPUT_SUFFIXES:
-                raise usage(f"input {item!r} has suffix {p.suffix!r}",
-                            f"expected one of {', '.join(INPUT_SUFFIXES)} (text, JSONL, Parquet)")
+            if p.suffix.lower() not in INPUT_SUFFIXES and _looks_binary(p):
+                raise usage(f"input {item!r} is not text (it holds NUL bytes)",
+                            "give text, JSONL or Parquet files (a nanoGPT .bin token file needs no preparing: "
+                            "train on it with data.source = 'tokens')")
             files.append(p)
         else:
             raise usage(f"input {item!r} does not exist", "give existing files or folders")
-    return files
+    return files, skipped
+
+
+def _counts(by_ext: dict[str, int]) -> str:
+    """``.py: 260, .cfg: 3``, most files first."""
+    return ", ".join(f"{k}: {n}" for k, n in sorted(by_ext.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def skip_summary(skipped: dict[str, int], extensions: tuple[str, ...]) -> str:
+    """The line that says which folder files were left out, and how to include them."""
+    wanted = [k for k in sorted(skipped, key=lambda k: -skipped[k]) if k.startswith(".")][:1]
+    return (f"skipped {sum(skipped.values())} file(s) in input folders by extension ({_counts(skipped)}); "
+            f"read only {','.join(extensions)}; to read other extensions list them all with --ext, "
+            f"e.g. --ext {','.join([*extensions, *wanted])}")
 
 
 def documents(path: Path, field: str) -> Iterator[str]:
@@ -145,11 +186,7 @@ def documents(path: Path, field: str) -> Iterator[str]:
                         "choose the text column with --field NAME")
         for batch in ds.select_columns([field]).iter(batch_size=BATCH_DOCS):
             yield from (t for t in batch[field] if t)
-    elif path.suffix in TEXT_SUFFIXES:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if text:
-            yield text
-    elif path.suffix in JSONL_SUFFIXES:
+    elif path.suffix.lower() in JSONL_SUFFIXES:
         with open(path, encoding="utf-8") as fh:
             for n, line in enumerate(fh, 1):
                 if not line.strip():
@@ -162,7 +199,7 @@ def documents(path: Path, field: str) -> Iterator[str]:
                     raise usage(f"{path}:{n} has no string field {field!r} (keys: {', '.join(rec) if isinstance(rec, dict) else type(rec).__name__})",
                                 "choose the text field with --field NAME")
                 yield rec[field]
-    else:
+    elif path.suffix.lower() in PARQUET_SUFFIXES:
         try:
             import pyarrow.parquet as pq
         except ImportError:
@@ -173,6 +210,10 @@ def documents(path: Path, field: str) -> Iterator[str]:
                         "choose the text column with --field NAME")
         for batch in pf.iter_batches(columns=[field]):
             yield from (t for t in batch.column(0).to_pylist() if t)
+    else:  # .txt, .md, or any extension the user chose to read: one document per file
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text:
+            yield text
 
 
 _worker_tok = None
@@ -263,15 +304,21 @@ def _progress_reporter(files: list[Path]):
 
 
 def prepare(inputs: list[str], tokenizer: str, out: str | Path, *, field: str = "text", workers: int = 0,
-            shard_tokens: int = 100_000_000, eos_token: str | None = None) -> dict:
-    """Tokenize ``inputs`` into the token folder ``out``; returns its metadata."""
+            shard_tokens: int = 100_000_000, eos_token: str | None = None,
+            extensions: tuple[str, ...] = INPUT_SUFFIXES) -> dict:
+    """Tokenize ``inputs`` into the token folder ``out``; returns its metadata.
+
+    ``extensions``: the suffixes read from folders (``.jsonl``/``.json`` as JSONL, ``.parquet`` as
+    Parquet, any other as text); skipped files are summarised in a warning before tokenizing."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise usage(f"--out {str(out)!r} already exists and is not an empty folder",
                     "choose a new folder (prepared data is never overwritten)")
     if shard_tokens <= 0:
         raise usage(f"--shard-tokens {shard_tokens}", "expected a positive number of tokens per shard")
-    files = input_files(inputs)
+    files, skipped = input_files(inputs, extensions)
+    if skipped:
+        log.warning(skip_summary(skipped, extensions))
     tok_file = tokenizer_file(tokenizer)
     tok = _load_tokenizer(tok_file)
     eos = find_eos(tok, tok_file, eos_token)

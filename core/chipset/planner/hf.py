@@ -19,7 +19,7 @@ from chipset.models.config import ModelConfig
 from chipset.models.hf.config import from_hf_config
 from chipset.planner.model import ModelSpec, from_engine_model_config
 
-__all__ = ["is_hf_config", "load_hf_config"]
+__all__ = ["engine_spec", "is_hf_config", "load_hf_config", "read_hf_model"]
 
 log = logging.getLogger(__name__)
 
@@ -30,23 +30,29 @@ def is_hf_config(path: str | Path) -> bool:
     return p.suffix == ".json" or (p.is_dir() and (p / "config.json").is_file())
 
 
-def load_hf_config(path: str | Path) -> tuple[ModelSpec, list[str]]:
-    """``(spec, notes)``: the model of an HF config.json; notes (also logged as warnings) name what
-    the estimate leaves out."""
+def read_hf_model(path: str | Path, origin: str | None = None) -> ModelConfig:
+    """The engine's model config translated from an HF config.json (or a directory holding one);
+    ConfigError naming ``origin`` (default ``--model PATH``) when it cannot be read or translated."""
     p = Path(path)
+    origin = origin or f"--model {str(path)!r}"
     file = p / "config.json" if p.is_dir() else p
     try:
         hf = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"--model {str(path)!r}: cannot read {file} as JSON ({exc}); expected a Hugging Face "
+        raise ConfigError(f"{origin}: cannot read {file} as JSON ({exc}); expected a Hugging Face "
                           "config.json or a model directory holding one") from None
     if not isinstance(hf, dict):
-        raise ConfigError(f"--model {str(path)!r}: {file} is not a JSON object; expected a Hugging Face config.json")
+        raise ConfigError(f"{origin}: {file} is not a JSON object; expected a Hugging Face config.json")
     fields, problems = from_hf_config(hf)
     if problems:
-        raise ConfigError(f"--model {str(path)!r} ({file}): the architecture is not one chipset trains:\n"
+        raise ConfigError(f"{origin} ({file}): the architecture is not one chipset trains:\n"
                           + "\n".join(f"  - {x}" for x in problems))
-    m = ModelConfig(**fields)
+    return ModelConfig(**fields)
+
+
+def engine_spec(m: ModelConfig, seq_len: int, name: str, origin: str | Path) -> tuple[ModelSpec, list[str]]:
+    """``(spec, notes)`` for the decoder ``chipset train`` builds from ``m``; notes (also logged as
+    warnings naming ``origin``) name what the estimate leaves out."""
     notes = []
     moe = m.num_experts > 1
     if moe and m.moe_intermediate_size and m.moe_intermediate_size != m.intermediate_size:
@@ -62,7 +68,15 @@ def load_hf_config(path: str | Path) -> tuple[ModelSpec, list[str]]:
     if m.qk_norm:
         notes.append("per-head q/k norms are not counted")
     for note in notes:
-        log.warning("%s: %s (the estimate is approximate there)", path, note)
+        log.warning("%s: %s (the estimate is approximate there)", origin, note)
+    return from_engine_model_config(m, seq_len=seq_len, name=name), notes
+
+
+def load_hf_config(path: str | Path) -> tuple[ModelSpec, list[str]]:
+    """``(spec, notes)``: the model of an HF config.json; notes (also logged as warnings) name what
+    the estimate leaves out."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    m = read_hf_model(path)
     name = file.parent.name if file.name == "config.json" else file.stem
-    spec = from_engine_model_config(m, seq_len=m.max_position_embeddings, name=name or "hf")
-    return spec, notes
+    return engine_spec(m, m.max_position_embeddings, name or "hf", path)
