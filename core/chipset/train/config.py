@@ -22,6 +22,7 @@ from chipset.errors import ConfigError
 from chipset.models.config import ModelConfig
 from chipset.models.family import family_pipeline_units
 from chipset.models.registry import resolve_family
+from chipset.parallel.context import CP_ATTENTION
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
 from chipset.runtime.optim import OPTIMIZERS
@@ -458,8 +459,8 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"parallel.zero = {par.zero!r}: expected a ZeRO stage 0, 1, 2 or 3")
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
-    if par.cp_attention not in ("allgather", "ring"):
-        problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected allgather or ring")
+    if par.cp_attention not in CP_ATTENTION:
+        problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected {' or '.join(CP_ATTENTION)}")
     # The schedule is built to check it: only for degrees the rules below do not refuse anyway
     # (pp beyond the world, more micro-batches than sequences).
     if 1 < par.pp <= (world_size or par.pp) and par.micro_batches <= max(tr.global_batch, 1):
