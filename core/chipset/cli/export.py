@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from chipset.train.checkpoint.export import export
 
-    ckpt = export(args.run_dir, args.out, step=args.step, fmt=args.format, dtype=args.dtype,
+    done = export(args.run_dir, args.out, step=args.step, fmt=args.format, dtype=args.dtype,
                   max_shard_mb=args.max_shard_mb)
-    print(f"chipset export: wrote {args.out} ({args.format}, {args.dtype}) from {ckpt}")
+    print(f"chipset export: wrote {args.out} ({args.format}, {args.dtype}) from {done.checkpoint}")
+    for note in done.notes:  # hf: the special ids, generation config and tokenizer carried, or why none
+        print(f"  {note}")
     return 0

@@ -360,6 +360,8 @@ def resolve_config(path: str | Path | None, overrides: list[str] | None, *, worl
     problems += validate(cfg, world_size, dtypes)
     if problems:
         raise ConfigError(_format(problems, _where(path, overrides)))
+    for warning in _tokenizer_warnings(cfg):  # here, once per launch: the ranks validate without it
+        log.warning(warning)
     return cfg
 
 
@@ -599,6 +601,52 @@ def _token_data_problems(path: str, vocab_size: int) -> list[str]:
         return [f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's vocabulary "
                 f"({store.vocab_size}, data.path = {path!r}); set --set model.vocab_size={store.vocab_size}"]
     return []
+
+
+def _tokenizer_warnings(cfg: RunConfig) -> list[str]:
+    """Data whose token ids may mean other tokens than model.init_from's vocabulary: a warning, not an
+    error (a model may pad its vocabulary past its tokenizer's; a tokenizer may be a copy)."""
+    m, da = cfg.model, cfg.data
+    if not m.init_from or da.source not in ("text", "tokens"):
+        return []
+    fix = (f"prepare the data with the model's own tokenizer: chipset data prepare INPUTS --tokenizer {m.init_from} "
+           "--out DIR, then set data.source = 'tokens' and data.path = DIR (docs/hf.md)")
+    if da.source == "text":
+        return [f"data.source = 'text' feeds each byte as a token id (0-255) to the pretrained model of "
+                f"model.init_from = {m.init_from!r}, whose ids mean its own tokenizer's tokens; {fix}"]
+    found = (_tokenizer_warning(key, path, Path(m.init_from), m.vocab_size, fix)
+             for key, path in (("data.path", da.path), ("data.eval_path", da.eval_path)) if path)
+    return [w for w in found if w]
+
+
+def _tokenizer_warning(key: str, path: str, model_dir: Path, vocab_size: int, fix: str) -> str:
+    """The tokenizer ``chipset data prepare`` recorded in ``path``'s meta.json against the model's
+    tokenizer.json (same sha256), or, when the model has none, against its vocabulary size."""
+    import hashlib
+    import json
+
+    from chipset.data.store import META
+
+    try:
+        meta = json.loads((Path(path) / META).read_text()) if Path(path).is_dir() else None
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict):
+        return ""  # a flat .bin file says nothing about its tokenizer
+    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    own = model_dir / "tokenizer.json"
+    if own.is_file() and tok.get("sha256"):
+        if hashlib.sha256(own.read_bytes()).hexdigest() == tok["sha256"]:
+            return ""
+        return (f"{key} = {path!r} was tokenized with {tok.get('file', 'another tokenizer')}, not with "
+                f"model.init_from's tokenizer ({own}): the same ids mean other tokens to the model; {fix}")
+    vocab = meta.get("vocab_size")
+    if isinstance(vocab, int) and vocab != vocab_size:
+        return (f"{key} = {path!r} was tokenized with a vocabulary of {vocab} tokens "
+                f"({tok.get('file', 'no tokenizer recorded')}) and model.init_from's model has model.vocab_size = "
+                f"{vocab_size}: unless that is the model's own tokenizer (models may pad their vocabulary), the ids "
+                f"mean other tokens to the model; {fix}")
+    return ""
 
 
 def _format(problems: list[str], where: str) -> str:

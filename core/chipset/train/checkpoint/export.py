@@ -4,17 +4,24 @@ Checkpoints store every parameter under its logical, single-process name and sha
 (:mod:`chipset.train.checkpoint.layout`), whatever layout wrote them, so export needs no
 ranks: DCP reads the logical tensors in this one process (``no_dist``), a shard's worth
 at a time, from the fp32 masters. The output is written into a temporary sibling folder
-and renamed into place, so a failed export leaves nothing behind.
+and renamed into place, so a failed export leaves nothing behind; the folder and its files get
+the default modes (0o777 / 0o666 less the umask), as ``mkdir`` and ``cp`` would give them.
+
+An HF export also carries what the weights alone do not say (:func:`carry_tokenizer`): the
+special-token ids, ``generation_config.json`` and the tokenizer files of ``model.init_from``
+and of the tokenizer the run's prepared tokens were made with (recorded in their meta.json).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,14 +29,39 @@ import torch
 from chipset.errors import ConfigError
 from chipset.models.hf.config import SUPPORTED_ARCHITECTURES, to_hf_config
 from chipset.models.hf.names import expert_names, to_hf
+from chipset.runtime.precision import DTYPE_BY_NAME
 from chipset.train.config import RunConfig
 
-__all__ = ["FORMATS", "export", "find_checkpoint"]
+__all__ = ["FORMATS", "Carried", "Exported", "carry_tokenizer", "export", "find_checkpoint"]
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("hf", "torch")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = DTYPE_BY_NAME  # the export's --dtype names: the same as train.dtype's
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "chat_template.jinja")
+"""A Hugging Face tokenizer's files, copied when present (tokenizer.json or tokenizer.model is the tokenizer)."""
+
+
+@dataclass
+class Carried:
+    """What an HF export writes beside the weights: special ids for config.json, files to copy, and
+    one line per item for the printed summary (what was carried from where, or that nothing was)."""
+
+    ids: dict[str, object] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)
+    tokenizer_config: dict | None = None
+    """Written as tokenizer_config.json when a bare tokenizer.json comes without one."""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Exported:
+    """The result of :func:`export`: the checkpoint read and the summary lines of what was carried."""
+
+    checkpoint: Path
+    notes: list[str] = field(default_factory=list)
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
@@ -79,8 +111,9 @@ def _groups(shapes: dict[str, list[int]], max_bytes: int, esize: int) -> list[li
 
 
 def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, fmt: str = "hf",
-           dtype: str = "float32", max_shard_mb: float = 2048.0) -> Path:
-    """Write checkpoint ``step`` of ``run_dir`` to the new folder ``out``; returns the checkpoint used."""
+           dtype: str = "float32", max_shard_mb: float = 2048.0) -> Exported:
+    """Write checkpoint ``step`` of ``run_dir`` to the new folder ``out``; returns the checkpoint used
+    and, for ``hf``, what was carried beside the weights."""
     from chipset.train.checkpoint import store
 
     run_dir, out = Path(run_dir), Path(out)
@@ -95,24 +128,33 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, fmt
     state = json.loads((ckpt / store.STATE).read_text())
     cfg = RunConfig.from_dict(state["config"], where=str(ckpt / store.STATE))
     shapes = {n: list(s) for n, s in state["shapes"].items()}
-    hf_cfg = None
+    hf_cfg, carried = None, Carried()
     if fmt == "hf":
         try:
             hf_cfg = to_hf_config(cfg.model)
         except ValueError as exc:
             raise ConfigError(f"cannot export {ckpt} as a Hugging Face model: {exc}") from None
         hf_cfg["torch_dtype"] = dtype
+        carried = carry_tokenizer(cfg)
+        hf_cfg.update(carried.ids)
     reader = store.safe_reader(ckpt)
     md = reader.read_metadata().state_dict_metadata
     kind = "optim.master" if all(f"optim.master.{n}" in md for n in shapes) else "model"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    # mkdir, not mkdtemp: the folder gets the default mode (mkdtemp's is 0o700, readable by its owner only).
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
     try:
         if fmt == "hf":
             family = SUPPORTED_ARCHITECTURES[hf_cfg["architectures"][0]]
             _write_hf(reader, kind, shapes, hf_cfg, tmp, DTYPES[dtype], int(max_shard_mb * 2**20), family)
+            _write_carried(carried, tmp)
         else:
             _write_torch(reader, kind, shapes, cfg, tmp, DTYPES[dtype])
+        # safetensors writes its files 0o600; config.json, written with open(), has the default mode.
+        mode = (tmp / "config.json").stat().st_mode & 0o777
+        for f in tmp.iterdir():
+            f.chmod(mode)
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.replace(tmp, out)
@@ -120,7 +162,125 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, fmt
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("exported %s (%s) to %s", ckpt, fmt, out)
-    return ckpt
+    return Exported(ckpt, carried.notes)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _data_tokenizer(cfg: RunConfig, notes: list[str]) -> tuple[Path | None, dict | None, Path | None]:
+    """``(tokenizer file, meta, meta path)`` of the run's prepared tokens (``data.source = "tokens"``):
+    the tokenizer ``chipset data prepare --tokenizer`` recorded in meta.json, when it is still the same file."""
+    from chipset.data.store import META
+
+    if cfg.data.source != "tokens" or not cfg.data.path or not Path(cfg.data.path).is_dir():
+        return None, None, None  # a flat .bin file records no tokenizer
+    where = Path(cfg.data.path) / META
+    meta = _read_json(where)
+    rec = (meta or {}).get("tokenizer")
+    if not isinstance(rec, dict) or not isinstance(rec.get("file"), str):
+        return None, meta, where
+    f = Path(rec["file"])
+    if not f.is_file():
+        notes.append(f"the data's tokenizer {f} (recorded in {where}) no longer exists: not exported")
+        return None, meta, where
+    if rec.get("sha256") and _sha256(f) != rec["sha256"]:
+        notes.append(f"the data's tokenizer {f} changed after `chipset data prepare` (its sha256 is not the one in "
+                     f"{where}): not exported")
+        return None, meta, where
+    return f, meta, where
+
+
+def _token_names(tokenizer_json: Path, ids: dict[str, object]) -> dict[str, str]:
+    """``{"eos_token": "</s>", ...}`` for the special ids, from tokenizer.json's added tokens."""
+    added = (_read_json(tokenizer_json) or {}).get("added_tokens") or []
+    by_id = {t.get("id"): t.get("content") for t in added if isinstance(t, dict)}
+    out = {}
+    for key, value in ids.items():
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(by_id.get(value), str):
+            out[key.removesuffix("_id")] = by_id[value]
+    return out
+
+
+def carry_tokenizer(cfg: RunConfig) -> Carried:
+    """What an HF export of a run with config ``cfg`` carries beside the weights.
+
+    - special ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id``): from the config.json of
+      ``model.init_from`` (or ``model.hf_config``); an eos id they lack comes from the prepared
+      tokens' meta.json (``eos_id``, the id that ends every document the run trained on);
+    - ``generation_config.json``: copied from ``model.init_from``;
+    - the tokenizer: the one the run's prepared tokens were made with (its file is recorded in their
+      meta.json, with the files beside it when it is a model directory's tokenizer.json), else
+      ``model.init_from``'s. A bare tokenizer.json gets a tokenizer_config.json naming its special tokens.
+
+    When nothing is known, nothing is written and the notes say so.
+    """
+    c = Carried()
+    model_dir = Path(cfg.model.init_from) if cfg.model.init_from else None
+    model_cfg = model_dir / "config.json" if model_dir else Path(cfg.model.hf_config) if cfg.model.hf_config else None
+    data_tok, meta, meta_path = _data_tokenizer(cfg, c.notes)
+    hf = _read_json(model_cfg) if model_cfg is not None else None
+    if hf is not None:
+        c.ids = {k: hf[k] for k in SPECIAL_IDS if hf.get(k) is not None}
+    sources = [f"from {model_cfg}"] if c.ids else []
+    eos = (meta or {}).get("eos_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        if "eos_token_id" not in c.ids:
+            c.ids["eos_token_id"] = eos
+            sources.append(f"eos_token_id: the end-of-document id of {meta_path}")
+        elif eos not in (c.ids["eos_token_id"] if isinstance(c.ids["eos_token_id"], list) else [c.ids["eos_token_id"]]):
+            c.notes.append(f"note: the data's end-of-document id {eos} ({meta_path}) is not the model's "
+                           f"eos_token_id {c.ids['eos_token_id']} ({model_cfg}); generate() stops at the latter")
+    if c.ids:
+        c.notes.insert(0, f"special-token ids: {', '.join(f'{k}={v}' for k, v in c.ids.items())} "
+                          f"({'; '.join(sources)})")
+    else:
+        c.notes.insert(0, "no special-token ids known (no model.init_from or model.hf_config config.json with them, "
+                          "no prepared token data with an eos id): config.json has no bos/eos/pad ids, transformers "
+                          "will use its defaults and generate() may not stop; add them to the exported config.json")
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        c.files["generation_config.json"] = model_dir / "generation_config.json"
+        c.notes.append(f"generation_config.json: copied from {model_dir}")
+    if data_tok is not None:
+        c.files["tokenizer.json"] = data_tok
+        if data_tok.name == "tokenizer.json":  # a model directory's tokenizer: its companions too
+            c.files.update({n: data_tok.parent / n for n in TOKENIZER_FILES[1:] if (data_tok.parent / n).is_file()})
+        tok_from = f"{data_tok} (the tokenizer of data.path, {meta_path})"
+    elif model_dir is not None and any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        c.files.update({n: model_dir / n for n in TOKENIZER_FILES if (model_dir / n).is_file()})
+        tok_from = str(model_dir)
+    else:
+        c.notes.append("no tokenizer known (neither model.init_from nor the prepared token data has one): "
+                       "copy the model's tokenizer files into the exported folder")
+        return c
+    if "tokenizer.json" in c.files and "tokenizer_config.json" not in c.files:
+        c.tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                              **_token_names(c.files["tokenizer.json"], c.ids)}
+    names = sorted([*c.files, *(["tokenizer_config.json"] if c.tokenizer_config else [])])
+    c.notes.append(f"tokenizer: {', '.join(n for n in names if n != 'generation_config.json')} from {tok_from}")
+    return c
+
+
+def _write_carried(c: Carried, tmp: Path) -> None:
+    """Copy the carried files into ``tmp`` (new files: the default mode, whatever the source's)."""
+    for name, src in c.files.items():
+        shutil.copyfile(src, tmp / name)
+    if c.tokenizer_config is not None:
+        (tmp / "tokenizer_config.json").write_text(json.dumps(c.tokenizer_config, indent=2) + "\n")
 
 
 def _hf_tensors(name: str, t: torch.Tensor, family: str) -> dict[str, torch.Tensor]:
