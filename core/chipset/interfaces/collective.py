@@ -21,7 +21,8 @@ import torch.distributed as dist
 from chipset.errors import CollectiveError, CollectiveTimeoutError, ConfigError
 from chipset.interfaces.device import Device
 
-__all__ = ["Collective", "CommStats", "Group", "Handle", "OpCounter", "P2POp", "REDUCE_OPS", "collective_timeout", "divide_for_avg_"]
+__all__ = ["Collective", "CommStats", "Group", "Handle", "OpCounter", "P2POp", "REDUCE_OPS", "FLIGHT_RECORDER_ENV", "collective_timeout", "divide_for_avg_",
+           "flight_recorder_file"]
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -38,6 +39,24 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 RECENT_OPS = 64
 """How many recent collectives :attr:`Collective.recent_ops` keeps per rank."""
+
+
+FLIGHT_RECORDER_ENV = "CHIPSET_FLIGHT_RECORDER_DIR"
+"""Set by ``chipset train`` on every rank (``RUN_DIR/hangs/flight``): where a backend's native
+flight recorder (NCCL's, HCCL's) should dump its ring of recent collectives on a timeout. A
+backend turns its recorder on in its ``chipset_launch_env`` hook; the launcher's hang report
+lists the dumps (train/checkpoint/hangs.py)."""
+
+
+def flight_recorder_file(prefix: str, environ=None) -> str | None:
+    """The dump-file prefix a flight recorder should use (``DIR/PREFIX_rank_``; the library
+    appends the rank), or None when no run directory asked for one. Creates DIR."""
+    environ = os.environ if environ is None else environ
+    d = environ.get(FLIGHT_RECORDER_ENV)
+    if not d:
+        return None
+    os.makedirs(d, exist_ok=True)
+    return os.path.join(d, f"{prefix}_rank_")
 
 
 def collective_timeout() -> _dt.timedelta:

@@ -35,6 +35,11 @@ def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int
 
     signals.install()  # SIGINT/SIGTERM: stop at the end of a step on every rank (train/signals.py)
     cfg = load_config(config_path)
+    if run_dir is not None:  # a backend's native flight recorder dumps here on a timeout (hangs.py)
+        from chipset.interfaces.collective import FLIGHT_RECORDER_ENV
+        from chipset.train.checkpoint.hangs import flight_dir
+
+        os.environ.setdefault(FLIGHT_RECORDER_ENV, str(flight_dir(run_dir)))
     b = start()  # the backend the launcher chose (CHIPSET_BACKEND), its device, the process group
     try:
         # An elastic job re-formed on fewer nodes: same global batch, more micro-batches.

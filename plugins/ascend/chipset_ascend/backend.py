@@ -12,6 +12,7 @@ import torch_npu  # noqa: F401  - registers torch.npu; fails here, in load(), if
 from chipset.discovery.hookspecs import hookimpl
 from chipset.errors import ConfigError
 from chipset.interfaces import Capabilities
+from chipset.interfaces.collective import flight_recorder_file
 from chipset_ascend import kernels
 from chipset_ascend._runtime import npu
 from chipset_ascend.collective import AscendCollective, hccl_timeout_env
@@ -124,4 +125,16 @@ def chipset_launch_env(local_rank, local_world_size):
                 f"{VISIBLE_ENV}={raw!r} makes {len(ids)} NPU(s) visible but {local_world_size} ranks "
                 f"per node were asked for; list at least {local_world_size} NPUs or start fewer ranks"
             )
-    return hccl_timeout_env()
+    return {**hccl_timeout_env(), **flight_recorder_env()}
+
+
+def flight_recorder_env(environ=None) -> dict[str, str]:
+    """torch_npu's HCCL flight recorder on, dumping into the run's hang folder on a timeout
+    (TORCH_HCCL_* variables, torch_npu's counterparts of NCCL's; any the user set are kept)."""
+    environ = os.environ if environ is None else environ
+    trace = flight_recorder_file("hccl_trace", environ)
+    if trace is None:
+        return {}
+    wanted = {"TORCH_HCCL_ENABLE_MONITORING": "1", "TORCH_HCCL_TRACE_BUFFER_SIZE": "2000",
+              "TORCH_HCCL_DUMP_ON_TIMEOUT": "1", "TORCH_HCCL_DEBUG_INFO_TEMP_FILE": trace}
+    return {k: v for k, v in wanted.items() if not environ.get(k)}

@@ -10,6 +10,7 @@ import os
 
 from chipset.discovery.hookspecs import hookimpl
 from chipset.interfaces import ALL_COLLECTIVES, Capabilities, dtype_name
+from chipset.interfaces.collective import flight_recorder_file
 from chipset_cuda import VISIBLE_ENV
 from chipset_cuda import kernels as _kernels
 from chipset_cuda.collective import CudaCollective
@@ -80,4 +81,16 @@ def chipset_launch_env(local_rank, local_world_size):
     env = {"CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
     if VISIBLE_ENV in os.environ:
         env[VISIBLE_ENV] = os.environ[VISIBLE_ENV]
-    return env
+    return {**env, **flight_recorder_env()}
+
+
+def flight_recorder_env(environ=None) -> dict[str, str]:
+    """NCCL's flight recorder on, dumping into the run's hang folder on a watchdog timeout
+    (torch's TORCH_NCCL_* variables; any the user set are kept). Empty without a run directory."""
+    environ = os.environ if environ is None else environ
+    trace = flight_recorder_file("nccl_trace", environ)
+    if trace is None:
+        return {}
+    wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
+    return {k: v for k, v in wanted.items() if not environ.get(k)}

@@ -6,20 +6,62 @@ When a collective fails (a timeout, or a peer that vanished), the worker writes
 bytes, time, state). After the job ends non-zero the launcher calls :func:`diagnose`:
 for every collective some rank timed out in, it lists the ranks of that group whose log
 never reached that sequence number, or who wrote no log at all (killed, or still stuck).
+
+Backends with a native flight recorder (NCCL's, torch_npu's HCCL one) turn it on in their
+launch environment, dumping into ``RUN_DIR/hangs/flight`` on a watchdog timeout; the report
+then also names, per dump, the rank and the last collective its library recorded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from pathlib import Path
 
 from chipset.errors import CollectiveTimeoutError
 
-__all__ = ["HANGS", "write_rank_log", "diagnose"]
+__all__ = ["HANGS", "write_rank_log", "diagnose", "flight_dir", "read_flight_dumps"]
 
 HANGS = "hangs"
+
+
+def flight_dir(run_dir: str | Path) -> Path:
+    """Where native flight recorders dump (``chipset.interfaces.collective.FLIGHT_RECORDER_ENV``)."""
+    return Path(run_dir) / HANGS / "flight"
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """A flight-recorder dump is a pickle; only plain containers and scalars are accepted from
+    it, so a foreign file in the run directory cannot run code when the report reads it."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a flight-recorder dump")
+
+
+def read_flight_dumps(run_dir: str | Path) -> list[dict]:
+    """``[{"file", "rank", "entries", "last"}]`` for every dump in :func:`flight_dir` (``last``:
+    the newest entry's name, sequence id and state, as the library wrote them); unreadable
+    dumps are listed with their reason instead."""
+    out = []
+    d = flight_dir(run_dir)
+    for f in sorted(d.iterdir()) if d.is_dir() else []:
+        if not f.is_file():
+            continue
+        rank = f.name.rsplit("_", 1)[-1]
+        item = {"file": f.name, "rank": int(rank) if rank.isdigit() else None}
+        try:
+            with f.open("rb") as fh:
+                body = _PlainUnpickler(fh).load()
+            entries = body.get("entries", []) if isinstance(body, dict) else []
+            item["entries"] = len(entries)
+            last = entries[-1] if entries and isinstance(entries[-1], dict) else {}
+            item["last"] = {k: last.get(k) for k in ("profiling_name", "collective_seq_id", "state")}
+        except Exception as exc:  # noqa: BLE001 - a report must not fail on a bad dump
+            item["error"] = f"{type(exc).__name__}: {exc}"
+        out.append(item)
+    return out
 
 
 def write_rank_log(run_dir: str | Path, collective, exc: BaseException) -> Path | None:
@@ -59,7 +101,7 @@ def diagnose(run_dir: str | Path) -> dict | None:
             logs[int(body["rank"])] = body
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    if not logs:
+    if not logs and not read_flight_dumps(run_dir):
         return None
     stuck: dict[tuple[str, int, str], dict] = {}
     for rank, log in sorted(logs.items()):
@@ -95,12 +137,21 @@ def diagnose(run_dir: str | Path) -> dict | None:
     # and the ranks that did write one only lost it.
     world = {int(r) for log in logs.values() for e in log.get("recent_ops") or [] for r in e.get("ranks", [])}
     died = sorted(world - set(logs))
-    if not stuck:
+    if not stuck and logs:
         if died:
             lines.append(f"rank(s) {', '.join(map(str, died))} died without reporting an error (killed by a "
                          "signal or crashed; see its output above): the first failure")
         lines.append(("then " if died else "no rank reported a collective timeout; ") + "failing ranks: "
                      + ", ".join(f"{r} ({(logs[r].get('error') or '?').splitlines()[0][:160]})" for r in sorted(logs)))
-    report = {"collectives": list(stuck.values()), "died": died, "lines": lines}
+    flight = read_flight_dumps(run_dir)
+    for item in flight:
+        who = f"rank {item['rank']}" if item["rank"] is not None else item["file"]
+        if "error" in item:
+            lines.append(f"flight recorder dump {item['file']}: unreadable ({item['error']})")
+        elif item["entries"]:
+            last = item["last"]
+            lines.append(f"flight recorder ({who}, {item['file']}): {item['entries']} recorded collectives, the last "
+                         f"{last['profiling_name']} #{last['collective_seq_id']} in state {last['state']}")
+    report = {"collectives": list(stuck.values()), "died": died, "flight": flight, "lines": lines}
     (d / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
