@@ -136,6 +136,11 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         "virtual_stages": lay.v,
         "cp_attention": lay.cp_attention,
     }
+    from chipset.planner.stages import pipeline_split
+
+    split = pipeline_split(spec.layers, lay.pp, lay.v)
+    if split:  # an uneven split: the one the planner costed, not chipset train's parameter balance
+        parallel["pipeline_split"] = split
     planned = {"global_batch": train.global_batch, "seq_len": spec.seq_len, "dtype": dtype,
                "recompute": lay.recompute}
     src: dict[str, dict[str, Any]] = {}

@@ -21,7 +21,8 @@ What is sent, per device and step (b micro-batch, s/cp local sequence, m micro-b
   reduce-scatter plus an all-gather, the same bytes), 2 more when a full recompute reruns
   the forward (1 in a dense model whose recompute stops early, before the MLP's output
   projection); per micro-batch 1 more for the embedding (forward) and 1 for the output
-  layer's input gradient (backward): both without pipelining, one on a first or last stage.
+  layer's input gradient (backward): both without pipelining, one on a first or last stage,
+  none on a middle one.
 - ep: per MoE block and micro-batch 4 all-to-alls (dispatch and combine, forward and
   backward; 6 with full recompute) of the top_k copies of the local tokens.
 - cp (ring attention, Liu et al. 2023): per block and micro-batch K and V go round the
@@ -40,10 +41,11 @@ from dataclasses import asdict, dataclass
 from chipset.planner.cluster import Cluster
 from chipset.planner.kernels import recompute_stops_early
 from chipset.planner.layout import Layout, TrainSpec
-from chipset.planner.memory import params_per_device, stage_layers
+from chipset.planner.memory import params_per_device, stage_blocks, stage_expert_params
 from chipset.planner.model import ModelSpec
 
-__all__ = ["CommItem", "bytes_by_collective", "data_parallel_items", "ring_bytes", "latency_steps", "group_stride", "is_intra_node", "communication"]
+__all__ = ["CommItem", "bytes_by_collective", "data_parallel_items", "ring_bytes", "latency_steps", "group_stride",
+           "is_intra_node", "communication", "stage_micro_items"]
 
 
 def ring_bytes(op: str, size: float, n: int) -> float:
@@ -157,25 +159,51 @@ def data_parallel_items(lay: Layout, train: TrainSpec, cl: Cluster, dense: float
 def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
                   seq_len: int | None = None, stage: str | None = None) -> list[CommItem]:
     """Every collective one device runs in one step: on the busiest stage, or with ``stage``
-    ("only" without pipelining, "first" or "last" as in ``params_per_device``) on that one."""
-    s = (seq_len or m.seq_len) / lay.cp
-    b, h, t, P, G = lay.micro_batch, m.hidden, lay.tp, train.param_bytes, train.grad_bytes
+    ("only" without pipelining, "first", "last" or, when p does not divide l, "middle", as in
+    ``params_per_device``) on that one. The busiest stage is a bound over the stages: the most
+    parameters, the most blocks, an edge stage's tensor-parallel calls and a middle stage's sends."""
     mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
-    blocks = stage_layers(m, lay)
     stages, expert = params_per_device(m, lay)
     if stage is not None and stage not in stages:
         raise ValueError(f"stage {stage!r}: expected one of {', '.join(stages)} for pp={lay.pp}")
     dense = max(stages.values()) if stage is None else stages[stage]
+    if stage is not None:
+        expert = stage_expert_params(m, lay, stage_blocks(m, lay, stage))
     block_params = max(m.layer_params(False), m.layer_params(True) if m.is_moe else 0)
     regather = lay.zero >= 3 and lay.recompute == "full" and block_params > ZERO3_REUSE_PARAMS
     out: list[CommItem | None] = list(data_parallel_items(lay, train, cl, dense, expert, mb, regather))
+    # embedding forward, output layer backward: both without a pipeline, one on an edge stage
+    edges = 2 if lay.pp == 1 else 0 if stage == "middle" else 1
+    out += stage_micro_items(m, lay, train, cl, seq_len, stage_blocks(m, lay, stage), edges)
+
+    # --- pipeline -----------------------------------------------------------------------
+    if lay.pp > 1:
+        s = (seq_len or m.seq_len) / lay.cp
+        act = train.param_bytes * lay.micro_batch * s * m.hidden
+        # A middle stage sends every chunk's activation on and its gradient back; the first
+        # stage's first chunk sends no gradient, the last stage's last chunk no activation.
+        sends = 2 * mb * lay.v - (mb if stage in ("first", "last") else 0)
+        out.append(_item(cl, lay, "pp", "send", "activations", lay.pp, act / lay.tp, sends, "micro"))
+        if m.tied_embeddings:
+            emb = train.grad_bytes * m.vocab * m.hidden / lay.tp
+            out.append(_item(cl, lay, "pp", "all_reduce", "tied embedding gradients", 2, emb, 1, "step"))
+    return [i for i in out if i is not None]
+
+
+def stage_micro_items(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster, seq_len: int | None,
+                      blocks: int, edges: int) -> list[CommItem]:
+    """The tp, ep and cp collectives of one step on a stage of ``blocks`` blocks that runs ``edges``
+    of the embedding's forward and the output layer's backward tp calls (module doc)."""
+    s = (seq_len or m.seq_len) / lay.cp
+    b, h, t, P = lay.micro_batch, m.hidden, lay.tp, train.param_bytes
+    mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
+    out: list[CommItem | None] = []
 
     # --- tensor parallel ----------------------------------------------------------------
     act = P * b * s * h
     per_block = 6 if lay.recompute == "full" else 4
     if recompute_stops_early(m, lay, train) and m.dense_layers == m.layers:
         per_block = 5  # the recompute stops before the MLP's output projection and its all-reduce
-    edges = 2 if lay.pp == 1 else 1  # embedding forward, output layer backward: one per edge stage
     calls = (blocks * per_block + edges) * mb
     if lay.sp:
         out.append(_item(cl, lay, "tp", "all_gather", "activations", t, act, calls, "micro"))
@@ -194,16 +222,6 @@ def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     kv = 2 * P * b * (seq_len or m.seq_len) * max(m.kv_dim / t, m.head_dim)
     rounds = (4 if lay.recompute == "full" else 3) * blocks * mb
     out.append(_item(cl, lay, "cp", "all_gather", "kv", lay.cp, kv, rounds, "cp"))
-
-    # --- pipeline -----------------------------------------------------------------------
-    if lay.pp > 1:
-        # A middle stage sends every chunk's activation on and its gradient back; the first
-        # stage's first chunk sends no gradient, the last stage's last chunk no activation.
-        sends = 2 * mb * lay.v - (0 if stage is None else mb)
-        out.append(_item(cl, lay, "pp", "send", "activations", lay.pp, act / t, sends, "micro"))
-        if m.tied_embeddings:
-            emb = G * m.vocab * h / t
-            out.append(_item(cl, lay, "pp", "all_reduce", "tied embedding gradients", 2, emb, 1, "step"))
     return [i for i in out if i is not None]
 
 

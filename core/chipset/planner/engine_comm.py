@@ -32,7 +32,7 @@ from chipset.interfaces.device import DeviceProperties
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import CommItem, communication
 from chipset.planner.layout import Layout, TrainSpec
-from chipset.planner.memory import params_per_device, stage_layers
+from chipset.planner.memory import params_per_device, stage_blocks
 from chipset.planner.model import ModelSpec
 from chipset.planner.run import from_run_config
 
@@ -112,7 +112,7 @@ def departures(cfg: Any, stage: str) -> list[Departure]:
     E = train.param_bytes
     mb, b, h, t = par.micro_batches, lay.micro_batch, m.hidden, lay.tp
     s = m.seq_len // lay.cp
-    L = stage_layers(m, lay)
+    L = stage_blocks(m, lay, stage)
     first, last = stage in ("only", "first"), stage in ("only", "last")
     act = E * b * s * h
     out: list[Departure] = []
@@ -202,7 +202,7 @@ def _padding(m: ModelSpec, lay: Layout, stage: str, psi: float, n: int, kind: st
     t = lay.tp
     emb = m.vocab * m.hidden / t if stage in ("only", "first") else 0
     head = m.norm_params() + m.vocab * m.hidden / t if stage in ("only", "last") else 0
-    blocks = stage_layers(m, lay)
+    blocks = stage_blocks(m, lay, stage)
     block = (psi - emb - head) / blocks
     return _pad(emb, n) + _pad(head, n) + blocks * _pad(block, n)
 

@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 
 from chipset.planner import memory_reference as ref
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
+from chipset.planner.stages import even_split, stage_block_counts
 
 __all__ = ["MemoryBreakdown", "memory_per_device", "memory_per_stage", "zero_model_state_bytes",
-           "block_activation_bytes", "stage_layers", "in_flight_chunks", "params_per_device"]
+           "block_activation_bytes", "stage_layers", "stage_blocks", "pipeline_positions", "in_flight_chunks",
+           "params_per_device", "stage_expert_params"]
 
 
 @dataclass(frozen=True)
@@ -86,42 +87,84 @@ def zero_model_state_bytes(psi: float, n: int, zero: int, train: TrainSpec | Non
 
 
 def stage_layers(m: ModelSpec, lay: Layout) -> int:
-    """Blocks on the busiest pipeline rank: ceil(l / (p*v)) per chunk, v chunks."""
-    return math.ceil(m.layers / (lay.pp * lay.v)) * lay.v
+    """Blocks on the busiest pipeline rank: l/p, or ⌈l/p⌉ when p does not divide l (stages.py)."""
+    return max(stage_block_counts(m.layers, lay.pp))
 
 
-def in_flight_chunks(lay: Layout, micro_batches: int) -> int:
-    """Model chunks (each l/(p*v) blocks) whose activations the first stage holds at its peak."""
+def pipeline_positions(m: ModelSpec, lay: Layout) -> dict[str, tuple[int, int]]:
+    """``{stage: (rank index, blocks)}`` of the pipeline positions the model tells apart: "only"
+    without a pipeline, else "first" and "last" and, when p does not divide l (p >= 3), "middle":
+    the earliest of the heavier middle ranks, which holds more blocks than the first and the
+    last stage and more micro-batches in flight than any later rank."""
+    if lay.pp == 1:
+        return {"only": (0, m.layers)}
+    counts = stage_block_counts(m.layers, lay.pp)
+    out = {"first": (0, counts[0])}
+    if lay.pp >= 3 and not even_split(m.layers, lay.pp):
+        heavy = max(counts)
+        out["middle"] = next((i, heavy) for i in range(1, lay.pp - 1) if counts[i] == heavy)
+    out["last"] = (lay.pp - 1, counts[-1])
+    return out
+
+
+def stage_blocks(m: ModelSpec, lay: Layout, stage: str | None = None) -> int:
+    """Blocks on ``stage`` (a key of :func:`pipeline_positions`); None: the busiest rank's."""
+    if stage is None:
+        return stage_layers(m, lay)
+    pos = pipeline_positions(m, lay)
+    if stage not in pos:
+        raise ValueError(f"stage {stage!r}: expected one of {', '.join(pos)} for pp={lay.pp}")
+    return pos[stage][1]
+
+
+def in_flight_chunks(lay: Layout, micro_batches: int, rank: int = 0) -> int:
+    """Model chunks (each 1/v of a rank's blocks) whose activations pipeline rank ``rank`` (0: the
+    first stage) holds at its peak: 1F1B min(p - rank, m), interleaved Megatron-LM's warm-up
+    2(p - rank - 1) + (v - 1)p + 1 (at most m·v), GPipe m."""
     p, v, mb = lay.pp, lay.v, micro_batches
     if p == 1:
         return 1
     if lay.schedule == "gpipe":
         return mb
     if lay.schedule == "interleaved":
-        return min(mb * v, 2 * (p - 1) + (v - 1) * p + 1)
-    return min(p, mb)
+        return min(mb * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
+    return min(p - rank, mb)
 
 
 def params_per_device(m: ModelSpec, lay: Layout) -> tuple[dict[str, float], float]:
-    """({stage: non-expert params}, expert params) on the busiest rank of the first/last stage."""
-    stages, expert = _params_per_device(m, lay.tp, lay.ep, lay.pp, stage_layers(m, lay))
+    """({stage: non-expert params}, expert params of the busiest rank) on one device of each pipeline
+    position (:func:`pipeline_positions`)."""
+    pos = tuple((k, b) for k, (_, b) in pipeline_positions(m, lay).items())
+    stages, expert = _params_per_device(m, lay.tp, lay.ep, pos)
     return dict(stages), expert
 
 
+def stage_expert_params(m: ModelSpec, lay: Layout, blocks: int) -> float:
+    """Expert parameters on one device of a rank holding ``blocks`` blocks (0 for a dense model)."""
+    expert_t = lay.tp if m.experts_split_over_tp else 1
+    if not m.is_moe:
+        return 0.0
+    return blocks * (m.moe_layers / m.layers) * m.mlp_params() * (m.num_experts / lay.ep) / expert_t
+
+
 @functools.lru_cache(maxsize=4096)  # the search asks the same question for every option of a layout
-def _params_per_device(m: ModelSpec, t: int, ep: int, pp: int, blocks: int) -> tuple[tuple, float]:
+def _params_per_device(m: ModelSpec, t: int, ep: int, positions: tuple[tuple[str, int], ...]) -> tuple[tuple, float]:
     moe_frac = m.moe_layers / m.layers
     norms = 2 * m.norm_params()
     dense_block = (m.attention_params() + m.mlp_params()) / t + norms
     expert_t = t if m.experts_split_over_tp else 1
     moe_block = m.attention_params() / t + m.router_params() + m.shared_expert_params() / expert_t + norms
-    non_expert = blocks * ((1 - moe_frac) * dense_block + moe_frac * moe_block)
+    blocks = max(b for _, b in positions)
     expert = blocks * moe_frac * m.mlp_params() * (m.num_experts / ep) / expert_t if m.is_moe else 0.0
     emb = m.vocab * m.hidden / t + (m.seq_len * m.hidden if m.position == "learned" else 0)
-    out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and pp == 1) else 1)
-    if pp == 1:
-        return (("only", non_expert + emb + out),), expert
-    return (("first", non_expert + emb), ("last", non_expert + out)), expert
+    pp1 = positions[0][0] == "only"
+    out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and pp1) else 1)
+    edges = {"only": emb + out, "first": emb, "last": out, "middle": 0.0}
+    stages = []
+    for name, b in positions:
+        non_expert = b * ((1 - moe_frac) * dense_block + moe_frac * moe_block)
+        stages.append((name, non_expert + edges[name]))
+    return tuple(stages), expert
 
 
 def block_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec | None = None) -> float:
@@ -181,15 +224,17 @@ def memory_per_device(m: ModelSpec, lay: Layout, train: TrainSpec, seq_len: int 
 
 def memory_per_stage(m: ModelSpec, lay: Layout, train: TrainSpec,
                      seq_len: int | None = None) -> dict[str, MemoryBreakdown]:
-    """Peak bytes per pipeline position: ``{"only": ...}`` without pipeline, else ``"first"`` and ``"last"``."""
+    """Peak bytes per pipeline position (:func:`pipeline_positions`): ``{"only": ...}`` without
+    pipeline, else ``"first"`` and ``"last"``, and ``"middle"`` when p does not divide l."""
     s = seq_len or m.seq_len
     micro_batches = max(1, train.global_batch // (lay.dp * lay.micro_batch))
-    stages, expert = params_per_device(m, lay)
+    stages, _ = params_per_device(m, lay)
+    pos = pipeline_positions(m, lay)
     if m.kernels == "reference":
-        return {stage: _reference_stage(m, lay, train, s, stage, stages, expert, micro_batches) for stage in stages}
+        return {stage: _reference_stage(m, lay, train, s, stage, pos[stage], stages[stage], micro_batches)
+                for stage in stages}
     n_dense = lay.dp * lay.cp
     n_expert = max(1, n_dense // lay.ep)
-    blocks = stage_layers(m, lay)
     per_block = block_activation_bytes(m, lay, s, train)
     first_extra, last_extra = _edge_activation_bytes(m, lay, s, train)
     working = 0.0
@@ -197,22 +242,24 @@ def memory_per_stage(m: ModelSpec, lay: Layout, train: TrainSpec,
         # The block being recomputed holds its full activations during its backward.
         full = dataclasses.replace(lay, recompute="none")
         working = block_activation_bytes(m, full, s, train) - per_block
-    chunk_blocks = blocks / lay.v
     out = {}
     for stage, psi in stages.items():
+        rank, blocks = pos[stage]
+        expert = stage_expert_params(m, lay, blocks)
         p, g, o = zero_model_state_bytes(psi, n_dense, lay.zero, train)
         pe, ge, oe = zero_model_state_bytes(expert, n_expert, lay.zero, train)
         if stage == "last":  # 1F1B: the last stage runs each backward right after its forward
             act = per_block * blocks * (micro_batches if lay.schedule == "gpipe" else 1) + last_extra
         else:
-            act = per_block * chunk_blocks * in_flight_chunks(lay, micro_batches)
-            act += first_extra * min(micro_batches, lay.pp if lay.pp > 1 else 1)
+            act = per_block * (blocks / lay.v) * in_flight_chunks(lay, micro_batches, rank)
+            if stage != "middle":
+                act += first_extra * min(micro_batches, lay.pp if lay.pp > 1 else 1)
             if stage == "only":
                 act += last_extra
         act += working
         buf = 0.0
         if lay.zero == 3:
-            block = (stages[stage] + expert) / max(1, blocks)
+            block = (psi + expert) / max(1, blocks)
             buf = 2 * train.param_bytes * block
         out[stage] = MemoryBreakdown(params=p + pe, grads=g + ge, optimizer=o + oe, zero3_buffer=buf, activations=act)
     return out
@@ -226,18 +273,19 @@ def _reference_block_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: Train
     return tokens * ref.block_bytes_per_token(m, lay, seq_len, train) + ref.mask_bytes(m, lay, seq_len)
 
 
-def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage: str,
-                     stages: dict[str, float], expert: float, micro_batches: int) -> MemoryBreakdown:
-    """The largest of the step's four moments (module docstring) on one pipeline position."""
+def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage: str, position: tuple[int, int],
+                     psi: float, micro_batches: int) -> MemoryBreakdown:
+    """The largest of the step's four moments (module docstring) on one pipeline position
+    (``position``: its rank index and blocks; ``psi``: its non-expert parameters)."""
     n_dense = lay.dp * lay.cp
     n_expert = max(1, n_dense // lay.ep)
-    psi = stages[stage]
+    rank, blocks = position
+    expert = stage_expert_params(m, lay, blocks)
     p, g, o = zero_model_state_bytes(psi, n_dense, lay.zero, train)
     pe, ge, oe = zero_model_state_bytes(expert, n_expert, lay.zero, train)
     states = MemoryBreakdown(params=p + pe, grads=g + ge, optimizer=o + oe, zero3_buffer=0.0, activations=0.0)
     e, gb = train.param_bytes, train.grad_bytes
     tokens = lay.micro_batch * s / lay.cp
-    blocks = stage_layers(m, lay)
     block = block_activation_bytes(m, lay, s, train)
     loss_stage = stage in ("only", "last")
     embed = tokens * ref.embed_bytes_per_token(lay) if stage in ("only", "first") else 0.0
@@ -249,19 +297,19 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     elif stage == "last":
         chunks = micro_batches * lay.v if lay.schedule == "gpipe" else 1
     else:
-        chunks = in_flight_chunks(lay, micro_batches)
+        chunks = in_flight_chunks(lay, micro_batches, rank)
     local = psi + expert
     # ZeRO-2/3 accumulate unsharded gradients locally from the first backward to the last micro-batch's.
     # They are complete from the second backward on, when one micro-batch fewer may be in flight: with
-    # 1F1B the first stage has min(p, m-1) left, GPipe m-1; the interleaved schedule is counted as if
-    # its warm-up were still in flight (an upper bound).
+    # 1F1B the first stage has min(p, m-1) left (rank i: min(p - i, m - 1)), GPipe m-1; the interleaved
+    # schedule is counted as if its warm-up were still in flight (an upper bound).
     accumulated = gb * local if lay.zero >= 2 and micro_batches > 1 else 0.0
     if stage == "only" or lay.schedule == "interleaved" or stage == "last" and lay.schedule != "gpipe":
         later = chunks
     elif lay.schedule == "gpipe":
         later = chunks - lay.v
     else:
-        later = min(lay.pp, micro_batches - 1)
+        later = min(lay.pp - rank, micro_batches - 1)
     z3 = e * local / max(1, blocks) if lay.zero == 3 else 0.0  # the block's gathered parameters
     # A recomputed block holds what it recomputed (full: everything; selective: the attention core) meanwhile.
     redo = block_activation_bytes(m, dataclasses.replace(lay, recompute="none"), s, train) - block

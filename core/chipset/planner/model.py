@@ -19,7 +19,7 @@ __all__ = ["ModelSpec", "PRESETS", "get_preset", "apply_model_overrides", "from_
 
 MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
-POSITION_KINDS = ("rope", "learned")
+POSITION_KINDS = ("rope", "learned", "alibi")
 KERNEL_KINDS = ("fused", "reference")
 
 
@@ -64,7 +64,8 @@ class ModelSpec:
     bias: bool = False
     """Linear layers carry biases (GPT-3 style)."""
     position: str = "rope"
-    """"rope" (no parameters) or "learned" (a seq_len x hidden table)."""
+    """"rope" (no parameters; rotates q and k), "learned" (a seq_len x hidden table) or "alibi" (no
+    parameters: a per-head linear bias added to the attention scores, BLOOM)."""
     dropout: bool = False
     """Dropout is applied (adds the masks Korthikanti et al. count to activation memory)."""
     flash_attention: bool = True

@@ -29,6 +29,7 @@ from chipset.planner.flops import step_flops
 from chipset.planner.kernels import loss_bytes_per_logit
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import PRESETS, ModelSpec
+from chipset.planner.stages import interleave_depths
 from chipset.planner.time import Prediction, evaluate
 
 __all__ = ["PublishedRun", "RUNS", "predict", "relative_errors", "table", "main"]
@@ -37,6 +38,7 @@ _NARAYANAN = "Narayanan et al. 2021 (arXiv:2104.04473, SC'21)"
 _LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783)"
 _TORCHTITAN = "pytorch/torchtitan docs/performance.md (commit 1ea476e9f, 2024-04-24)"
 _FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7ce)"
+_BLOOM_PAPER = "BigScience Workshop 2022, BLOOM (arXiv:2211.05100)"
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class PublishedRun:
     """Non-empty: a known gap of the cost model on this run, and its cause (see module doc)."""
     train: dict[str, Any] = dataclasses.field(default_factory=dict)
     """TrainSpec fields the source states beyond the global batch (e.g. ``update_bytes``)."""
+    inter_node_bandwidth: float = 0.0
+    """Bytes/s per device across nodes, where the source states its network (the node's links shared
+    by its devices); 0: the profile's."""
 
 
 def _gpt(heads: int, hidden: int, layers: int) -> ModelSpec:
@@ -89,6 +94,24 @@ _T1 = ("micro-batch and interleaving depth not stated; recompute full (eq. 3): M
 _WHOLE_FORWARD = {"recompute_early_stop": False}
 # An eager cross-entropy over logits cast to fp32 (TrainSpec.loss_bytes): several passes over them.
 _EAGER_LOSS = {"loss_bytes": loss_bytes_per_logit(2)}
+# BLOOM (BigScience 2022): 70 blocks, h 14336, 112 heads, GeLU MLP of 4h, LayerNorm, biases, ALiBi,
+# tied embeddings, vocabulary padded to 250,880 (176,247,271,424 parameters with the embedding
+# LayerNorm the planner does not count, 28,672 of them).
+_BLOOM = ModelSpec(name="bloom-176b", layers=70, hidden=14336, heads=112, ffn_hidden=4 * 14336, vocab=250880,
+                   seq_len=2048, mlp="gelu", norm="layernorm", bias=True, position="alibi", tied_embeddings=True,
+                   dropout=True, flash_attention=False)
+_BLOOM_NOTES = (
+    "48 nodes of 8 A100 80GB, tp 4, pp 12, dp 8, seq 2048, global batch 2048 (4.2M tokens), bf16, 156 TFLOP/s per "
+    "GPU in the paper's fastest configuration; each node's 4 Omni-Path 100 Gb/s links shared by its 8 GPUs "
+    "(6.25 GB/s per GPU across nodes). From BigScience's training script (bigscience-workshop/bigscience, "
+    "train/tr11-176B-ml/tr11-176B-ml.slurm): Megatron-DeepSpeed, micro-batch 2, --pp-partition-method "
+    "'type:transformer|embedding' (72 units of 6 per stage: 5 blocks beside the embedding on the first stage and the "
+    "tied head on the last, 6 in between: the planner's uneven split of 70 on 12), DeepSpeed activation "
+    "checkpointing (reruns the whole forward), DeepSpeed's bf16 optimizer (its own ZeRO-1 equivalent: zero 1), "
+    "Megatron's fused masked softmax (no flash attention) and vocab-parallel fp32 cross-entropy (charged as an "
+    "eager fp32 cross-entropy), dropout at Megatron's default 0.1 (no flag), 1F1B (DeepSpeed's pipeline schedule), no "
+    "sequence parallelism; not modelled: CUDA_LAUNCH_BLOCKING=1 (set to avoid hangs), which makes every kernel "
+    "launch wait for the previous kernel, and the bf16 optimizer's fp32 gradient reduction")
 RUNS: list[PublishedRun] = [
     PublishedRun(f"GPT {p}B", f"{_NARAYANAN}, Table 1", _gpt(a, h, L), "a100-80g", n, B,
                  {"tp": t, "pp": pp, "dp": n // (t * pp), "cp": 1, "zero": 0, "recompute": "full",
@@ -114,11 +137,19 @@ RUNS: list[PublishedRun] = [
                        "(charged as an eager fp32 cross-entropy)", train={**_WHOLE_FORWARD, **_EAGER_LOSS})
     for n, b, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))
 ] + [
+    PublishedRun("BLOOM 176B, 384 GPUs", f"{_BLOOM_PAPER}, Sec. 3.4 (Engineering) and 3.5 (Training)", _BLOOM,
+                 "a100-80g", 384, 2048,
+                 {"tp": 4, "pp": 12, "dp": 8, "cp": 1, "zero": 1, "micro_batch": 2, "recompute": "full",
+                  "sequence_parallel": False}, 156, notes=_BLOOM_NOTES, train={**_WHOLE_FORWARD, **_EAGER_LOSS},
+                 inter_node_bandwidth=4 * 100e9 / 8 / 8),
+] + [
     PublishedRun(f"Llama 3 405B, {n} GPUs", f"{_LLAMA3}, Table 4", PRESETS["llama3-405b"], "h100-sxm", n, 2048,
                  {"tp": 8, "cp": 1, "pp": 16, "dp": dp, "zero": 2, "recompute": "none"}, x, mfu=u,
                  notes="seq 8192, 16M tokens/batch; no activation checkpointing (Sec. 3.3.2); FSDP shards "
-                       "optimizer and gradients (zero 2); 126 layers on 16 stages (uneven); interleaving "
-                       "depth not stated", schedules=("interleaved",))
+                       "optimizer and gradients (zero 2); 126 layers on 16 stages, one fewer on the first and "
+                       "the last, whose first and last model chunks hold only the embedding and the output layer "
+                       "(Sec. 3.3.2: the planner's uneven split, with one-block chunks among the candidates); "
+                       "interleaving depth and micro-batch not stated", schedules=("interleaved",))
     for n, dp, x, u in ((8192, 64, 430, 0.43), (16384, 128, 400, 0.41))
 ]
 
@@ -195,7 +226,7 @@ _MPT = ("seq 2048, one node of 8 GPUs, Composer FSDP FULL_SHARD (ZeRO-3), amp_bf
 _H100_GAP = ("the table's H100 rows are predicted 9-50% fast across model sizes, sequence lengths and both "
              "recompute settings (+23% on average over its 21 single-node rows without recompute, +17% over its 16 "
              "with full recompute, chipset.planner.published_sweep), its A100 rows +3% and -5% on average, Llama 3's "
-             "H100 rows 10-12% slow: a device-wide rate the sources do not explain (docs/planner.md)")
+             "H100 rows within 2%: a device-wide rate the sources do not explain (docs/planner.md)")
 _MPT_TRAIN = {"update_bytes": _UNFUSED_ADAMW_CLIPPED}
 RUNS += [
     _tokens_run(f"MPT-{size} {'H100' if prof == 'h100-sxm' else 'A100'}, 8 GPUs",
@@ -222,6 +253,8 @@ def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assump
         return None
     a = assumptions or Assumptions()
     dev = table[run.profile][1]
+    if run.inter_node_bandwidth:
+        dev = dataclasses.replace(dev, inter_node_bandwidth=run.inter_node_bandwidth)
     cl = Cluster(run.gpus // run.devices_per_node, run.devices_per_node, dev, run.profile)
     train = TrainSpec(global_batch=run.global_batch, **run.train)
     fixed = run.layout
@@ -229,11 +262,10 @@ def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assump
     local = run.global_batch // dp
     mbs = [fixed["micro_batch"]] if "micro_batch" in fixed else [
         b for b in range(1, min(local, a.max_micro_batch) + 1) if local % b == 0]
-    per_stage = run.model.layers / fixed.get("pp", 1)
     options = []
     for sched in run.schedules:
         if sched == "interleaved":
-            vs = [v for v in range(2, 9) if per_stage % v == 0] if per_stage.is_integer() else [2, 3, 4]
+            vs = interleave_depths(run.model.layers, fixed.get("pp", 1))
             options += [("interleaved", v) for v in vs] or [("1f1b", 1)]
         else:
             options.append((sched, 1))
@@ -249,12 +281,12 @@ def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assump
 
 
 # The bounds test_planner_published.py enforces. Over the rows without a ``gap``: today's
-# mean error (7.3%) and worst row (-14.9%, torchtitan's Llama 2 13B) rounded up, so a change
+# mean error (6.5%) and worst row (-14.9%, torchtitan's Llama 2 13B) rounded up, so a change
 # that predicts these runs worse fails. Over the rows with a ``gap`` (MosaicML's H100 rows:
 # MPT-7B +20.0%, 13B +28.8%, 30B +27.6% today): each row's error rounded up, so the known gap
 # cannot silently widen; a fix that closes it should clear the ``gap`` and let the rows join
 # the bounded set.
-MEAN_ABS_ERROR_BOUND = 0.08
+MEAN_ABS_ERROR_BOUND = 0.07
 WORST_ROW_BOUND = 0.15
 GAP_ROW_BOUND = 0.30
 

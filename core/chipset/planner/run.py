@@ -67,10 +67,11 @@ def peak_memory_per_rank(cfg: Any, world_size: int | None = None,
     m, lay, train = from_run_config(cfg, world_size, kernels)
     stages = memory_per_stage(m, lay, train, cfg.train.seq_len)
     per_stage = lay.world_size // lay.pp
+    middle = "middle" if "middle" in stages else "first"  # the heaviest middle rank bounds the others
     out = []
     for rank in range(lay.world_size):
         idx = rank // per_stage
-        key = "only" if lay.pp == 1 else "first" if idx == 0 else "last" if idx == lay.pp - 1 else "first"
+        key = "only" if lay.pp == 1 else "first" if idx == 0 else "last" if idx == lay.pp - 1 else middle
         out.append(stages[key])
     return out
 

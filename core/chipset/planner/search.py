@@ -1,8 +1,11 @@
 """Enumerate layouts, discard the invalid and those that do not fit, rank by predicted step time.
 
 Degrees: every dp x tp x pp x cp = N (ep divides dp*cp and the expert count). Validity:
-tp divides heads and kv_heads, pp divides layers, cp divides the sequence, the global
-batch is divisible by dp x micro-batch; interleaved schedules need v | layers/pp and a
+tp divides heads and kv_heads, pp is at most the layers (when it does not divide them the
+stages hold ⌊l/p⌋ or ⌈l/p⌉ blocks, the first and last the lighter: stages.py), cp divides
+the sequence, the global batch is divisible by dp x micro-batch; interleaved schedules need v
+to divide the heaviest stage's blocks (l/p when p divides l) with every chunk holding a block
+(or v = ⌈l/p⌉ when only the first and last stage are lighter: stages.interleave_depths), and a
 micro-batch count divisible by pp (Megatron's condition). Options per layout: ZeRO 0..3
 (only 0 when dp*cp = 1), recompute none/selective/full, schedule 1F1B/GPipe/interleaved
 (only 1F1B when pp = 1), micro-batch any divisor of the per-replica batch up to
@@ -21,6 +24,7 @@ from chipset.planner.cluster import Cluster
 from chipset.planner.layout import RECOMPUTE, Layout, TrainSpec
 from chipset.planner.memory import memory_per_device
 from chipset.planner.model import ModelSpec
+from chipset.planner.stages import interleave_depths
 from chipset.planner.time import Prediction, evaluate
 
 __all__ = ["SearchResult", "search", "parse_fix", "FIXABLE"]
@@ -103,8 +107,8 @@ def _check_fixed(m: ModelSpec, train: TrainSpec, n: int, fix: dict[str, Any], se
         ok = [d for d in _divisors(m.heads) if m.kv % d == 0]
         raise ConfigError(f"tp ({tp}) must divide heads ({m.heads}) and kv_heads ({m.kv}); "
                           f"tp values that divide both: {', '.join(map(str, ok))}")
-    if fix.get("pp") and m.layers % fix["pp"]:
-        raise ConfigError(f"pp ({fix['pp']}) must divide layers ({m.layers})")
+    if fix.get("pp") and fix["pp"] > m.layers:
+        raise ConfigError(f"pp ({fix['pp']}) must be at most layers ({m.layers}): every pipeline stage needs a block")
     if fix.get("cp") and seq % fix["cp"]:
         raise ConfigError(f"cp ({fix['cp']}) must divide the sequence length ({seq})")
     if fix.get("ep", 1) > 1 and (not m.is_moe or m.num_experts % fix["ep"]):
@@ -154,8 +158,8 @@ def search(m: ModelSpec, train: TrainSpec, cl: Cluster, fix: dict[str, Any] | No
                     reason = None
                     if m.heads % tp or m.kv % tp:
                         reason = "tp does not divide heads and kv_heads"
-                    elif m.layers % pp:
-                        reason = "pp does not divide layers"
+                    elif pp > m.layers:
+                        reason = "pp exceeds layers"
                     elif s % cp:
                         reason = "cp does not divide the sequence length"
                     elif (dp * cp) % ep:
@@ -195,8 +199,7 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds.append(("gpipe", 1))
-        per = m.layers // pp
-        scheds += [("interleaved", v) for v in range(2, min(per, 8) + 1) if per % v == 0]
+        scheds += [("interleaved", v) for v in interleave_depths(m.layers, pp)]
     if "schedule" in fix or "virtual_stages" in fix:
         want_s = fix.get("schedule")
         want_v = fix.get("virtual_stages")

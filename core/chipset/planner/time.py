@@ -1,14 +1,18 @@
 """Step time of one layout: compute, pipeline bubble, exposed communication, optimizer.
 
-Per micro-batch on the busiest stage:
+Per micro-batch on the slowest stage:
   compute = stage FLOPs / (peak · eff) + memory-bound bytes / memory bandwidth, where
   eff = gemm_efficiency · d / (d + gemm_half_dim), d = min(M, N, K) of each GEMM, both from
   the device profile where it declares them (matmul_efficiency, matmul_half_dim), else
   from Assumptions;
   plus tp all-reduces, ep all-to-alls and pipeline sends, which sit on the critical path,
   plus ring-attention K/V traffic beyond what attention compute hides.
+  The slowest stage is the last (its blocks plus the head) or, when p does not divide l, the
+  slower of the last (⌊l/p⌋ blocks and the head) and the first stage with ⌈l/p⌉ blocks (stages.py).
 Pipeline: (m + (p-1)/v) micro-batch slots, i.e. a bubble of (p-1)/m for GPipe and 1F1B
-and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2).
+and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2); when v does not
+divide the slowest stage's c blocks, each of the p-1 bubble slots also holds the ⌈c/v⌉ - c/v
+blocks by which its largest chunk exceeds 1/v of them.
 Data parallel: gradient reduction overlaps the last micro-batch's backward, the parameter
 all-gather the first micro-batch's forward; ZeRO-3's per-micro-batch gathers overlap each
 micro-batch's forward and backward. Only the excess is exposed.
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 from chipset.errors import ConfigError
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
-from chipset.planner.comm import CommItem, communication
+from chipset.planner.comm import CommItem, communication, stage_micro_items
 from chipset.planner.flops import forward_flops_per_token, model_flops_per_token, step_flops
 from chipset.planner.kernels import device_stage_compute, gemm_curve, stage_compute
 from chipset.planner.layout import Layout, TrainSpec
@@ -35,9 +39,11 @@ from chipset.planner.memory import (
     MemoryBreakdown,
     memory_per_device,
     params_per_device,
+    pipeline_positions,
     stage_layers,
 )
 from chipset.planner.model import ModelSpec
+from chipset.planner.stages import largest_chunk, stage_block_counts
 
 __all__ = ["Prediction", "dp_exposed_time", "evaluate", "gemm_efficiency", "launch_floor", "bubble_fraction",
            "optimizer_time"]
@@ -66,7 +72,14 @@ class Prediction:
     breakdown: dict[str, float] = field(default_factory=dict)
     """Seconds per component: compute, tp, ep, cp, pp, bubble, dp_exposed, optimizer..."""
     comm: tuple[CommItem, ...] = ()
-    """Every collective of the step on the busiest device."""
+    """Every collective of the step on the busiest device (tp, ep and cp: the slowest stage's)."""
+    stage_blocks: tuple[int, ...] = ()
+    """Blocks on each pipeline rank, first to last (stages.py: ⌊l/p⌋ on the first and last when p
+    does not divide l)."""
+    slowest_stage: str = ""
+    """The pipeline position whose micro-batch slot sets the pace: "only", "first", "middle" or "last"."""
+    bubble_slots: float = 0.0
+    """The bubble in slots of the slowest stage: (p-1)/v, more when its blocks split unevenly over its chunks."""
 
     @property
     def fits(self) -> bool:
@@ -163,6 +176,8 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     """
     a = assumptions or Assumptions()
     lay.check()
+    if lay.pp > m.layers:
+        raise ConfigError(f"pp ({lay.pp}) must be at most layers ({m.layers}): every pipeline stage needs a block")
     s = seq_len or m.seq_len
     dev = cl.device
     peak = dev.peak_flops_for(train.dtype)
@@ -170,28 +185,32 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
         raise ConfigError(f"device profile {cl.profile or dev.name!r} declares no peak FLOP/s for {train.dtype}; "
                           f"it declares: {', '.join(dev.peak_flops) or 'none'}. Choose another --dtype or profile.")
     mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
-    blocks = stage_layers(m, lay)
     fw = forward_flops_per_token(m, s)
     extra = {"none": 0, "selective": fw.attention_core, "full": fw.blocks}[lay.recompute]
-    sc = device_stage_compute(m, lay, s, train, blocks, dev, a)
-    eff = sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
-    t_gemm, t_mem = sc.gemm_s + sc.attention_s, sc.memory_s
     launch = dev.kernel_launch_latency or a.kernel_launch_latency
-    t_launch = launch_floor(blocks, lay.recompute, a) * launch
-    t_compute = max(t_gemm + t_mem, t_launch)
     fwd_share = fw.total / (3 * fw.total + extra)  # recompute runs inside backward
     bwd_share = 1 - fwd_share
 
     items = communication(m, lay, train, cl, s)
-    t_tp = _sum(items, dim="tp") / mb
-    t_ep = _sum(items, dim="ep") / mb
     t_pp = _sum(items, dim="pp", phase="micro") / mb
-    t_cp = _sum(items, dim="cp") / mb
-    if a.cp_overlap:
-        t_cp = max(0.0, t_cp - sc.attention_s)
-    t_slot = t_compute + t_tp + t_ep + t_pp + t_cp
-    bubble = t_slot * (lay.pp - 1) / lay.v
+    # Every stage runs one slot per micro-batch; the slowest sets the pace of all of them.
+    slowest = None
+    for stage, blocks, logits, edges in _stage_kinds(m, lay):
+        slot = _slot(m, lay, train, cl, a, s, blocks, logits, edges, mb, t_pp)
+        if slowest is None or slot[0] > slowest[0][0]:
+            slowest = (slot, stage, blocks)
+    (t_slot, sc, t_gemm, t_mem, t_launch, t_compute, micro, t_tp, t_ep, t_cp), stage, blocks = slowest
+    eff = sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
+    # The bubble: p - 1 times the slowest stage's largest chunk, 1/v of its slot when v divides its
+    # blocks; else 1/v of the slot plus the blocks its largest chunk holds beyond 1/v of them.
+    if blocks % lay.v == 0:
+        bubble = t_slot * (lay.pp - 1) / lay.v
+    else:
+        t_block = _slot(m, lay, train, cl, a, s, 1, False, 0, mb, t_pp)[0] - t_pp
+        bubble = (lay.pp - 1) * (t_slot / lay.v + (largest_chunk(blocks, lay.v) - blocks / lay.v) * t_block)
     t_pipeline = t_slot * mb + bubble
+    items = ([i for i in items if i.dim not in ("tp", "ep", "cp", "pp")] + micro
+             + [i for i in items if i.dim == "pp"])
 
     dp_items = [i for i in items if i.dim == "dp"]
     dp_exposed = dp_exposed_time(dp_items, t_compute * fwd_share, t_compute * bwd_share, mb, a, blocks)
@@ -218,5 +237,43 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
                    "dp_exposed": dp_exposed, "step_comm": t_step_comm, "optimizer": t_opt,
                    "roofline": (t_gemm + t_mem) * mb, "launch_floor": t_launch * mb,
                    "host": t_host},
-        comm=tuple(items),
+        comm=tuple(items), stage_blocks=stage_block_counts(m.layers, lay.pp), slowest_stage=stage,
+        bubble_slots=bubble / t_slot if t_slot > 0 else 0.0,
     )
+
+
+def _slot(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster, a: Assumptions, s: int, blocks: int,
+          logits: bool, edges: int, mb: int, t_pp: float) -> tuple:
+    """One micro-batch's slot on a stage of ``blocks`` blocks (with the head when ``logits``, ``edges``
+    embedding/output tp calls): (slot s, StageCompute, GEMM + attention s, memory-bound s, launch floor s,
+    compute s, its tp/ep/cp items, tp s, ep s, exposed cp s)."""
+    dev = cl.device
+    sc = device_stage_compute(m, lay, s, train, blocks, dev, a, with_logits=logits)
+    t_gemm, t_mem = sc.gemm_s + sc.attention_s, sc.memory_s
+    t_launch = launch_floor(blocks, lay.recompute, a) * (dev.kernel_launch_latency or a.kernel_launch_latency)
+    t_compute = max(t_gemm + t_mem, t_launch)
+    micro = stage_micro_items(m, lay, train, cl, s, blocks, edges)
+    t_tp = _sum(micro, dim="tp") / mb
+    t_ep = _sum(micro, dim="ep") / mb
+    t_cp = _sum(micro, dim="cp") / mb
+    if a.cp_overlap:
+        t_cp = max(0.0, t_cp - sc.attention_s)
+    t_slot = t_compute + t_tp + t_ep + t_pp + t_cp
+    return t_slot, sc, t_gemm, t_mem, t_launch, t_compute, micro, t_tp, t_ep, t_cp
+
+
+def _stage_kinds(m: ModelSpec, lay: Layout) -> list[tuple[str, int, bool, int]]:
+    """(stage, blocks, logits, edge tp calls) of each pipeline position that may be the slowest:
+    the last (the head's GEMMs and loss) and, when p does not divide l, the first heavier one (the
+    first stage when only the last is lighter, else a middle one). A lighter first stage is never
+    slower than the last: as many blocks and edge calls, no head."""
+    if lay.pp == 1:
+        return [("only", m.layers, True, 2)]
+    pos = pipeline_positions(m, lay)
+    kinds = [("last", pos["last"][1], True, 1)]
+    heavy = stage_layers(m, lay)
+    if pos["first"][1] == heavy > pos["last"][1]:
+        kinds.append(("first", heavy, False, 1))
+    elif "middle" in pos:
+        kinds.append(("middle", heavy, False, 0))
+    return kinds
