@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 from chipset.errors import ConfigError
+from chipset.parallel.split import parse_split
 from chipset.parallel.stages import UnitSpec, UnitStageModel, split_units
 from chipset.runtime.pipeline.check import ScheduleError, SimResult, check_schedule, render
 from chipset.runtime.pipeline.engine import PipelineEngine
