@@ -32,4 +32,4 @@ for step in range(start, cfg.train.steps):
     if ckpt.due(step + 1):
         ckpt.save(step + 1)
 ckpt.finish()
-api.finish_rank(backend)  # leave the group and end this rank (no interpreter teardown)
+api.finish_rank(backend)

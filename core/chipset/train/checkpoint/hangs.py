@@ -7,7 +7,7 @@ bytes, time, state). After the job ends non-zero the launcher calls :func:`diagn
 for every collective some rank timed out in, it lists the ranks of that group whose log
 never reached that sequence number, or who wrote no log at all (killed, or still stuck).
 
-Backends with a native flight recorder (NCCL's, torch_npu's HCCL one) turn it on in their
+Backends with a native flight recorder (NCCL's, HCCL's) turn it on in their
 launch environment, dumping into ``RUN_DIR/hangs/flight`` on a watchdog timeout; the report
 then also names, per dump, the rank and the last collective its library recorded.
 """
