@@ -124,7 +124,7 @@ def pytest_collection_modifyitems(config, items):
 # A guard so the fast tier provably starts no ranks: while an unmarked test runs (its
 # fixtures included), launching torchrun, the CLI with --nproc > 1, or a process with
 # WORLD_SIZE > 1 fails that test with what to do.
-_current: dict = {"item": None}
+_current = testenv.CURRENT_TEST  # the running test, also read by testenv.SideBySide
 
 
 def _starts_ranks(args, env) -> bool:
@@ -150,7 +150,9 @@ def pytest_configure(config):
         return
 
     def guarded(self, args, *a, **kw):
-        item = _current["item"]
+        # A job that testenv.SideBySide started is the test's that started it, even when it
+        # is still starting processes while a later test runs.
+        item = getattr(testenv.JOB_OWNER, "item", None) or _current["item"]
         if item is not None and item.get_closest_marker("multirank") is None and _starts_ranks(args, kw.get("env")):
             raise RuntimeError(f"{item.nodeid} starts several ranks ({args!r}) but is not marked multirank: "
                                "add @pytest.mark.multirank (the fast tier, -m 'not multirank', must start none)")

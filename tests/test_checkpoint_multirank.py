@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import testenv
+from testenv import SideBySide, selected
 
 HERE = Path(__file__).resolve()
 STEPS = 12
@@ -41,22 +42,70 @@ def _metrics(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows}
 
 
+HANG_TIMEOUT_S = 5
+
+
+def _reference(run: Path):
+    return _cli("--nproc", NPROC, *MODEL, "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=4",
+                "--set", "train.keep_checkpoints=0", "--run-dir", str(run))
+
+
+def _elastic(run: Path):
+    # Synchronous saves: when rank 1 dies at step 7 the step-4 checkpoint is committed for certain.
+    # (A kill inside an asynchronous save is _async_kill.)
+    return _cli("--nproc", NPROC, *MODEL, "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=4",
+                "--max-restarts", "1", "--run-dir", str(run),
+                env_extra={"CHIPSET_SIM_FAULTS": "kill:rank=1,step=7", "CHIPSET_SIM_FAULT_DIR": str(run.parent / "faults")})
+
+
+def _hang(run: Path):
+    r = _cli("--nproc", "2", "--set", "train.steps=30", "--run-dir", str(run),
+             env_extra={"CHIPSET_SIM_FAULTS": "hang:rank=1,collective=25",
+                        "CHIPSET_COLLECTIVE_TIMEOUT": str(HANG_TIMEOUT_S)})
+    return r, time.time()
+
+
+def _async_kill(run: Path):
+    env = testenv.clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
+                           "--max-restarts=1", str(HERE), str(run)], capture_output=True, text=True, env=env, timeout=420)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("ckpt") / "ref"
-    r = _cli("--nproc", NPROC, *MODEL, "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=4",
-             "--set", "train.keep_checkpoints=0", "--run-dir", str(run))
+def runs(request, tmp_path_factory):
+    """This file's jobs for the tests this session runs, side by side (testenv.SideBySide):
+    {"ref": ..., test name: (what its job returned, run directory)}. The hang test's job mostly
+    waits (on the collective timeout), so it overlaps the others for free."""
+    job_of = {test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run_bit_for_bit: _elastic,
+              test_a_collective_that_never_arrives_ends_the_job_and_names_the_missing_rank: _hang,
+              test_a_rank_killed_during_an_asynchronous_save_leaves_no_usable_partial: _async_kill}
+    root = tmp_path_factory.mktemp("ckpt")
+
+    def start(key, job):
+        (root / key).mkdir()
+        return lambda: (job(root / key / "run"), root / key / "run")
+
+    wanted = {test.__name__: job for test, job in job_of.items() if selected(request, test)}
+    jobs = {name: start(name[5:25], job) for name, job in wanted.items() if job is _hang}  # first: it waits most
+    if set(wanted) - set(jobs):
+        jobs["ref"] = start("ref", _reference)
+    jobs.update({name: start(name[5:25], job) for name, job in wanted.items() if name not in jobs})
+    started = SideBySide(jobs)
+    yield started
+    started.close()
+
+
+def _ref(runs) -> Path:
+    r, run = runs["ref"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return run
 
 
-def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run_bit_for_bit(reference, tmp_path):
-    # Synchronous saves: when rank 1 dies at step 7 the step-4 checkpoint is committed for certain.
-    # (A kill inside an asynchronous save is the next test.)
-    run = tmp_path / "elastic"
-    r = _cli("--nproc", NPROC, *MODEL, "--set", f"train.steps={STEPS}", "--set", "train.checkpoint_every=4",
-             "--max-restarts", "1", "--run-dir", str(run),
-             env_extra={"CHIPSET_SIM_FAULTS": "kill:rank=1,step=7", "CHIPSET_SIM_FAULT_DIR": str(tmp_path / "faults")})
+@pytest.mark.multirank
+def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run_bit_for_bit(runs):
+    reference = _ref(runs)
+    r, run = runs["test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run_bit_for_bit"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fault injected (kill:rank=1,step=7)" in r.stderr
     summary = json.loads((run / "summary.json").read_text())
@@ -69,31 +118,25 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run_bit_for_
     assert losses == pytest.approx(_metrics(reference), rel=0, abs=0)
 
 
-def test_a_collective_that_never_arrives_ends_the_job_and_names_the_missing_rank(tmp_path):
-    run = tmp_path / "hang"
-    timeout_s = 5
-    r = _cli("--nproc", "2", "--set", "train.steps=30", "--run-dir", str(run),
-             env_extra={"CHIPSET_SIM_FAULTS": "hang:rank=1,collective=25",
-                        "CHIPSET_COLLECTIVE_TIMEOUT": str(timeout_s)})
-    ended = time.time()
+@pytest.mark.multirank
+def test_a_collective_that_never_arrives_ends_the_job_and_names_the_missing_rank(runs):
+    (r, ended), run = runs["test_a_collective_that_never_arrives_ends_the_job_and_names_the_missing_rank"]
     assert r.returncode != 0
     log0 = json.loads((run / "hangs" / "rank0.json").read_text())
     assert log0["timeout"] and log0["recent_ops"]
     stuck = [e for e in log0["recent_ops"] if e["state"] != "done"][-1]
     assert {"op", "group", "seq", "bytes", "time"} <= set(stuck)
-    assert ended - stuck["time"] < timeout_s + 30  # hang guard: the job ended soon after the stall
+    assert ended - stuck["time"] < HANG_TIMEOUT_S + 30  # hang guard: the job ended soon after the stall
     assert "rank(s) that did not arrive: 1" in r.stdout, r.stdout[-3000:]
     report = json.loads((run / "hangs" / "report.json").read_text())
     assert [m["rank"] for m in report["collectives"][0]["missing"]] == [1]
     assert report["collectives"][0]["waiting"] == [0]
 
 
-def test_a_rank_killed_during_an_asynchronous_save_leaves_no_usable_partial(reference, tmp_path):
-    run = tmp_path / "async-kill"
-    env = testenv.clean_env()
-    env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-                        "--max-restarts=1", str(HERE), str(run)], capture_output=True, text=True, env=env, timeout=420)
+@pytest.mark.multirank
+def test_a_rank_killed_during_an_asynchronous_save_leaves_no_usable_partial(runs):
+    reference = _ref(runs)
+    r, run = runs["test_a_rank_killed_during_an_asynchronous_save_leaves_no_usable_partial"]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "rank 1 killed inside the asynchronous save of step 8" in r.stderr
     summary = json.loads((run / "summary.json").read_text())

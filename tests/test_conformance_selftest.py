@@ -18,11 +18,7 @@ import pytest
 
 import testenv
 from chipset.conformance import GROUPS
-
-
-@pytest.fixture(scope="module")
-def broken_site(tmp_path_factory) -> Path:
-    return broken_backends.install(tmp_path_factory.mktemp("broken-site"))
+from testenv import SideBySide
 
 
 def _suite(backend: str, tmp: Path, *extra: str, site: Path | None = None, plain_pytest: bool = False):
@@ -39,7 +35,7 @@ def _suite(backend: str, tmp: Path, *extra: str, site: Path | None = None, plain
                "--json-report", str(report), "-q", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=600)
     data = json.loads(report.read_text()) if report.exists() else None
-    return proc, data
+    return proc, data, tmp
 
 
 def _outcomes(data) -> dict[str, str]:
@@ -113,6 +109,57 @@ MESSAGES = {
 }
 
 
+# Every suite run this file makes, by the test that checks it: (backend, extra arguments,
+# whether it needs the broken backends' site, plain pytest instead of the CLI).
+_EVERY_GROUP = "not test_engine and not test_collectives or dp2 or all_reduce_sum-float32-37"
+RUNS = {
+    **{f"{c[0]}-{c[2]}": (c[0], ("-k", c[1]), True, False) for c in CASES},
+    "few_caps": ("few_caps", (), True, False),
+    # Every group, with the slow ones cut to one check each: the whole suite against cpu_sim
+    # is the tox env conformance-cpu_sim, so it is not run a second time here.
+    "cpu_sim": ("cpu_sim", ("--junit-xml", "junit.xml", "-k", _EVERY_GROUP), False, False),
+    "plain_pytest": ("cpu_sim", ("-q", "-k", "rng"), False, True),
+    "cuda": ("cuda", (), False, False),
+    "nosuchchip": ("nosuchchip", (), False, False),
+}
+_TEST_RUN = {"test_backend_with_fewer_capabilities_gets_skips_with_reasons_not_failures": "few_caps",
+             "test_cpu_sim_passes_every_group_with_json_and_junit": "cpu_sim",
+             "test_plain_pytest_invocation_is_equivalent": "plain_pytest",
+             "test_absent_hardware_is_reported_clearly_and_is_not_a_pass": "cuda",
+             "test_unknown_backend_lists_the_installed_ones": "nosuchchip"}
+# Why the runs go side by side: most of a run is waiting (on a peer rank, a collective
+# timeout, a watchdog; bad_send_recv's rank 0 waits out the session's 30 s timeout), so a
+# few at once finish the file in about half the time on 2 cores. The slowest start first.
+_SIDE_BY_SIDE = 4
+_SLOW_FIRST = ("bad_send_recv-collectives", "hang_timeout-collectives", "few_caps", "cpu_sim",
+               "async_never_completes-collectives", "swallow_timeout-collectives", "bad_allreduce-engine")
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """The runs this session's selected tests of this file check, started side by side
+    (testenv.SideBySide): {run: (CompletedProcess, JSON report, run directory)}."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        if item.originalname == "test_broken_backend_fails_in_the_right_group":
+            wanted.add(item.callspec.id)
+        elif item.originalname in _TEST_RUN:
+            wanted.add(_TEST_RUN[item.originalname])
+    site = broken_backends.install(tmp_path_factory.mktemp("broken-site"))
+    order = [k for k in _SLOW_FIRST if k in wanted] + sorted(wanted.difference(_SLOW_FIRST))
+
+    def job(key):
+        backend, extra, broken, plain = RUNS[key]
+        tmp = tmp_path_factory.mktemp(key.replace("-", "_"))
+        return lambda: _suite(backend, tmp, *extra, site=site if broken else None, plain_pytest=plain)
+
+    started = SideBySide({key: job(key) for key in order}, width=_SIDE_BY_SIDE)
+    yield started
+    started.close()
+
+
 def test_every_broken_backend_has_a_case_naming_the_check_that_fails_it():
     defects = broken_backends.defects()
     assert len(defects) >= 25
@@ -121,8 +168,8 @@ def test_every_broken_backend_has_a_case_naming_the_check_that_fails_it():
 
 
 @pytest.mark.parametrize(("variant", "keyword", "group", "must_fail", "must_pass"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
-def test_broken_backend_fails_in_the_right_group(broken_site, tmp_path, variant, keyword, group, must_fail, must_pass):
-    proc, data = _suite(variant, tmp_path, "-k", keyword, site=broken_site)
+def test_broken_backend_fails_in_the_right_group(runs, variant, keyword, group, must_fail, must_pass):
+    proc, data, _ = runs[f"{variant}-{group}"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert data is not None and data["backend"] == variant
     assert data["summary"]["failed"] > 0
@@ -141,8 +188,8 @@ def test_broken_backend_fails_in_the_right_group(broken_site, tmp_path, variant,
     assert f"  {group}: " in proc.stdout.split("failures by group", 1)[-1]  # the grouped summary
 
 
-def test_backend_with_fewer_capabilities_gets_skips_with_reasons_not_failures(broken_site, tmp_path):
-    proc, data = _suite("few_caps", tmp_path, site=broken_site)
+def test_backend_with_fewer_capabilities_gets_skips_with_reasons_not_failures(runs):
+    proc, data, _ = runs["few_caps"]
     assert proc.returncode == 0, proc.stdout[-3000:]
     s = data["summary"]
     assert s["failed"] == 0 and s["errors"] == 0 and s["skipped"] > 50 and s["passed"] > 50
@@ -154,14 +201,9 @@ def test_backend_with_fewer_capabilities_gets_skips_with_reasons_not_failures(br
     assert "skip reasons:" in proc.stdout
 
 
-# Every group, with the slow ones cut to one check each: the whole suite against cpu_sim is
-# the tox env conformance-cpu_sim, so it is not run a second time here.
-_EVERY_GROUP = "not test_engine and not test_collectives or dp2 or all_reduce_sum-float32-37"
-
-
-def test_cpu_sim_passes_every_group_with_json_and_junit(tmp_path):
-    junit = tmp_path / "junit.xml"
-    proc, data = _suite("cpu_sim", tmp_path, "--junit-xml", str(junit), "-k", _EVERY_GROUP)
+def test_cpu_sim_passes_every_group_with_json_and_junit(runs):
+    proc, data, tmp = runs["cpu_sim"]
+    junit = tmp / "junit.xml"
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert set(data) == {"backend", "summary", "groups", "work_plan", "tests"}
     assert data["backend"] == "cpu_sim" and data["work_plan"] == []
@@ -181,20 +223,20 @@ def test_cpu_sim_passes_every_group_with_json_and_junit(tmp_path):
     assert groups == set(GROUPS)
 
 
-def test_plain_pytest_invocation_is_equivalent(tmp_path):
-    proc, data = _suite("cpu_sim", tmp_path, "-q", "-k", "rng", plain_pytest=True)
+def test_plain_pytest_invocation_is_equivalent(runs):
+    proc, data, _ = runs["plain_pytest"]
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert data["groups"]["rng"]["passed"] >= 6 and data["summary"]["failed"] == 0
 
 
-def test_absent_hardware_is_reported_clearly_and_is_not_a_pass(tmp_path):
-    proc, data = _suite("cuda", tmp_path)
+def test_absent_hardware_is_reported_clearly_and_is_not_a_pass(runs):
+    proc, data, _ = runs["cuda"]
     assert proc.returncode == 2
     assert "cuda" in proc.stderr and "unavailable" in proc.stderr and "cpu_sim" in proc.stderr
     assert data is None
 
 
-def test_unknown_backend_lists_the_installed_ones(tmp_path):
-    proc, _ = _suite("nosuchchip", tmp_path)
+def test_unknown_backend_lists_the_installed_ones(runs):
+    proc, _, _ = runs["nosuchchip"]
     assert proc.returncode == 2
     assert "nosuchchip" in proc.stderr and "cpu_sim" in proc.stderr

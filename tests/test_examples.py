@@ -12,7 +12,7 @@ import torch
 
 import parity
 from chipset.train.config import load_config
-from testenv import clean_env
+from testenv import SideBySide, clean_env, selected
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # hf-finetune.toml names a model directory the user supplies (tests/test_hf.py runs it with one).
@@ -40,16 +40,19 @@ def test_every_example_config_is_valid(path):
     assert cfg.train.steps > 0
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("name", sorted(RUNNABLE))
-def test_example_trains_on_two_ranks(tmp_path, name):
+def _example(name: str, run_dir: Path) -> subprocess.CompletedProcess:
     env = clean_env()
     env["OMP_NUM_THREADS"] = "1"
     sets = [a for kv in RUNNABLE[name] for a in ("--set", kv)]
-    run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(EXAMPLES / name),
-                        "--nproc", "2", "--run-dir", str(run_dir), *sets],
-                       capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(EXAMPLES / name),
+                           "--nproc", "2", "--run-dir", str(run_dir), *sets],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", sorted(RUNNABLE))
+def test_example_trains_on_two_ranks(runs, name):
+    r, run_dir = runs[name]
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = int(RUNNABLE[name][0].split("=")[1])
@@ -67,6 +70,7 @@ LOOP_N, LOOP_DEPTH, LOOP_STEPS = 64, 2 * 4 + 1, 8
 def _custom_loop(cwd: Path, nproc: int, *sets: str) -> list[float]:
     """Run the script (one plain process, or torchrun with ``nproc`` ranks) in ``cwd``; the losses
     rank 0 printed. Printed with 9 significant digits, which identify a float32 exactly."""
+    cwd.mkdir(parents=True, exist_ok=True)
     env = clean_env()
     env["OMP_NUM_THREADS"] = "1"
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
@@ -79,27 +83,54 @@ def _custom_loop(cwd: Path, nproc: int, *sets: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def loop_reference(tmp_path_factory):
-    losses = _custom_loop(tmp_path_factory.mktemp("loop-ref"), 1)
+def runs(request, tmp_path_factory):
+    """The jobs of this file's multi-rank tests that this session runs, side by side
+    (testenv.SideBySide): each example's run {name: (CompletedProcess, run directory)}, and
+    the custom loop's losses {"loop-ref" (one process), "loop-zero3", "loop-tp2": losses}."""
+    root = tmp_path_factory.mktemp("runs")
+    jobs = {}
+    loops = {"loop-zero3": test_custom_loop_zero3_on_two_ranks_matches_one_process_and_resumes,
+             "loop-tp2": test_custom_loop_tp2_with_its_plan_matches_one_process}
+    loops = {k: t for k, t in loops.items() if selected(request, t)}
+    if loops:
+        jobs["loop-ref"] = lambda: _custom_loop(root / "loop-ref", 1)
+    if "loop-zero3" in loops:
+        # ZeRO-3 over 2 ranks, stopped after 4 steps (its checkpoint), then resumed to the end.
+        def zero3():
+            cwd = root / "loop-zero3"
+            first = _custom_loop(cwd, 2, "train.steps=4")
+            saved = (cwd / "runs" / "custom-loop" / "checkpoints" / "step-00000004").is_dir()
+            return first, saved, _custom_loop(cwd, 2)
+
+        jobs["loop-zero3"] = zero3
+    if "loop-tp2" in loops:
+        jobs["loop-tp2"] = lambda: _custom_loop(root / "loop-tp2", 2, "parallel.tp=2", "parallel.zero=0")
+    for name in selected(request, test_example_trains_on_two_ranks):
+        jobs[name] = (lambda n: lambda: (_example(n, root / n), root / n))(name)
+    started = SideBySide(jobs)
+    yield started
+    started.close()
+
+
+def _loop_reference(runs) -> list[float]:
+    losses = runs["loop-ref"]
     assert len(losses) == LOOP_STEPS
     assert sum(losses[-2:]) < sum(losses[:2]), losses  # it trains
     return losses
 
 
 @pytest.mark.multirank
-def test_custom_loop_zero3_on_two_ranks_matches_one_process_and_resumes(tmp_path, loop_reference):
+def test_custom_loop_zero3_on_two_ranks_matches_one_process_and_resumes(runs):
     # ZeRO-3 over 2 ranks, stopped after 4 steps (its checkpoint), then resumed to the end.
-    first = _custom_loop(tmp_path, 2, "train.steps=4")
-    assert (tmp_path / "runs" / "custom-loop" / "checkpoints" / "step-00000004").is_dir()
-    rest = _custom_loop(tmp_path, 2)
+    first, saved, rest = runs["loop-zero3"]
+    assert saved
     assert len(first) == 4 and len(rest) == LOOP_STEPS - 4
-    parity.assert_losses_close(first + rest, loop_reference, n=LOOP_N, depth=LOOP_DEPTH)
+    parity.assert_losses_close(first + rest, _loop_reference(runs), n=LOOP_N, depth=LOOP_DEPTH)
 
 
 @pytest.mark.multirank
-def test_custom_loop_tp2_with_its_plan_matches_one_process(tmp_path, loop_reference):
-    losses = _custom_loop(tmp_path, 2, "parallel.tp=2", "parallel.zero=0")
-    parity.assert_losses_close(losses, loop_reference, n=LOOP_N, depth=LOOP_DEPTH)
+def test_custom_loop_tp2_with_its_plan_matches_one_process(runs):
+    parity.assert_losses_close(runs["loop-tp2"], _loop_reference(runs), n=LOOP_N, depth=LOOP_DEPTH)
 
 
 def test_library_page_shows_the_custom_loop_as_it_is():

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import parity
 from chipset.models import gpt2
 from chipset.train.config import load_config
-from testenv import chipset_train, family_env
+from testenv import SideBySide, chipset_train, family_env, selected
 
 HERE = Path(__file__).resolve().parent
 
@@ -103,33 +103,69 @@ def _train(run_dir: Path, nproc: int, *sets: str, family: str = "gpt2") -> subpr
     return chipset_train(run_dir, nproc, args, env=family_env(str(HERE)), timeout=900)
 
 
+LAYOUTS = {
+    "dp2-tp2-pp2": (8, ("parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2"), {"dp": 2, "tp": 2, "pp": 2}),
+    "dp2-pp2-zero3": (4, ("parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"), {"dp": 2, "pp": 2, "zero": 3}),
+}
+# The negative control: right on one process, wrong under tp = 2. The weights are drawn wider
+# (init_std 0.5) so that attention is not uniform at step 0: with near-zero scores every head
+# split averages the same values and the bug would hide until training sharpens them.
+WIDE, HEADS_FROM_CONFIG = "model.init_std=0.5", "test_gpt2_family:heads_from_config"
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    r = _train(run, 1)
+def runs(request, tmp_path_factory):
+    """The jobs of this file's multi-rank tests that this session runs, side by side
+    (testenv.SideBySide): {key: (CompletedProcess, run directory)}; "ref" is the one-process
+    reference."""
+    root = tmp_path_factory.mktemp("runs")
+
+    def job(key, nproc, *sets, **kw):
+        return lambda: (_train(root / key, nproc, *sets, **kw), root / key)
+
+    jobs = {}
+    layouts = selected(request, test_parallel_runs_match_one_process)
+    if layouts or selected(request, test_a_pipelined_checkpoint_resumes_on_one_process):
+        jobs["ref"] = job("ref", 1)
+    for key in layouts:
+        nproc, sets, _ = LAYOUTS[key]
+        jobs[key] = job(key, nproc, *sets)
+    if selected(request, test_parity_check_rejects_heads_read_from_the_config):
+        jobs["bug-one"] = job("bug-one", 1, WIDE, family=HEADS_FROM_CONFIG)
+        jobs["bug-tp"] = job("bug-tp", 2, WIDE, "parallel.tp=2", family=HEADS_FROM_CONFIG)
+        jobs["ok-tp"] = job("ok-tp", 2, WIDE, "parallel.tp=2")
+    if selected(request, test_a_pipelined_checkpoint_resumes_on_one_process):
+        def resumed():  # saved by two pipeline stages, then resumed by one process
+            run = root / "resumed"
+            saved = _train(run, 2, "parallel.pp=2", "parallel.micro_batches=2", "train.steps=2", "train.checkpoint_every=2")
+            return saved, (_train(run, 1, "train.checkpoint_every=2") if saved.returncode == 0 else None), run
+
+        jobs["resumed"] = resumed
+    started = SideBySide(jobs)
+    yield started
+    started.close()
+
+
+def _ok(runs, key: str) -> Path:
+    r, run = runs[key]
     assert r.returncode == 0, r.stderr[-3000:]
-    return parity.run_metrics(run)
+    return run
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("nproc, sets, want", [
-    (8, ("parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2"), {"dp": 2, "tp": 2, "pp": 2}),
-    (4, ("parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"), {"dp": 2, "pp": 2, "zero": 3}),
-], ids=["dp2-tp2-pp2", "dp2-pp2-zero3"])
-def test_parallel_runs_match_one_process(tmp_path, reference, nproc, sets, want):
-    r = _train(tmp_path / "run", nproc, *sets)
-    assert r.returncode == 0, r.stderr[-3000:]
-    parity.assert_run_matches(tmp_path / "run", reference, n=N_REDUCE, depth=DEPTH, layout=want)
+@pytest.mark.parametrize("key", list(LAYOUTS))
+def test_parallel_runs_match_one_process(runs, key):
+    reference = parity.run_metrics(_ok(runs, "ref"))
+    parity.assert_run_matches(_ok(runs, key), reference, n=N_REDUCE, depth=DEPTH, layout=LAYOUTS[key][2])
 
 
 @pytest.mark.multirank
-def test_a_pipelined_checkpoint_resumes_on_one_process(tmp_path, reference):
+def test_a_pipelined_checkpoint_resumes_on_one_process(runs):
     """Saved by two pipeline stages, resumed by one process (resharded by name): the step after
     the resume equals the uninterrupted run's."""
-    run = tmp_path / "run"
-    r = _train(run, 2, "parallel.pp=2", "parallel.micro_batches=2", "train.steps=2", "train.checkpoint_every=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = _train(run, 1, "train.checkpoint_every=2")
+    reference = parity.run_metrics(_ok(runs, "ref"))
+    saved, r, run = runs["resumed"]
+    assert saved.returncode == 0, saved.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout + r.stderr
     losses, norms = parity.run_metrics(run)
@@ -139,23 +175,15 @@ def test_a_pipelined_checkpoint_resumes_on_one_process(tmp_path, reference):
 
 
 @pytest.mark.multirank
-def test_parity_check_rejects_heads_read_from_the_config(tmp_path):
-    """Negative control: right on one process, wrong under tp = 2. The weights are drawn wider
-    (init_std 0.5) so that attention is not uniform at step 0: with near-zero scores every
-    head split averages the same values and the bug would hide until training sharpens them."""
-    wide, family = "model.init_std=0.5", "test_gpt2_family:heads_from_config"
-    r = _train(tmp_path / "one", 1, wide, family=family)
-    assert r.returncode == 0, r.stderr[-3000:]
-    want = parity.run_metrics(tmp_path / "one")
-    r = _train(tmp_path / "tp", 2, wide, "parallel.tp=2", family=family)
-    assert r.returncode == 0, r.stderr[-3000:]
-    losses, _ = parity.run_metrics(tmp_path / "tp")
+def test_parity_check_rejects_heads_read_from_the_config(runs):
+    """Negative control (WIDE, HEADS_FROM_CONFIG above): the buggy family on two tp ranks fails
+    the check against itself on one process; the correct family under the same wide weights passes."""
+    want = parity.run_metrics(_ok(runs, "bug-one"))
+    losses, _ = parity.run_metrics(_ok(runs, "bug-tp"))
     with pytest.raises(AssertionError, match="loss at step 0"):
         parity.assert_losses_close(losses, want[0], n=N_REDUCE, depth=DEPTH)
     # The correct family under the same wide weights passes the same check.
-    r = _train(tmp_path / "ok", 2, wide, "parallel.tp=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    parity.assert_losses_close(parity.run_metrics(tmp_path / "ok")[0], want[0], n=N_REDUCE, depth=DEPTH)
+    parity.assert_losses_close(parity.run_metrics(_ok(runs, "ok-tp"))[0], want[0], n=N_REDUCE, depth=DEPTH)
 
 
 @pytest.mark.parametrize("sets, expected", [

@@ -20,7 +20,7 @@ from torch import nn
 
 import parity
 from chipset.models.family import ModelFamily
-from testenv import chipset_train, family_env
+from testenv import SideBySide, chipset_train, family_env, selected
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -94,26 +94,40 @@ def _train(run_dir: Path, nproc: int, *sets: str, family_spec: str = "test_model
     return chipset_train(run_dir, nproc, [*args, *sets], env=env or family_env(str(HERE)))
 
 
+LAYOUTS = {"dp2": ("parallel.zero=0",), "zero3": ("parallel.zero=3",), "tp2": ("parallel.tp=2", "parallel.zero=0")}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    r = _train(run, 1)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return parity.run_metrics(run)
+def runs(request, tmp_path_factory):
+    """The one-process reference and the selected layouts' two-rank runs, side by side
+    (testenv.SideBySide): {"ref" or layout id: (CompletedProcess, run directory)}."""
+    root = tmp_path_factory.mktemp("runs")
+
+    def job(key, nproc, sets):
+        return lambda: (_train(root / key, nproc, *sets), root / key)
+
+    jobs = {"ref": job("ref", 1, ())}
+    jobs.update({k: job(k, 2, LAYOUTS[k]) for k in selected(request, test_custom_family_two_ranks_match_one_process)})
+    if selected(request, test_custom_model_example_trains):
+        jobs["example"] = lambda: (_example(root / "example"), root / "example")
+    started = SideBySide(jobs)
+    yield started
+    started.close()
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [("parallel.zero=0",), ("parallel.zero=3",),
-                                    ("parallel.tp=2", "parallel.zero=0")], ids=["dp2", "zero3", "tp2"])
-def test_custom_family_two_ranks_match_one_process(tmp_path, reference, layout):
-    r = _train(tmp_path / "run", 2, *layout)
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_custom_family_two_ranks_match_one_process(request, runs, layout):
+    ref, ref_dir = runs["ref"]
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    r, run = runs[request.node.callspec.id]
     assert r.returncode == 0, r.stderr[-3000:]
-    losses, norms = parity.run_metrics(tmp_path / "run")
-    want_losses, want_norms = reference
+    losses, norms = parity.run_metrics(run)
+    want_losses, want_norms = parity.run_metrics(ref_dir)
     parity.assert_losses_close(losses, want_losses, n=N_REDUCE, depth=DEPTH)
     parity.assert_grad_norms_close(norms, want_norms, n=N_REDUCE, depth=DEPTH)
     assert want_losses[-1] < want_losses[0]  # it really trained
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
     assert summary["layout"]["tp" if "tp" in layout[0] else "dp"] == 2
 
 
@@ -172,11 +186,15 @@ def test_entry_point_families_listed_broken_one_isolated_good_one_trains(tmp_pat
     assert bad.returncode == 2 and "needs libfoo 2" in bad.stderr
 
 
+def _example(run: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(ROOT / "examples" / "custom-model.toml"),
+                           "--nproc", "2", "--run-dir", str(run), "--set", "train.steps=3"],
+                          capture_output=True, text=True, env=family_env(str(ROOT / "examples")), timeout=600)
+
+
 @pytest.mark.multirank
-def test_custom_model_example_trains(tmp_path):
-    run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(ROOT / "examples" / "custom-model.toml"),
-                        "--nproc", "2", "--run-dir", str(run), "--set", "train.steps=3"],
-                       capture_output=True, text=True, env=family_env(str(ROOT / "examples")), timeout=600)
+def test_custom_model_example_trains(runs):
+    """examples/custom-model.toml on two ranks (started beside the layouts above: the runs fixture)."""
+    r, run = runs["example"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == 3

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import parity
 from chipset.models.resnet import IMAGE_SIZE, ResNetFamily, SyntheticImages
 from chipset.train.config import load_config
-from testenv import chipset_train, family_env
+from testenv import SideBySide, chipset_train, family_env, selected
 
 HERE = Path(__file__).resolve().parent
 
@@ -122,40 +122,80 @@ def _train(run_dir: Path, nproc: int, *sets: str, family: str = "resnet", cwd=No
     return chipset_train(run_dir, nproc, args, env=family_env(str(HERE)), timeout=600, cwd=cwd)
 
 
+# The parallel layouts, each against the one-process reference. ZeRO-3 alone is not a layout
+# of its own: it is under both zero3-recompute and dp2-pp2-zero3 (it was, beside them, one
+# more 2-rank job testing the same sharding).
+LAYOUTS = {
+    "dp2": (2, ("parallel.zero=0",), {"dp": 2, "zero": 0}),
+    # Pipeline stages cut from the chain stem, block 0, block 1, head (2 micro-batches).
+    "pp2": (2, ("parallel.pp=2", "parallel.micro_batches=2"), {"dp": 1, "pp": 2}),
+    "dp2-pp2-zero3": (4, ("parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"), {"dp": 2, "pp": 2, "zero": 3}),
+    "zero3-recompute": (2, ("parallel.zero=3", 'train.recompute="full"'), {"dp": 2, "zero": 3}),
+}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    r = _train(run, 1)
+def runs(request, tmp_path_factory):
+    """The jobs of this file's multi-rank tests that this session runs, side by side
+    (testenv.SideBySide): {key: (CompletedProcess, run directory)}; "ref" is the one-process
+    reference of the layouts and the negative control."""
+    root = tmp_path_factory.mktemp("runs")
+
+    def job(key, nproc, *sets, **kw):
+        return lambda: (_train(root / key, nproc, *sets, **kw), root / key)
+
+    jobs = {}
+    layouts = selected(request, test_parallel_runs_match_one_process)
+    if layouts or selected(request, test_parity_check_rejects_summed_gradients):
+        jobs["ref"] = job("ref", 1)
+    if selected(request, test_parity_check_rejects_summed_gradients):
+        # From this directory with it on PYTHONPATH, as ``PYTHONPATH=. chipset train`` would.
+        jobs["summed"] = job("summed", 2, family="test_resnet_family:summed_gradients", cwd=HERE)
+    for key in sorted(layouts, key=lambda k: -LAYOUTS[k][0]):  # the 4-rank job first
+        nproc, sets, _ = LAYOUTS[key]
+        jobs[key] = job(key, nproc, *sets)
+    if selected(request, test_image_folder_trains_on_two_ranks_like_one_process):
+        folder = root / "imgs"
+        sets = ('data.source="images"', f'data.path="{folder}"', "model.vocab_size=3")
+
+        def images():  # one process, then ZeRO-3 on two ranks, over the same folder
+            _image_folder(folder)
+            return [(_train(root / k, n, *sets, *extra), root / k) for k, n, extra in
+                    [("img-one", 1, ()), ("img-two", 2, ("parallel.zero=3",))]]
+
+        jobs["images"] = images
+    started = SideBySide(jobs)
+    yield started
+    started.close()
+
+
+def _reference(runs):
+    r, run = runs["ref"]
     assert r.returncode == 0, r.stderr[-3000:]
     return parity.run_metrics(run)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("nproc, sets, want", [
-    (2, ("parallel.zero=0",), {"dp": 2, "zero": 0}),
-    (2, ("parallel.zero=3",), {"dp": 2, "zero": 3}),
-    # Pipeline stages cut from the chain stem, block 0, block 1, head (2 micro-batches).
-    (2, ("parallel.pp=2", "parallel.micro_batches=2"), {"dp": 1, "pp": 2}),
-    (4, ("parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=3"), {"dp": 2, "pp": 2, "zero": 3}),
-    (2, ("parallel.zero=3", 'train.recompute="full"'), {"dp": 2, "zero": 3}),
-], ids=["dp2", "zero3", "pp2", "dp2-pp2-zero3", "zero3-recompute"])
-def test_parallel_runs_match_one_process(tmp_path, reference, nproc, sets, want):
-    r = _train(tmp_path / "run", nproc, *sets)
+@pytest.mark.parametrize("key", list(LAYOUTS))
+def test_parallel_runs_match_one_process(runs, key):
+    reference = _reference(runs)
+    r, run = runs[key]
     assert r.returncode == 0, r.stderr[-3000:]
-    parity.assert_run_matches(tmp_path / "run", reference, n=N_REDUCE, depth=DEPTH, layout=want)
+    parity.assert_run_matches(run, reference, n=N_REDUCE, depth=DEPTH, layout=LAYOUTS[key][2])
 
 
 @pytest.mark.multirank
-def test_parity_check_rejects_summed_gradients(tmp_path, reference):
+def test_parity_check_rejects_summed_gradients(runs):
     """Negative control: gradients summed over the 2 ranks fail the same check at step 0.
 
     Run from this directory with it on PYTHONPATH, as ``PYTHONPATH=. chipset train`` would:
     the ranks start with PYTHONSAFEPATH=1, so their first sys.path entry is that PYTHONPATH
     entry and must not be dropped as if ``python -m`` had put the current directory there
     (before the fix every rank failed with "No module named 'test_resnet_family'")."""
-    r = _train(tmp_path / "run", 2, family="test_resnet_family:summed_gradients", cwd=HERE)
+    reference = _reference(runs)
+    r, run = runs["summed"]
     assert r.returncode == 0, r.stderr[-3000:]
-    losses, norms = parity.run_metrics(tmp_path / "run")
+    losses, norms = parity.run_metrics(run)
     assert losses[0] == pytest.approx(reference[0][0], rel=parity.trajectory_rtol(N_REDUCE, DEPTH, 0))
     with pytest.raises(AssertionError, match="gradient norm at step 0"):
         parity.assert_grad_norms_close(norms, reference[1], n=N_REDUCE, depth=DEPTH)
@@ -238,12 +278,10 @@ def test_image_folder_labels_by_sorted_folder_and_shares_batches_across_layouts(
 
 
 @pytest.mark.multirank
-def test_image_folder_trains_on_two_ranks_like_one_process(tmp_path):
-    folder = _image_folder(tmp_path / "imgs")
-    sets = ('data.source="images"', f'data.path="{folder}"', "model.vocab_size=3")
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert _train(one, 1, *sets).returncode == 0
-    r = _train(two, 2, *sets, "parallel.zero=3")
+def test_image_folder_trains_on_two_ranks_like_one_process(runs):
+    """One process and ZeRO-3 on two ranks over the same image folder (the runs fixture)."""
+    (r1, one), (r, two) = runs["images"]
+    assert r1.returncode == 0, r1.stderr[-3000:]
     assert r.returncode == 0, r.stderr[-3000:]
     want, got = parity.run_metrics(one), parity.run_metrics(two)
     # Longest reduction: a convolution weight's gradient over batch x image positions, as above.
