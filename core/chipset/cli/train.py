@@ -188,6 +188,9 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int, family=None)
 
     check_writable_dir(run_dir, "run directory", "--run-dir")
     check_optional_packages(cfg)  # e.g. init_from without safetensors: exit 2 here, not a traceback per rank
+    from chipset.train.sinks import check_metrics_sinks
+
+    check_metrics_sinks(cfg)  # a sink named in train.metrics_sinks whose package is missing: exit 2 here
     if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError(f"data.path = {cfg.data.path!r}: no such file or directory; give a text file or a "
                           "folder of them (or leave data.path empty for the Python standard library's sources)")

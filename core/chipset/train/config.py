@@ -154,6 +154,8 @@ class TrainConfig:
     """Write checkpoints in a background thread so training continues (the state is copied to host first)."""
     profile_steps: str = ""
     """Steps FIRST:LAST (1-based, inclusive) to record a torch.profiler Chrome trace per rank into RUN_DIR/traces; empty = off."""
+    metrics_sinks: str = "auto"
+    """Where rank 0 also sends each step's metrics, comma-separated: tensorboard, wandb, mlflow or a chipset.metrics_sinks entry point's name; auto = tensorboard when it is installed; none = metrics.jsonl only."""
     max_nonfinite_steps: int = 20
     """Stop the run (exit 1) after this many consecutive steps with a NaN/inf loss or a skipped (overflowed) update; 0 = never."""
 

@@ -17,8 +17,11 @@ which adds them to the step's ``metrics.jsonl`` record (see docs/observability.m
   the backend declares no peak for it); for another model family, samples/s x the family's
   ``flops_per_sample`` / (peak x ranks).
 
-Optional outputs: TensorBoard event files under ``RUN_DIR/tensorboard`` when
-``torch.utils.tensorboard`` can be imported, and with ``train.profile_steps = "a:b"`` a
+Optional outputs: the metrics sinks of ``train.metrics_sinks`` on rank 0 (chipset.train.sinks:
+TensorBoard event files under ``RUN_DIR/tensorboard`` by default when ``torch.utils.tensorboard``
+can be imported; W&B, MLflow or a ``chipset.metrics_sinks`` entry point's), each handed a
+step's record once it is complete (after the loop added its evaluation), and with
+``train.profile_steps = "a:b"`` a
 torch.profiler Chrome trace per rank, ``RUN_DIR/traces/rank<r>.json``, holding chipset's
 own ranges (``chipset::forward``, ``chipset::backward``, ``chipset::optimizer``,
 ``chipset::stage<N>.forward``/``.backward`` under pipeline parallelism, one
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 
 from chipset.train.config import parse_profile_steps
+from chipset.train.sinks import SinkSet, open_sinks
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,8 @@ class StepMetrics:
         self._mfu_n = 0
         self._comm_totals: dict[str, list[float]] = {}
         self._snap: dict[str, tuple[int, int, float]] = {}
-        self._tb = _tensorboard(run_dir) if rank == 0 and run_dir is not None else None
+        self._sinks = open_sinks(cfg, run_dir) if rank == 0 and run_dir is not None else SinkSet([])
+        self._pending: dict[str, Any] | None = None  # the last step's record, not yet given to the sinks
         self._profile = parse_profile_steps(cfg.train.profile_steps)
         self._profiler = None
         self._last_step = cfg.train.steps
@@ -73,7 +78,9 @@ class StepMetrics:
 
     # --- the step ----------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        """Before step ``step`` (0-based) runs: start the profiler if asked, snapshot counters."""
+        """Before step ``step`` (0-based) runs: hand the last step's record to the sinks, start the profiler
+        if asked, snapshot counters."""
+        self._flush_sinks()
         if self._profile is not None and step + 1 == self._profile[0] and self._profiler is None:
             self._profiler = torch.profiler.profile(activities=torch.profiler.supported_activities(),
                                                     record_shapes=False)
@@ -135,8 +142,9 @@ class StepMetrics:
             "slowest_rank": slowest,
             "comm": comm,
         })
-        if self._tb is not None:
-            self._write_tensorboard(rec)
+        # The sinks get ``rec`` at the next begin_step or close(): the loop adds the step's evaluation
+        # (eval_loss, ...) to this same dict after end_step returns it.
+        self._pending = rec if self._sinks else None
         return rec
 
     # --- outputs -------------------------------------------------------------------
@@ -154,11 +162,16 @@ class StepMetrics:
         }
 
     def close(self) -> None:
-        """Stop a profiler that is still running (the run ended before its last step) and flush."""
+        """Stop a profiler that is still running (the run ended before its last step); give the last
+        record to the sinks and close them."""
         self._finish_profile_step(None)
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self._flush_sinks()
+        self._sinks.close()
+
+    def _flush_sinks(self) -> None:
+        rec, self._pending = self._pending, None
+        if rec is not None:
+            self._sinks.log(int(rec["step"]), rec)
 
     def _finish_profile_step(self, step: int | None) -> None:
         if self._profiler is None:
@@ -174,21 +187,6 @@ class StepMetrics:
             if self.rank == 0:
                 log.info("profiler trace of steps %d:%s per rank in %s (open in https://ui.perfetto.dev "
                          "or chrome://tracing)", self._profile[0], step or "?", path.parent)
-
-    def _write_tensorboard(self, rec: dict[str, Any]) -> None:
-        tb, step = self._tb, rec["step"]
-        for key in ("loss", "grad_norm", "lr", "loss_scale", "tokens_per_s", "step_time_s", "mfu"):
-            v = rec.get(key)
-            if isinstance(v, (int, float)) and v == v:
-                tb.add_scalar(f"train/{key}", v, step)
-        for r in range(self.world):
-            tb.add_scalar(f"memory/peak_bytes/rank{r}", rec["peak_memory_bytes_per_rank"][r], step)
-            tb.add_scalar(f"time/compute_s/rank{r}", rec["compute_s"][r], step)
-            tb.add_scalar(f"time/comm_s/rank{r}", rec["comm_s"][r], step)
-            tb.add_scalar(f"time/idle_s/rank{r}", rec["idle_s"][r], step)
-        for op, d in rec["comm"].items():
-            tb.add_scalar(f"comm/{op}/bytes", sum(d["bytes"]), step)
-            tb.add_scalar(f"comm/{op}/seconds", max(d["seconds"]), step)
 
 
 def _flops(cfg, backend) -> tuple[int, float]:
@@ -208,13 +206,3 @@ def _flops(cfg, backend) -> tuple[int, float]:
         per_token = 0
     peak = backend.device.properties().peak_flops_for(cfg.train.dtype)
     return per_token, (peak if per_token else 0.0)
-
-
-def _tensorboard(run_dir: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except Exception:
-        log.warning("TensorBoard event files not written (pip install 'chipset[tensorboard]' to get them in "
-                    "RUN_DIR/tensorboard)")
-        return None
-    return SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))

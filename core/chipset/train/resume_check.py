@@ -26,7 +26,7 @@ SAFE_KEYS = frozenset({
     "train.decay_fraction",
     "train.eval_every", "train.eval_steps", "data.eval_path",  # evaluation reads, never trains
     "train.checkpoint_every", "train.keep_checkpoints", "train.async_checkpoint",  # checkpoint settings
-    "train.log_every", "train.profile_steps",  # logging and profiling
+    "train.log_every", "train.profile_steps", "train.metrics_sinks",  # logging and profiling
     "train.recompute",  # what is kept for backward, not what is computed
     "train.compile",  # how the same ops run (per-block compilation), not which
     "train.max_nonfinite_steps",  # when to give up on a diverged run
