@@ -194,7 +194,7 @@ def _preflight(cfg, b, run_dir: Path, world: int, local_ranks: int, family=None)
     if cfg.data.source == "text" and cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError(f"data.path = {cfg.data.path!r}: no such file or directory; give a text file or a "
                           "folder of them (or leave data.path empty for the Python standard library's sources)")
-    if cfg.data.source == "hf":  # tokenize once here, so the ranks only read the cache
+    if cfg.data.source == "hf" and not cfg.data.streaming:  # tokenize once here, so the ranks only read the cache
         from chipset.data.hf import ensure_prepared
 
         ensure_prepared(cfg.data.path, cfg.data.tokenizer, cfg.data.field)

@@ -12,13 +12,17 @@ batch as a single process.
 
 from __future__ import annotations
 
+import logging
 import os
 import sysconfig
 from pathlib import Path
 
 import torch
 
+from chipset.data import batching
 from chipset.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SyntheticTokens", "TextBytes", "TokenFiles", "make_dataset", "make_eval_dataset", "TEXT_SUFFIXES"]
 
@@ -57,15 +61,7 @@ class SyntheticTokens:
             out.append(cur)
         return torch.tensor(out, dtype=torch.long)
 
-    def batch(self, step: int, dp_rank: int = 0, dp: int = 1, micro: int = 0, micro_batches: int = 1,
-              device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        per_rank = self.global_batch // dp
-        mb = per_rank // micro_batches
-        first = step * self.global_batch + dp_rank * per_rank + micro * mb
-        seqs = torch.stack([self.sequence(first + j) for j in range(mb)])
-        if device is not None:
-            seqs = seqs.to(device)
-        return seqs[:, :-1], seqs[:, 1:]
+    batch = batching.batch  # the contract of the module docstring (data/batching.py)
 
 
 class TextBytes:
@@ -116,11 +112,12 @@ class TextBytes:
         start = int(torch.randint(len(self.data) - self.seq_len - 1, (1,), generator=g))
         return self.data[start:start + self.seq_len + 1].long()
 
-    batch = SyntheticTokens.batch
+    batch = batching.batch
 
 
 class TokenFiles:
-    """Pre-tokenized data (``chipset data prepare`` folders, nanoGPT ``.bin`` files) through memmap.
+    """Pre-tokenized data (``chipset data prepare`` folders, nanoGPT ``.bin`` files, Megatron indexed
+    datasets) through memmap.
 
     The token stream (documents separated by EOS) is cut into ``n = (tokens - 1) // seq_len``
     windows of ``seq_len + 1`` tokens; each epoch visits every window once, in an order drawn
@@ -134,10 +131,12 @@ class TokenFiles:
     """
 
     def __init__(self, path: str, seq_len: int, global_batch: int, seed: int = 0, vocab_size: int | None = None,
-                 holdout: float = 0.0, part: str = "train"):
+                 holdout: float = 0.0, part: str = "train", eos_id: int = -1):
         from chipset.data import open_tokens
 
-        self.store = open_tokens(path)
+        self.store = open_tokens(path, eos_id)
+        if self.store.meta.get("problem"):  # a Megatron dataset without document ends (data/megatron.py)
+            raise ConfigError(self.store.meta["problem"])
         self.source = self.store.source
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.vocab_size = vocab_size
@@ -170,7 +169,7 @@ class TokenFiles:
                               f"is {self.vocab_size}; set model.vocab_size to the tokenizer's vocabulary size")
         return seq
 
-    batch = SyntheticTokens.batch
+    batch = batching.batch
 
 
 def _token_path(cfg) -> str:
@@ -183,25 +182,69 @@ def _token_path(cfg) -> str:
     return da.path
 
 
+def blended_tokens(entries: list[tuple[float, str]], seq_len: int, global_batch: int, seed: int = 0,
+                   vocab_size: int | None = None, holdout: float = 0.0, part: str = "train", eos_id: int = -1):
+    """``(weight, path)`` sources mixed by weight (data/blend.py): source ``k`` is the :class:`TokenFiles`
+    of its path with seed ``seed + k * SEED_STRIDE`` (the first source reads as it would alone)."""
+    from chipset.data.blend import SEED_STRIDE, BlendedTokens
+
+    parts = []
+    for k, (_, path) in enumerate(entries):
+        try:
+            parts.append(TokenFiles(path, seq_len, global_batch, seed=seed + k * SEED_STRIDE, vocab_size=vocab_size,
+                                    holdout=holdout, part=part, eos_id=eos_id))
+        except ConfigError as exc:
+            raise ConfigError(f"data.blend entry {k + 1}: {exc}") from None
+    return BlendedTokens(entries, parts)
+
+
+def _blend(cfg, **kw):
+    """``data.blend``'s sources mixed by weight."""
+    from chipset.data.blend import parse_blend
+
+    tr, da = cfg.train, cfg.data
+    entries, bad = parse_blend(da.blend, da.path)
+    if bad:
+        raise ConfigError("\n".join(bad))
+    return blended_tokens(entries, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
+                          eos_id=da.eos_id, **kw)
+
+
 def make_dataset(cfg) -> SyntheticTokens | TextBytes | TokenFiles:
     """The dataset a :class:`chipset.train.config.RunConfig` asks for."""
     tr, da = cfg.train, cfg.data
+    if da.source == "hf" and da.streaming:
+        from chipset.data.streaming import StreamingTokens
+
+        return StreamingTokens(da.path, da.dataset, da.tokenizer, da.field, tr.seq_len, tr.global_batch,
+                               seed=da.seed, vocab_size=cfg.model.vocab_size)
+    if da.source == "tokens" and da.blend:
+        data = _blend(cfg, holdout=da.eval_fraction)
+        if os.environ.get("RANK", "0") == "0":  # once per job: every rank builds the same blend
+            log.info(data.report(tr.steps))
+        return data
     if da.source in ("tokens", "hf"):
         return TokenFiles(_token_path(cfg), tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
-                          holdout=da.eval_fraction)
+                          holdout=da.eval_fraction, eos_id=da.eos_id)
     if da.source == "text":
         return TextBytes(da.path, tr.seq_len, tr.global_batch, seed=da.seed, max_bytes=da.max_bytes)
     return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed)
 
 
 def make_eval_dataset(cfg) -> SyntheticTokens | TokenFiles:
-    """Held-out data for ``train.eval_every``: data.eval_path, the data.eval_fraction of data.path, or
-    (synthetic) sequences of the same walk that no training step reads."""
+    """Held-out data for ``train.eval_every``: data.eval_path, the data.eval_fraction of data.path (of
+    each data.blend source, mixed by the same weights), or (synthetic) sequences of the same walk that
+    no training step reads."""
     tr, da = cfg.train, cfg.data
+    if da.source == "hf" and da.streaming:
+        raise ConfigError("train.eval_every with data.streaming: a stream has no held-out part; "
+                          "evaluate on prepared tokens (data.source = 'tokens') instead")
     if da.source in ("tokens", "hf"):
         if da.eval_path:
             return TokenFiles(da.eval_path, tr.seq_len, tr.global_batch, seed=da.seed, vocab_size=cfg.model.vocab_size,
-                              holdout=1.0, part="eval")
+                              holdout=1.0, part="eval", eos_id=da.eos_id)
+        if da.source == "tokens" and da.blend:
+            return _blend(cfg, holdout=da.eval_fraction, part="eval")
         return TokenFiles(_token_path(cfg), tr.seq_len, tr.global_batch, seed=da.seed,
-                          vocab_size=cfg.model.vocab_size, holdout=da.eval_fraction, part="eval")
+                          vocab_size=cfg.model.vocab_size, holdout=da.eval_fraction, part="eval", eos_id=da.eos_id)
     return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed, offset=1 << 40)

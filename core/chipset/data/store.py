@@ -1,4 +1,5 @@
-"""Reading token folders and flat ``.bin`` files through ``numpy.memmap`` (no copy into memory)."""
+"""Reading token folders, flat ``.bin`` files and Megatron indexed datasets through ``numpy.memmap``
+(no copy into memory)."""
 
 from __future__ import annotations
 
@@ -49,20 +50,35 @@ def _bad(path, found: str, fix: str) -> ConfigError:
     return ConfigError(f"data.path = {str(path)!r}: {found}; {fix}")
 
 
-def open_tokens(path: str | Path) -> TokenStore:
-    """A folder written by ``chipset data prepare``, or a flat nanoGPT ``.bin`` file (uint16)."""
+def open_tokens(path: str | Path, eos_id: int = -1) -> TokenStore:
+    """A folder written by ``chipset data prepare``, a flat nanoGPT ``.bin`` file (uint16), or a
+    Megatron-LM / MindSpeed indexed dataset (``PREFIX``, ``PREFIX.bin`` or ``PREFIX.idx``; see
+    :mod:`chipset.data.megatron`, which ``eos_id`` concerns)."""
+    from chipset.data.megatron import DocumentStore, open_megatron, prefix_of
+
     p = Path(path)
+    prefix = prefix_of(p)
+    if prefix is not None:
+        data, meta, doc_starts = open_megatron(prefix, eos_id, path=p)
+        if doc_starts is not None:  # documents without an end-of-document token: EOS inserted on read
+            return DocumentStore(data, doc_starts, meta["eos_id"], meta, str(p))
+        return TokenStore([data], meta, str(p))
     if p.is_file():
         if p.suffix != ".bin":
             raise _bad(p, "is a file but not a .bin token file",
-                       "give a folder made by `chipset data prepare` or a flat uint16 .bin file (nanoGPT style)")
+                       "give a folder made by `chipset data prepare`, a flat uint16 .bin file (nanoGPT style) "
+                       "or a Megatron indexed dataset (PREFIX of PREFIX.bin + PREFIX.idx)")
         if p.stat().st_size % 2:
             raise _bad(p, f"has {p.stat().st_size} bytes, not a whole number of uint16 tokens",
                        "a flat .bin file holds little-endian uint16 token ids")
-        arr = np.memmap(p, dtype="<u2", mode="r")
+        try:
+            arr = np.memmap(p, dtype="<u2", mode="r")
+        except (OSError, ValueError) as exc:  # unreadable, or empty (mmap of 0 bytes)
+            raise _bad(p, f"cannot be read as tokens ({exc})", "give a readable, non-empty uint16 .bin file") from None
         return TokenStore([arr], {"format": "flat-bin", "dtype": "uint16"}, str(p))
     if not p.is_dir():
-        raise _bad(p, "no such file or directory", "run `chipset data prepare INPUTS --tokenizer T --out DIR` first")
+        raise _bad(p, "no such file or directory", "run `chipset data prepare INPUTS --tokenizer T --out DIR` first "
+                   "(or, for a Megatron indexed dataset, give the PREFIX of PREFIX.bin + PREFIX.idx)")
     meta_path = p / META
     try:
         meta = json.loads(meta_path.read_text())
@@ -86,7 +102,11 @@ def open_tokens(path: str | Path) -> TokenStore:
             raise _bad(p, f"shard {s['file']} has {size} bytes, {META} says {s['tokens']} tokens",
                        "the folder is incomplete or corrupted; prepare it again")
         if s["tokens"]:
-            shards.append(np.memmap(f, dtype=dtype, mode="r"))
+            try:
+                shards.append(np.memmap(f, dtype=dtype, mode="r"))
+            except OSError as exc:
+                raise _bad(p, f"shard {s['file']} cannot be read ({exc.strerror or exc})",
+                           "make the folder readable by this user") from None
     if not shards:
         raise _bad(p, "holds no tokens", "prepare it from non-empty inputs")
     return TokenStore(shards, meta, str(p))

@@ -180,6 +180,14 @@ class DataConfig:
     """Held-out data for evaluation, in the same form as data.path (tokens: a prepared folder or .bin file); empty = use data.eval_fraction."""
     eval_fraction: float = 0.0
     """tokens: hold out this fraction of the data.path windows for evaluation (the end of the stream, never trained on); synthetic: evaluate on sequences of the same walk that training never reads."""
+    blend: str = ""
+    """tokens: several sources mixed by weight, one string of WEIGHT:PATH entries separated by commas, the weights summing to 1 (e.g. "0.7:wiki, 0.3:/data/code_text_document"); each PATH is a prepared folder, a .bin file or a Megatron PREFIX, a relative one resolved against data.path (then the folder of the sources). Deterministic: a step's batch is the same on every layout and after a resume. Empty = data.path alone."""
+    eos_id: int = -1
+    """tokens, Megatron indexed datasets (PREFIX.bin + PREFIX.idx): the end-of-document id; -1 = the id every document already ends with (data preprocessed with --append-eod); an id the documents do not end with is inserted after each one."""
+    streaming: bool = False
+    """hf: stream the records (datasets' streaming mode) and tokenize them on the fly with data.tokenizer instead of preparing a cached token folder, for corpora that do not fit on disk; data.path: local JSONL, Parquet or text files (a file, a folder or a glob), or data.dataset."""
+    dataset: str = ""
+    """hf with data.streaming: a Hugging Face Hub dataset to stream, "owner/name" or "owner/name:config" (split train); empty = the local files of data.path."""
 
 
 @dataclass
@@ -498,12 +506,16 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
             "set --set model.vocab_size=256"
         )
     elif da.source == "tokens":
-        problems += _token_data_problems(da.path, m.vocab_size)
+        problems += [] if da.blend else _token_data_problems(da.path, m.vocab_size)  # blend: data/sources.py
     elif da.source == "hf":
-        from chipset.data import hf
+        from chipset.data import hf, streaming
 
-        hf_problems = hf.problems(da.path, da.tokenizer, da.field)
+        hf_problems = streaming.problems(da) if da.streaming else hf.problems(da.path, da.tokenizer, da.field)
         problems += hf_problems or _tokenizer_vocab_problems(da.tokenizer, m.vocab_size)
+    if da.source in DATA_SOURCES:  # data.blend, data.eos_id (Megatron), data.streaming, data.dataset
+        from chipset.data import sources
+
+        problems += sources.problems(da, m.vocab_size)
     problems += _eval_problems(cfg)
     if da.max_bytes < 1:
         problems.append(f"data.max_bytes = {da.max_bytes!r}: expected a positive number of bytes")
