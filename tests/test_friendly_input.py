@@ -30,3 +30,23 @@ def test_mistakes_get_a_suggestion_and_exit_2(tmp_path, capsys, argv, expect):
     assert rc == 2
     assert expect in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_dtype_auto_is_the_backends_default_and_the_run_records_the_dtype_used(tmp_path):
+    """train.dtype = "auto" (examples/tiny.toml): the backend's Capabilities.default_dtype, written
+    resolved into the run's config.toml so a resume, `chipset plan` and the report see the real one."""
+    import tomllib
+
+    from chipset.loader import backend
+    from chipset.train.config import resolve_config, resolve_dtype
+
+    default = backend().capabilities.default_dtype
+    assert resolve_config(None, ["train.dtype=auto"], world_size=1, default_dtype="bfloat16").train.dtype == "bfloat16"
+    assert resolve_dtype(load_config(None, ["train.dtype=auto"]), "float16").train.dtype == "float16"
+    assert load_config(None, []).train.dtype == "float32", "the default stays float32, not auto"
+    rc = main(["train", "--set", "train.dtype=auto", "--set", "train.steps=1", "--set", "model.num_hidden_layers=1",
+               "--set", "model.hidden_size=32", "--set", "model.num_attention_heads=2", "--set", "model.vocab_size=64",
+               "--set", "train.seq_len=8", "--set", "train.global_batch=2", "--run-dir", str(tmp_path / "run")])
+    assert rc == 0
+    written = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert written["train"]["dtype"] == default

@@ -27,7 +27,14 @@ from chipset.errors import ConfigError, UsageError
 from chipset.models.family import ModelFamily, family_data
 from chipset.models.registry import resolve_family
 from chipset.train import lr as lr_schedule
-from chipset.train.config import RunConfig, _apply, _format, load_config, parse_overrides
+from chipset.train.config import (
+    RunConfig,
+    _apply,
+    _format,
+    load_config,
+    parse_overrides,
+    resolve_dtype,
+)
 from chipset.train.loop import (
     build_model,
     make_dims,
@@ -80,6 +87,7 @@ def init(cfg: RunConfig | None = None, backend: str | None = None):
     :class:`chipset.loader.Backend`: ``backend.collective.rank()``, ``backend.device`` and so on."""
     b = start(backend)
     if cfg is not None:
+        resolve_dtype(cfg, b.capabilities.default_dtype)
         try:
             cfg.validate(world_size=b.collective.world_size(), dtypes=b.capabilities.dtypes)
         except ConfigError:

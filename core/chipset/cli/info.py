@@ -52,11 +52,12 @@ def run(args) -> int:
     for d in info["devices"]:
         flops = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in d["peak_flops"].items())
         est = " (estimate)" if d["estimated"] else ""
-        print(f"  [{d['index']}] {d['name']}: {_gib(d['total_memory'])}, {flops}, "
-              f"HBM {d['memory_bandwidth'] / 1e9:g} GB/s{est}")
+        parts = [_gib(d["total_memory"]), flops or "peak FLOP/s unknown",
+                 f"memory {d['memory_bandwidth'] / 1e9:g} GB/s" if d["memory_bandwidth"] else "memory bandwidth unknown"]
+        print(f"  [{d['index']}] {d['name']}: {', '.join(parts)}{est}")
     caps = info["capabilities"]
     print(f"dtypes: {', '.join(caps['dtypes'])}")
-    print(f"amp dtypes: {', '.join(caps['amp_dtypes']) or '-'}")
+    print(f"amp dtypes: {', '.join(caps['amp_dtypes']) or '-'}; train.dtype = \"auto\" trains in {caps['default_dtype']}")
     print(f"collectives: {', '.join(caps['collectives'])}")
     print(f"streams: {caps['streams']}, event timing: {caps['event_timing']}, graph capture: {caps['graph_capture']}")
     own = caps["kernels"]

@@ -129,6 +129,8 @@ def _train_settings(args) -> tuple[int, str]:
         if value is not None and mine is not None and not same:
             print(f"chipset plan: {flag} {value} replaces train.{key} = {mine!r} of {args.model}", file=sys.stderr)
         out.append(value if value is not None else mine if mine is not None else default)
+    if out[1] == "auto":  # train.dtype = "auto": the accelerators planned for train in their default, bf16
+        out[1] = DEFAULT_DTYPE
     return out[0], out[1]
 
 

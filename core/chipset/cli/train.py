@@ -87,7 +87,8 @@ def run(args) -> int:
     parse_overrides(args.overrides)  # malformed --set items fail before the backend is loaded
     # Resolve the backend once, here; every rank gets its name.
     b = backend()
-    cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes)
+    cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes,
+                         default_dtype=b.capabilities.default_dtype)
     family = _check_family(cfg)  # an unknown family or a layout it does not support: exit 2 now
     if args.project is not None:  # an unknown profile: exit 2 before anything is written
         from chipset.planner.projection import resolve_profile

@@ -30,6 +30,10 @@ class Capabilities:
     """Dtype names tensors may have on the device."""
     amp_dtypes: tuple[str, ...] = ()
     """Dtype names usable as autocast compute dtypes."""
+    default_dtype: str = "float32"
+    """The compute dtype ``train.dtype = "auto"`` picks: the one this device trains fastest in
+    (bfloat16 on GPUs and NPUs with bf16 units; float32 on CPUs, where bf16 matmuls are emulated
+    and about 6x slower). One of ``dtypes``."""
     collectives: tuple[str, ...] = ALL_COLLECTIVES
     """Collective ops (names from ALL_COLLECTIVES) that work."""
     collective_dtypes: tuple[str, ...] = ("float32",)

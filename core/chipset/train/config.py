@@ -123,7 +123,7 @@ class TrainConfig:
     seed: int = 1234
     """Seed of parameter initialisation and data."""
     dtype: str = "float32"
-    """Compute dtype: float32, bfloat16 or float16 (master weights stay float32)."""
+    """Compute dtype: float32, bfloat16 or float16 (master weights stay float32); auto = the backend's default compute dtype (bfloat16 on cuda and ascend devices with bf16, float32 on the CPU backends, where bf16 is about 6x slower): `chipset info` shows it."""
     loss_scale: float = 0.0
     """float16 only: 0 = dynamic loss scaling, > 0 = this fixed scale."""
     initial_loss_scale: float = 2.0**16
@@ -364,14 +364,28 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def resolve_config(path: str | Path | None, overrides: list[str] | None, *, world_size: int,
-                   dtypes: tuple[str, ...] | None = None) -> RunConfig:
-    """:func:`load_config` plus :meth:`RunConfig.validate`, reporting every problem of both at once."""
+                   dtypes: tuple[str, ...] | None = None, default_dtype: str | None = None) -> RunConfig:
+    """:func:`load_config` plus :meth:`RunConfig.validate`, reporting every problem of both at once.
+
+    ``default_dtype``: what ``train.dtype = "auto"`` becomes (the backend's
+    ``Capabilities.default_dtype``); None leaves it for :func:`resolve_dtype`."""
     cfg, problems = _load(path, overrides)
+    if default_dtype is not None:
+        resolve_dtype(cfg, default_dtype)
     problems += validate(cfg, world_size, dtypes)
     if problems:
         raise ConfigError(_format(problems, _where(path, overrides)))
     for warning in _tokenizer_warnings(cfg):  # here, once per launch: the ranks validate without it
         log.warning(warning)
+    return cfg
+
+
+def resolve_dtype(cfg: RunConfig, default_dtype: str) -> RunConfig:
+    """``train.dtype = "auto"`` becomes ``default_dtype`` (a backend's ``Capabilities.default_dtype``;
+    the planner passes bfloat16, the dtype of the accelerators it plans for). Done once, where the
+    backend is chosen, so the run directory's config.toml and every rank hold the dtype used."""
+    if cfg.train.dtype == "auto":
+        cfg.train.dtype = default_dtype
     return cfg
 
 
@@ -480,9 +494,9 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         from chipset.runtime.pipeline import pipeline_problems
 
         problems += pipeline_problems(cfg, units=family_pipeline_units(family, cfg))
-    if tr.dtype not in DTYPES:
-        problems.append(f"train.dtype = {tr.dtype!r}: expected one of {', '.join(DTYPES)}")
-    elif dtypes is not None and tr.dtype not in dtypes:
+    if tr.dtype not in DTYPES and tr.dtype != "auto":
+        problems.append(f"train.dtype = {tr.dtype!r}: expected auto or one of {', '.join(DTYPES)}")
+    elif dtypes is not None and tr.dtype != "auto" and tr.dtype not in dtypes:
         problems.append(
             f"train.dtype = {tr.dtype!r}: the backend does not support it (supported: {', '.join(dtypes)}); choose another dtype"
         )

@@ -28,7 +28,7 @@ __all__ = ["run_rank", "main"]
 
 def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int:
     from chipset.train import signals
-    from chipset.train.config import load_config
+    from chipset.train.config import load_config, resolve_dtype
     from chipset.train.elastic import fit_world
     from chipset.train.loop import train
     from chipset.train.rank import start, stop
@@ -44,6 +44,7 @@ def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int
     try:
         # An elastic job re-formed on fewer nodes: same global batch, more micro-batches.
         change = fit_world(cfg, b.collective.world_size())
+        resolve_dtype(cfg, b.capabilities.default_dtype)  # a config written by hand with "auto"
         cfg.validate(world_size=b.collective.world_size(), dtypes=b.capabilities.dtypes)
         try:
             train(cfg, b, run_dir, resume=resume, elastic=change)

@@ -96,6 +96,7 @@ def chipset_capabilities(device):
     return Capabilities(
         dtypes=("float32", *half, "int8", "int32", "int64", "uint8", "bool"),
         amp_dtypes=tuple(reversed(half)),
+        default_dtype="bfloat16" if bf16 else "float32",  # fp16 needs loss scaling: never picked silently
         collective_dtypes=("float32", *half, "int8", "int32", "int64"),
         streams=True,
         event_timing=True,

@@ -51,6 +51,7 @@ def capabilities_for(compute_capability: tuple[int, int]) -> Capabilities:
     return Capabilities(
         dtypes=dtypes,
         amp_dtypes=("bfloat16", "float16") if bf16 else ("float16",),
+        default_dtype="bfloat16" if bf16 else "float32",  # fp16 needs loss scaling: never picked silently
         collectives=ALL_COLLECTIVES,
         collective_dtypes=tuple(d for d in _NCCL_DTYPES if d != "bfloat16" or bf16),
         streams=True,
