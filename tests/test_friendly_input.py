@@ -50,3 +50,24 @@ def test_dtype_auto_is_the_backends_default_and_the_run_records_the_dtype_used(t
     assert rc == 0
     written = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
     assert written["train"]["dtype"] == default
+
+
+def test_start_banner_counts_the_whole_model_and_what_rank_0_holds():
+    """ZeRO-3 printed the whole model, tp/pp rank 0's share, both as "params": now both numbers."""
+    from types import SimpleNamespace
+
+    from chipset.models.family import meta_model
+    from chipset.models.registry import resolve_family
+    from chipset.parallel.dims import ParallelDims
+    from chipset.train.loop import param_line
+
+    cfg = load_config(None, ["model.num_hidden_layers=2", "model.hidden_size=32", "model.num_attention_heads=2"])
+    model = meta_model(resolve_family("transformer"), cfg)
+    total = sum(p.numel() for p in model.parameters())
+    engine = SimpleNamespace(model=model)
+    assert param_line(cfg, engine, ParallelDims(dp=1, world_size=1)) == f"{total:,} params"
+    zero3 = ParallelDims(dp=2, zero=3, world_size=2)
+    assert param_line(cfg, engine, zero3) == f"{total:,} params ({-(-total // 2):,} on rank 0)"
+    stage = SimpleNamespace(model=model.layers[0])  # a pipeline stage's share
+    held = sum(p.numel() for p in model.layers[0].parameters())
+    assert param_line(cfg, stage, ParallelDims(dp=1, pp=2, world_size=2)) == f"{total:,} params ({held:,} on rank 0)"

@@ -15,7 +15,7 @@ import pytest
 import testenv
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import ring_bytes
-from chipset.planner.projection import format_mfu, project, resolve_profile
+from chipset.planner.projection import format_mfu, format_projection, project, resolve_profile
 from chipset.planner.run import from_run_config
 from chipset.planner.time import evaluate
 from chipset.train.config import load_config
@@ -66,6 +66,8 @@ def test_projection_is_reported_and_written_to_the_summary(run):
     assert len(line) == 1, out
     assert "measured here on cpu_sim" in line[0] and f"MFU {format_mfu(p['mfu'])}" in line[0]
     assert "MFU 0.0%" not in line[0]  # a tiny model's MFU keeps its digits
+    assert "; measured here on cpu: 0.1 s/step" in format_projection(p, 0.1, 100.0, backend="cpu"), \
+        "the line names the backend the run was measured on, not always cpu_sim"
     assert p["compute_s"] > 0 and p["comm_s"] > 0
     assert p["step_time_s"] >= p["compute_s"] + p["optimizer_s"] + p["host_s"]
     # issue 20: this model's kernels run for microseconds; the step still pays each launch and the host

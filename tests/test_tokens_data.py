@@ -172,7 +172,7 @@ def test_resume_at_another_dp_size_sees_the_same_tokens(prepared, tmp_path):
     assert abs(resumed[3] - full[2]) > 1e-3, "different steps see different tokens"
 
 
-def test_eval_reports_loss_and_perplexity_on_held_out_windows(prepared, tmp_path):
+def test_eval_reports_loss_and_perplexity_on_held_out_windows(prepared, tmp_path, capsys):
     _, _, out = prepared
     run_dir = tmp_path / "run"
     assert main(["train", "--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab_size=128",
@@ -185,7 +185,10 @@ def test_eval_reports_loss_and_perplexity_on_held_out_windows(prepared, tmp_path
     for r in evals.values():
         assert r["eval_ppl"] == pytest.approx(np.exp(r["eval_loss"]))
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["eval_loss"] == evals[5]["eval_loss"]
+    assert summary["eval_loss"] == evals[5]["eval_loss"] and summary["eval_step"] == 5
+    table = capsys.readouterr().out
+    assert f"eval loss (step 5)     {summary['eval_loss']:.4f}" in table, "the end table shows the last eval loss"
+    assert summary["wall_time_s"] > 0 and "total time" in table
     train_part = TokenFiles(str(out), 16, 4, holdout=0.2)
     eval_part = TokenFiles(str(out), 16, 4, holdout=0.2, part="eval")
     assert train_part.windows + eval_part.windows == (train_part.store.total - 1) // 16

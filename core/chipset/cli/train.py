@@ -229,7 +229,8 @@ def _project(profile: str, cfg, world: int, run_dir: Path) -> int:
     from chipset.train.rundir import atomic_write_text, strict_dumps
 
     atomic_write_text(summary_path, strict_dumps(summary, indent=2) + "\n")
-    print(format_projection(proj, last.get("step_time_s"), summary.get("tokens_per_s")), flush=True)
+    print(format_projection(proj, last.get("step_time_s"), summary.get("tokens_per_s"),
+                            backend=summary.get("backend", "?")), flush=True)
     return 0
 
 

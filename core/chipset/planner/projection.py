@@ -1,4 +1,4 @@
-"""A run measured on cpu_sim, projected onto a named device profile (``chipset train --project PROFILE``).
+"""A run measured on any backend, projected onto a named device profile (``chipset train --project PROFILE``).
 
 The simulator runs the real engine and counts, per step and rank, the calls and bytes of every
 collective type (``metrics.jsonl``'s ``comm``). The projection puts the same work through the
@@ -164,11 +164,12 @@ def _dp_phase(op: str, zero: int) -> str:
     return "param" if op == "all_gather" else "grad"
 
 
-def format_projection(p: dict, measured_step_s: float | None = None, measured_tokens_per_s: float | None = None) -> str:
-    """The one line ``chipset train --project`` prints."""
+def format_projection(p: dict, measured_step_s: float | None = None, measured_tokens_per_s: float | None = None,
+                      backend: str = "cpu_sim") -> str:
+    """The one line ``chipset train --project`` prints; ``backend``: the one the run was measured on."""
     here = ""
     if measured_step_s:
-        here = f"; measured here on cpu_sim: {measured_step_s:.3g} s/step, {measured_tokens_per_s:.0f} tokens/s"
+        here = f"; measured here on {backend}: {measured_step_s:.3g} s/step, {measured_tokens_per_s:.0f} tokens/s"
     return (f"chipset train: projected on {p['devices']} x {p['profile']} ({p['dtype']}): step {_ms(p['step_time_s'])} "
             f"(compute {_ms(p['compute_s'])}, communication {_ms(p['comm_s'])} of which {_ms(p['comm_exposed_s'])} "
             f"exposed, bubble {_ms(p['bubble_s'])}, optimizer {_ms(p['optimizer_s'])}, host {_ms(p['host_s'])}), "

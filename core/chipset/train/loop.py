@@ -19,7 +19,7 @@ import torch
 
 from chipset.data.datasets import SyntheticTokens, TextBytes
 from chipset.errors import ChipsetError, ConfigError
-from chipset.models.family import bind, build_for_run, family_data, layout_problems
+from chipset.models.family import bind, build_for_run, family_data, layout_problems, meta_model
 from chipset.models.registry import resolve_family
 from chipset.parallel.compile import apply_compile, check_compile, compile_backend_of
 from chipset.parallel.context import ContextParallel, apply_cp
@@ -69,6 +69,20 @@ def make_dims(cfg: RunConfig, world_size: int) -> ParallelDims:
     par = cfg.parallel
     dp = par.dp or world_size // max(1, par.tp * par.pp * par.cp)
     return ParallelDims(dp=dp, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, zero=par.zero, world_size=world_size)
+
+
+def param_line(cfg: RunConfig, engine, dims: ParallelDims) -> str:
+    """``"N params (M on rank 0)"`` for the start banner: N the whole model's parameter count
+    (its shapes on the meta device, nothing allocated), M what rank 0 holds: its tp/pp/ep share,
+    divided over dp under ZeRO-3. One number alone misled: per rank under tp/pp, the whole model
+    under ZeRO-3."""
+    local = sum(p.numel() for p in engine.model.parameters())  # this rank's tp/pp/ep share, dp-replicated
+    held = -(-local // dims.dp) if dims.zero == 3 else local
+    try:
+        total = sum(p.numel() for p in meta_model(resolve_family(cfg.model.family), cfg).parameters())
+    except Exception:  # noqa: BLE001 - a family that cannot build on the meta device: the banner says less
+        return f"{held:,} params on rank 0"
+    return f"{total:,} params" + ("" if held == total else f" ({held:,} on rank 0)")
 
 
 def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | TextBytes, ParallelDims]:
@@ -188,6 +202,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     rank = col.rank()
     if elastic is not None and rank == 0:
         print(elastic.line(), file=out, flush=True)
+    began = time.perf_counter()
     engine, data, dims = build(cfg, backend)
     tr, par = cfg.train, cfg.parallel
     device = engine.device
@@ -213,7 +228,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     if rank == 0:
         print(f"chipset train: backend {backend.name}, world {dims.world_size}, layout "
               + " ".join(f"{k}={v}" for k, v in dims.layout().items())
-              + f", {sum(p.numel() for p in engine.model.parameters())} params, dtype {tr.dtype}, "
+              + f", {param_line(cfg, engine, dims)}, dtype {tr.dtype}, "
               f"recompute {tr.recompute}", file=out, flush=True)
     overall_peak = 0
     times = []
@@ -239,9 +254,10 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "peak_memory_bytes": peak}
             rec = obs.end_step(rec)  # every rank's time, memory and communication, gathered
             if evaluator is not None and evaluator.due(step + 1):
-                last_eval = evaluator.run()
-                rec.update(last_eval)
-                progress.eval(step + 1, last_eval)
+                evaluated = evaluator.run()
+                rec.update(evaluated)
+                progress.eval(step + 1, evaluated)
+                last_eval = {**evaluated, "eval_step": step + 1}
             res.losses.append(loss)
             res.metrics.append(rec)
             if metrics_file is not None:
@@ -282,6 +298,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         "skipped_steps": engine.scaler.skipped_steps,
         "loss_scale": engine.scaler.state_dict(),
         "params_digest": digest,
+        "wall_time_s": round(time.perf_counter() - began, 3),  # build, steps, evaluation and checkpoints
         **obs.summary(),
         **(last_eval or {}),
         **(ckpt.summary() if ckpt is not None else {}),
@@ -352,6 +369,14 @@ def _write_summary(path: Path, summary: dict) -> None:
     atomic_write_text(path, json.dumps(clean, indent=2, allow_nan=False) + "\n")
 
 
+def _fmt_seconds(s: float) -> str:
+    """``12.3 s``, ``4 min 05 s``, ``2 h 03 min``."""
+    if s < 60:
+        return f"{s:.1f} s"
+    m, sec = divmod(int(round(s)), 60)
+    return f"{m} min {sec:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
+
+
 def _print_table(summary: dict, res: TrainResult, out) -> None:
     def fmt(x) -> str:
         return f"{x:.4f}" if isinstance(x, (int, float)) else "-"
@@ -365,7 +390,9 @@ def _print_table(summary: dict, res: TrainResult, out) -> None:
         ("layout", " ".join(f"{k}={v}" for k, v in summary["layout"].items())),
         ("dtype / recompute", f"{summary['dtype']} / {summary['recompute']}"),
         ("peak memory per rank", ", ".join(_fmt_bytes(x) for x in summary["peak_memory_bytes"])),
+        *([(f"eval loss (step {summary['eval_step']})", fmt(summary["eval_loss"]))] if "eval_loss" in summary else []),
         ("skipped steps", str(summary["skipped_steps"])),
+        ("total time", _fmt_seconds(summary["wall_time_s"])),
         ("params digest", summary["params_digest"][:16] + "..."),
     ]
     w = max(len(k) for k, _ in rows)
