@@ -245,3 +245,20 @@ def test_parquet_and_text_inputs(tmp_path):
     assert meta["documents"] == 30
     expected = sum(len(tok.encode(t, add_special_tokens=False).ids) + 1 for t in texts)
     assert meta["tokens"] == expected
+
+
+def test_an_eval_split_smaller_than_the_requested_batches_is_flagged(prepared, tmp_path, caplog):
+    """eval_steps x global_batch beyond the held-out windows: windows repeat; the run says so."""
+    _, _, out = prepared
+    held = TokenFiles(str(out), 16, 4, holdout=0.2, part="eval").windows
+    sets = ["data.source=tokens", f"data.path={out}", "model.vocab_size=128", "data.eval_fraction=0.2",
+            "train.eval_every=1", "train.steps=1", "train.seq_len=16", "train.global_batch=4"]
+    enough = held // 4
+    with caplog.at_level("WARNING", logger="chipset.train.evaluate"):
+        argv = ["train", *[x for s in [*sets, f"train.eval_steps={enough}"] for x in ("--set", s)]]
+        assert main([*argv, "--run-dir", str(tmp_path / "fits")]) == 0
+        assert "windows repeat" not in caplog.text
+        argv = ["train", *[x for s in [*sets, f"train.eval_steps={enough + 1}"] for x in ("--set", s)]]
+        assert main([*argv, "--run-dir", str(tmp_path / "short")]) == 0
+    assert f"= {(enough + 1) * 4} sequences, but the held-out data has {held} window(s)" in caplog.text
+    assert f"set train.eval_steps = {enough}" in caplog.text

@@ -141,7 +141,7 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate on held-out data every N steps and after the last step (0 = never); see data.eval_path / data.eval_fraction."""
     eval_steps: int = 10
-    """Batches of train.global_batch sequences per evaluation."""
+    """Batches of train.global_batch sequences per evaluation. More sequences than the held-out data has windows: the windows repeat and the run starts with a warning naming the eval_steps that fits."""
     log_every: int = 1
     """Print a progress line every N steps on rank 0."""
     checkpoint_every: int = 500

@@ -11,11 +11,29 @@ evaluations of one run are comparable.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from chipset.runtime.precision import compute_input
+
+log = logging.getLogger(__name__)
+
+
+def eval_shortfall(cfg, data) -> str | None:
+    """A warning when one evaluation asks for more sequences (``train.eval_steps`` x
+    ``train.global_batch``) than the held-out data has windows: the windows repeat, so the eval
+    loss weighs some of them twice and is no better an estimate than ``windows`` alone."""
+    windows = getattr(data, "windows", None)  # a held-out token part; synthetic data has no end
+    want = cfg.train.eval_steps * cfg.train.global_batch
+    if windows is None or windows >= want:
+        return None
+    fits = max(1, windows // cfg.train.global_batch)
+    return (f"evaluation: train.eval_steps ({cfg.train.eval_steps}) x train.global_batch ({cfg.train.global_batch}) "
+            f"= {want} sequences, but the held-out data has {windows} window(s) of train.seq_len + 1 tokens, so "
+            f"windows repeat within one evaluation; set train.eval_steps = {fits} or hold out more "
+            "(data.eval_fraction, data.eval_path)")
 
 
 class Evaluator:
@@ -26,6 +44,8 @@ class Evaluator:
         self.every, self.steps = cfg.train.eval_every, cfg.train.eval_steps
         self.data = make_eval_dataset(cfg)
         self.dp_rank, self.dp = dims.coords(rank)["dp"], dims.dp
+        if rank == 0 and (short := eval_shortfall(cfg, self.data)):
+            log.warning(short)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.cfg.train.steps
