@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from chipset.models.family import ModelFamily
+from chipset.models.family import ModelFamily, classifier_metrics
 
 
 class MLP(nn.Module):
@@ -37,8 +37,8 @@ class MLP(nn.Module):
 class Gaussians:
     """Synthetic classification data: sample ``i`` is the same on every layout."""
 
-    def __init__(self, features: int, classes: int, global_batch: int, seed: int):
-        self.features, self.global_batch, self.seed = features, global_batch, seed
+    def __init__(self, features: int, classes: int, global_batch: int, seed: int, offset: int = 0):
+        self.features, self.global_batch, self.seed, self.offset = features, global_batch, seed, offset
         self.teacher = torch.randn(classes, features, generator=torch.Generator().manual_seed(seed))
 
     def sample(self, i: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ class Gaussians:
     def batch(self, step, dp_rank=0, dp=1, micro=0, micro_batches=1, device=None):
         per_rank = self.global_batch // dp
         mb = per_rank // micro_batches
-        first = step * self.global_batch + dp_rank * per_rank + micro * mb
+        first = self.offset + step * self.global_batch + dp_rank * per_rank + micro * mb
         x = torch.stack([self.sample(first + j) for j in range(mb)])
         y = (x @ self.teacher.T).argmax(dim=-1)
         return (x.to(device), y.to(device)) if device is not None else (x, y)
@@ -67,6 +67,12 @@ class MLPFamily(ModelFamily):
 
     def data(self, cfg):
         return Gaussians(self.features, self.classes, cfg.train.global_batch, cfg.data.seed)
+
+    def eval_data(self, cfg):  # train.eval_every: samples no training step draws
+        return Gaussians(self.features, self.classes, cfg.train.global_batch, cfg.data.seed, offset=1 << 30)
+
+    def eval_metrics(self, model, inputs, targets):  # eval_loss and eval_accuracy
+        return classifier_metrics(self, model, inputs, targets)
 
     def flops_per_sample(self, cfg) -> float:
         per_block = 2 * 2 * self.features * self.hidden

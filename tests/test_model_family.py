@@ -135,6 +135,7 @@ def test_custom_family_two_ranks_match_one_process(request, runs, layout):
     (2, ("parallel.pp=2",), "does not support pp"),
     (3, ("parallel.tp=3",), "fc1 (colwise) has out_features = 32, not divisible by parallel.tp = 3"),
     (1, ("train.recompute=\"selective\"",), "model family 'tiny-cnn' supports full, none; use one of those"),
+    (1, ("train.eval_every=2",), "model family 'tiny-cnn' has its own data() but no eval_data(cfg)"),
 ])
 def test_unsupported_layout_refused_before_launch(tmp_path, nproc, sets, expected):
     """Refused in the launcher (exit 2), before any rank starts or the run directory exists."""
@@ -197,4 +198,8 @@ def test_custom_model_example_trains(runs):
     """examples/custom-model.toml on two ranks (started beside the layouts above: the runs fixture)."""
     r, run = runs["example"]
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["throughput_unit"] == "samples"
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0 <= last["eval_accuracy"] <= 1 and last["eval_loss"] > 0, "eval_data/eval_metrics of the example"
+    assert "eval_ppl" not in last and "samples/s" in r.stdout

@@ -307,3 +307,36 @@ def test_image_folder_problems_are_refused_before_launch(tmp_path):
     (folder / "green" / "broken.png").write_bytes(b"not a png")
     r = _train(tmp_path / "run", 1, 'data.source="images"', f'data.path="{folder}"', "model.vocab_size=3")
     assert r.returncode == 2 and "broken.png is not a readable image" in r.stderr, r.stderr[-2000:]
+
+
+def test_evaluation_reports_loss_and_accuracy_on_held_out_images(tmp_path):
+    """A classifier family evaluates (train.eval_every): eval_loss and eval_accuracy of the final
+    model on held-out samples no step trained on, equal to computing them by hand; samples/s."""
+    from chipset import api
+    from chipset.models.family import bind
+    from chipset.models.resnet import ResNet
+    from chipset.train import train
+
+    cfg = _cfg("train.steps=4", "train.eval_every=4", "train.eval_steps=2", "train.global_batch=8")
+    b = api.init(cfg)
+    try:
+        res = train(cfg, b, tmp_path / "run", keep_params=True)
+    finally:
+        api.shutdown(b)
+    last = res.metrics[-1]
+    assert "eval_ppl" not in last and res.summary["throughput_unit"] == "samples"
+    fam = ResNetFamily()
+    model = bind(fam, ResNet(cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.vocab_size), cfg)
+    model.load_state_dict(res.params)
+    model.eval()
+    held = fam.eval_data(cfg)
+    train_x, _ = fam.data(cfg).batch(0)
+    x0, _ = held.batch(0)
+    assert not any(torch.equal(a, t) for a in x0 for t in train_x), "held-out samples are not training samples"
+    with torch.no_grad():
+        batches = [held.batch(i) for i in range(2)]
+        right = sum(int((model(x).argmax(-1) == y).sum()) for x, y in batches)
+        loss = sum(float(torch.nn.functional.cross_entropy(model(x), y)) for x, y in batches) / 2
+    assert last["eval_accuracy"] == right / 16
+    # fp32 cross-entropy of 8 samples, averaged twice: a few ulps of a number near 1
+    assert last["eval_loss"] == pytest.approx(loss, rel=64 * torch.finfo(torch.float32).eps)

@@ -29,6 +29,13 @@ __all__ = ["SyntheticTokens", "TextBytes", "TokenFiles", "make_dataset", "make_e
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
 
+HELD_OUT_OFFSET = 1 << 30
+"""First sample index of synthetic held-out data. torch's CPU generator keeps the low 32 bits of
+a seed (``manual_seed(2**40)`` draws what ``manual_seed(0)`` draws), so the offset stays below
+2**32: held-out sample ``i`` is training sample ``2**30 + i``, which no run of fewer than 2**30
+samples reaches."""
+
+
 class SyntheticTokens:
     """A seeded token stream; ``batch(step, dp_rank, dp, micro, micro_batches)`` -> (tokens, targets)."""
 
@@ -247,4 +254,4 @@ def make_eval_dataset(cfg) -> SyntheticTokens | TokenFiles:
             return _blend(cfg, holdout=da.eval_fraction, part="eval")
         return TokenFiles(_token_path(cfg), tr.seq_len, tr.global_batch, seed=da.seed,
                           vocab_size=cfg.model.vocab_size, holdout=da.eval_fraction, part="eval", eos_id=da.eos_id)
-    return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed, offset=1 << 40)
+    return SyntheticTokens(cfg.model.vocab_size, tr.seq_len, tr.global_batch, seed=da.seed, offset=HELD_OUT_OFFSET)

@@ -152,8 +152,34 @@ class ModelFamily:
 
         return make_dataset(cfg)
 
-    evaluates: bool = False
-    """Whether ``train.eval_every`` can evaluate this family (its ``loss`` takes ``aux=False``)."""
+    def eval_data(self, cfg):
+        """Held-out data for ``train.eval_every``, with the interface of :meth:`data`; batch ``i``
+        must be the same at every evaluation. Default: the held-out part of the token data
+        (``data.eval_path`` / ``data.eval_fraction``) when the family trains on the default
+        token data; a family with its own :meth:`data` overrides this to evaluate."""
+        from chipset.data.datasets import make_eval_dataset
+
+        return make_eval_dataset(cfg)
+
+    def eval_metrics(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Scalar tensors of one held-out batch, averaged over the evaluation's batches and the dp
+        ranks and logged as ``eval_<name>``; ``loss`` is required. Default: the training loss; a
+        classifier adds ``accuracy`` (:func:`classifier_metrics`)."""
+        return {"loss": self.loss(model, inputs, targets)}
+
+    def throughput(self, cfg) -> tuple[str, int]:
+        """``(unit, per sample)`` of the throughput the console and metrics report: ``("tokens",
+        train.seq_len)`` for token sequences (the default), ``("samples", 1)`` for a family whose
+        sample is not a sequence (images), so its rate is not a meaningless tokens/s. Default:
+        tokens for the default token data, samples for a family with its own :meth:`data`."""
+        return ("tokens", cfg.train.seq_len) if type(self).data is ModelFamily.data else ("samples", 1)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether ``train.eval_every`` can evaluate this family: it has held-out data, its own
+        :meth:`eval_data` or the default one of the default token data."""
+        cls = type(self)
+        return cls.eval_data is not ModelFamily.eval_data or cls.data is ModelFamily.data
 
     described_by_planner: bool = False
     """Whether the planner's decoder spec (planner/model.py, read from ``cfg.model``) describes this
@@ -192,6 +218,14 @@ class ModelFamily:
         with torch.device("meta"):
             model = self.build(cfg)
         return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+def classifier_metrics(family: ModelFamily, model: nn.Module, inputs: torch.Tensor,
+                       targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Loss and top-1 accuracy of a model whose output is class logits ``(batch, classes)``."""
+    logits = model(inputs)
+    loss = model_output_loss(family, model)(logits, targets)
+    return {"loss": loss, "accuracy": (logits.argmax(-1) == targets).float().mean()}
 
 
 def recompute_block(block: nn.Module) -> None:
@@ -319,8 +353,8 @@ def _layout_checks(family, cfg) -> list[str]:
         problems.append(f"train.recompute = {cfg.train.recompute!r}: model family {family.name!r} supports "
                         f"{', '.join(sorted(modes))}; use one of those")
     if cfg.train.eval_every and not getattr(family, "evaluates", False):
-        problems.append(f"train.eval_every = {cfg.train.eval_every}: evaluation runs only for the built-in "
-                        "transformer family yet; use 0")
+        problems.append(f"train.eval_every = {cfg.train.eval_every}: model family {family.name!r} has its own data() "
+                        "but no eval_data(cfg) for held-out data; define eval_data (docs/models.md) or use 0")
     if not problems and "tp" in family.layouts and cfg.parallel.tp > 1:
         problems += plan_problems(family, cfg)
     if not problems and "pp" in family.layouts and cfg.parallel.pp > 1:
@@ -402,7 +436,6 @@ class TransformerFamily(ModelFamily):
 
     name = "transformer"
     layouts = frozenset(LAYOUTS)
-    evaluates = True
     described_by_planner = True
 
     def pipeline_unit_count(self, cfg) -> int:
@@ -477,6 +510,10 @@ class TransformerFamily(ModelFamily):
     def loss(self, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, aux: bool = True) -> torch.Tensor:
         """The decoder's own loss; ``aux = False`` (evaluation) leaves out the MoE balancing loss."""
         return type(model).loss(model, tokens, targets, aux)
+
+    def eval_metrics(self, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The language-model cross-entropy alone (no MoE balancing term), so exp(loss) is the perplexity."""
+        return {"loss": self.loss(model, tokens, targets, aux=False)}
 
     def unit_shapes(self, cfg, inputs: torch.Tensor) -> list[torch.Size]:
         """Hidden states ``(batch, seq, hidden)`` out of the embedding and every block, logits out

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chipset.data.datasets import HELD_OUT_OFFSET
 from chipset.errors import ConfigError
-from chipset.models.family import ModelFamily
+from chipset.models.family import ModelFamily, classifier_metrics
 
 __all__ = ["ImageFolder", "ResNet", "ResNetFamily", "SyntheticImages", "family", "forward_flops", "tiny"]
 
@@ -109,8 +110,9 @@ class SyntheticImages:
     """
 
     def __init__(self, classes: int, global_batch: int, seed: int = 0, size: int = IMAGE_SIZE,
-                 channels: int = CHANNELS, noise: float = 0.5):
+                 channels: int = CHANNELS, noise: float = 0.5, offset: int = 0):
         self.classes, self.global_batch, self.seed, self.noise = classes, global_batch, seed, noise
+        self.offset = offset  # first sample index: held-out samples start far beyond any training step
         self.shape = (channels, size, size)
         gen = torch.Generator().manual_seed(seed)
         self.prototypes = torch.randn(classes, *self.shape, generator=gen)
@@ -124,7 +126,7 @@ class SyntheticImages:
               device=None) -> tuple[torch.Tensor, torch.Tensor]:
         per_rank = self.global_batch // dp
         mb = per_rank // micro_batches
-        first = step * self.global_batch + dp_rank * per_rank + micro * mb
+        first = self.offset + step * self.global_batch + dp_rank * per_rank + micro * mb
         pairs = [self.sample(first + j) for j in range(mb)]
         x = torch.stack([p[0] for p in pairs])
         y = torch.tensor([p[1] for p in pairs], dtype=torch.long)
@@ -244,6 +246,12 @@ class ResNetFamily(ModelFamily):
                 problems.append(f"model.vocab_size ({cfg.model.vocab_size}) is the number of classes, and "
                                 f"data.path has {len(classes)} class folders ({', '.join(classes[:8])}"
                                 f"{', ...' if len(classes) > 8 else ''}); set model.vocab_size = {len(classes)}")
+            if not problems and da.eval_path:
+                held, _, bad = image_folder_classes(da.eval_path)
+                problems += [b.replace("data.path", "data.eval_path") for b in bad]
+                if not bad and held != classes:
+                    problems.append(f"data.eval_path has class folders {', '.join(held[:8])}, data.path "
+                                    f"{', '.join(classes[:8])}: held-out images need the same classes (folder names)")
             return problems
         if da.source != "synthetic":
             return [f"data.source = {da.source!r}: model family 'resnet' trains on images, synthetic or from "
@@ -254,6 +262,16 @@ class ResNetFamily(ModelFamily):
         if cfg.data.source == "images":
             return ImageFolder(cfg.data.path, cfg.train.global_batch, cfg.data.seed)
         return SyntheticImages(cfg.model.vocab_size, cfg.train.global_batch, cfg.data.seed)
+
+    def eval_data(self, cfg) -> SyntheticImages | ImageFolder:
+        """Held-out images: ``data.eval_path`` (class sub-folders, as data.path), or synthetic
+        samples of the same classes that no training step draws."""
+        if cfg.data.source == "images":
+            return ImageFolder(cfg.data.eval_path, cfg.train.global_batch, cfg.data.seed)
+        return SyntheticImages(cfg.model.vocab_size, cfg.train.global_batch, cfg.data.seed, offset=HELD_OUT_OFFSET)
+
+    def eval_metrics(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        return classifier_metrics(self, model, inputs, targets)
 
     def flops_per_sample(self, cfg) -> float:
         """Forward + backward: the backward computes the gradients of the activations and of

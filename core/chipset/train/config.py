@@ -581,8 +581,9 @@ def _eval_problems(cfg: RunConfig) -> list[str]:
                         "(0 = never) and eval_steps >= 1")
     if not (isinstance(da.eval_fraction, float | int) and 0 <= da.eval_fraction <= 0.5):
         problems.append(f"data.eval_fraction = {da.eval_fraction!r}: expected a fraction in [0, 0.5]")
-    if da.eval_path and da.source != "tokens":
-        problems.append(f"data.eval_path is set but data.source = {da.source!r}; eval_path needs data.source = 'tokens'")
+    if da.eval_path and da.source not in ("tokens", "images"):
+        problems.append(f"data.eval_path is set but data.source = {da.source!r}; eval_path needs data.source = "
+                        "'tokens' (a prepared folder) or 'images' (a folder of class sub-folders)")
     if da.eval_fraction and da.eval_path:
         problems.append("data.eval_fraction and data.eval_path are both set; choose one source of held-out data")
     if tr.eval_every > 0:
@@ -591,6 +592,8 @@ def _eval_problems(cfg: RunConfig) -> list[str]:
                             "prepare the text with `chipset data prepare` and use data.source = 'tokens'")
         elif da.source in ("tokens", "hf") and not (da.eval_path or da.eval_fraction):
             problems.append("train.eval_every needs held-out data: set data.eval_path or data.eval_fraction (e.g. 0.05)")
+        elif da.source == "images" and not da.eval_path:
+            problems.append("train.eval_every needs held-out data: set data.eval_path to a folder of class sub-folders")
         if par.pp > 1:
             problems.append("train.eval_every with parallel.pp > 1 is not supported yet (the pipeline schedules "
                             "always run backward); evaluate with the same model on a layout without pp")

@@ -36,7 +36,7 @@ from chipset.runtime.precision import DTYPE_BY_NAME, LossScaler
 from chipset.runtime.trace import trace_range
 from chipset.train import lr as lr_schedule
 from chipset.train.config import RunConfig
-from chipset.train.evaluate import Evaluator
+from chipset.train.evaluate import Evaluator, family_unit
 from chipset.train.metrics import StepMetrics
 from chipset.train.progress import Progress, fmt_bytes
 from chipset.train.rundir import (
@@ -223,7 +223,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     if run_dir is not None and rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")
-    tokens_per_step = tr.global_batch * tr.seq_len
+    tokens_per_step = tr.global_batch * tr.seq_len  # metrics' tokens_per_s: samples x seq_len for every family
     res = TrainResult()
     if rank == 0:
         print(f"chipset train: backend {backend.name}, world {dims.world_size}, layout "
@@ -234,7 +234,8 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     times = []
     obs = StepMetrics(cfg, backend, dims, device=device, run_dir=run_dir, rank=rank, out=out)
     progress = Progress(cfg, out, start_step=start, enabled=rank == 0)
-    evaluator = Evaluator(cfg, engine, dims, col, rank) if tr.eval_every else None
+    family = resolve_family(cfg.model.family)
+    evaluator = Evaluator(cfg, engine, dims, col, rank, family) if tr.eval_every else None
     last_eval = None
     try:
         for step in range(start, tr.steps):
@@ -288,6 +289,8 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         "final_loss": res.losses[-1] if res.losses else _last_logged_loss(run_dir),
         "steps": tr.steps,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
+        "samples_per_s": tr.global_batch * len(steady) / sum(steady) if steady else 0.0,
+        "throughput_unit": family_unit(family, cfg),
         "world_size": dims.world_size,
         "layout": dims.layout(),
         "dtype": tr.dtype,
@@ -385,12 +388,14 @@ def _print_table(summary: dict, res: TrainResult, out) -> None:
     rows = [
         ("steps", str(summary["steps"])),
         ("loss (first -> final)", f"{fmt(first)} -> {fmt(summary['final_loss'])}"),
-        ("tokens/s (steady)", f"{summary['tokens_per_s']:.0f}"),
+        (f"{summary['throughput_unit']}/s (steady)",
+         f"{summary['tokens_per_s' if summary['throughput_unit'] == 'tokens' else 'samples_per_s']:.0f}"),
         ("world size", str(summary["world_size"])),
         ("layout", " ".join(f"{k}={v}" for k, v in summary["layout"].items())),
         ("dtype / recompute", f"{summary['dtype']} / {summary['recompute']}"),
         ("peak memory per rank", ", ".join(_fmt_bytes(x) for x in summary["peak_memory_bytes"])),
         *([(f"eval loss (step {summary['eval_step']})", fmt(summary["eval_loss"]))] if "eval_loss" in summary else []),
+        *([("eval accuracy", f"{100 * summary['eval_accuracy']:.1f}%")] if "eval_accuracy" in summary else []),
         ("skipped steps", str(summary["skipped_steps"])),
         ("total time", _fmt_seconds(summary["wall_time_s"])),
         ("params digest", summary["params_digest"][:16] + "..."),

@@ -30,7 +30,11 @@ def fmt_duration(s: float) -> str:
 class Progress:
     def __init__(self, cfg, out, *, start_step: int, enabled: bool):
         self.total, self.every = cfg.train.steps, cfg.train.log_every
-        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        from chipset.models.registry import resolve_family
+        from chipset.train.evaluate import family_unit
+
+        self.unit = family_unit(resolve_family(cfg.model.family), cfg)  # tokens, or samples (images, ...)
+        self.tokens_per_step = cfg.train.global_batch * (cfg.train.seq_len if self.unit == "tokens" else 1)
         self.out, self.enabled = out, enabled
         self.t0 = time.perf_counter()
         self._times: list[float] = []
@@ -69,7 +73,7 @@ class Progress:
         tok_s = self.tokens_per_step / mean if mean > 0 else 0.0
         elapsed = time.perf_counter() - self.t0
         parts = [f"step {step:>4}/{self.total}", f"loss {rec['loss']:8.4f}",
-                 f"lr {rec['lr']:.2e}", f"grad_norm {rec['grad_norm']:8.4f}", f"{tok_s:9.0f} tok/s"]
+                 f"lr {rec['lr']:.2e}", f"grad_norm {rec['grad_norm']:8.4f}", f"{tok_s:9.0f} {'tok' if self.unit == 'tokens' else 'samples'}/s"]
         if rec.get("mfu") is not None:
             parts.append(f"mfu {100 * rec['mfu']:5.1f}%")
         parts += [f"mem {fmt_bytes(rec['peak_memory_bytes'])}", f"elapsed {fmt_duration(elapsed)}",
@@ -77,7 +81,9 @@ class Progress:
         self.line("  ".join(parts) + (" (skipped: overflow)" if skipped else ""))
 
     def eval(self, step: int, rec: dict) -> None:
-        self.line(f"eval at step {step}: loss {rec['eval_loss']:.4f}  perplexity {rec['eval_ppl']:.2f}")
+        names = {"eval_ppl": "perplexity"}
+        rest = "  ".join(f"{names.get(k, k.removeprefix('eval_'))} {v:.4f}" for k, v in rec.items() if k != "eval_loss")
+        self.line(f"eval at step {step}: loss {rec['eval_loss']:.4f}" + (f"  {rest}" if rest else ""))
 
     def close(self) -> None:
         if self._bar is not None:
