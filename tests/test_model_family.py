@@ -12,9 +12,11 @@ import json
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from torch import nn
 
@@ -30,18 +32,31 @@ ROOT = HERE.parent
 IMAGE, CLASSES, BATCH, STEPS = 8, 5, 16, 4
 
 
+@dataclass
+class TinyCNNConfig:
+    """The family's own [model] keys (ModelFamily.config_class): set with --set model.channels=..."""
+
+    channels: int = 2
+    hidden: int = 16
+    head_hidden: int = 8
+
+    def __post_init__(self):
+        if self.channels < 1:
+            raise ValueError(f"model.channels = {self.channels}: expected >= 1")
+
+
 class TinyCNN(nn.Module):
-    def __init__(self):
+    """A chain of units (conv, fc1, fc2, head) so pipeline stages can be cut from it."""
+
+    def __init__(self, own: TinyCNNConfig):
         super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.fc1 = nn.Linear(4 * IMAGE * IMAGE, 32)
-        self.fc2 = nn.Linear(32, 16)
-        self.head = nn.Linear(16, CLASSES)
+        self.conv = nn.Sequential(nn.Conv2d(3, own.channels, 3, padding=1), nn.GELU(), nn.Flatten())
+        self.fc1 = nn.Sequential(nn.Linear(own.channels * IMAGE * IMAGE, own.hidden), nn.GELU())
+        self.fc2 = nn.Sequential(nn.Linear(own.hidden, own.head_hidden), nn.GELU())
+        self.head = nn.Linear(own.head_hidden, CLASSES)
 
     def forward(self, x):
-        x = torch.nn.functional.gelu(self.conv(x)).flatten(1)
-        x = torch.nn.functional.gelu(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
-        return self.head(x)
+        return self.head(self.fc2(self.fc1(self.conv(x))))
 
 
 class Images:
@@ -63,11 +78,12 @@ class Images:
 
 class CNNFamily(ModelFamily):
     name = "tiny-cnn"
-    layouts = frozenset({"dp", "zero1", "zero2", "zero3", "tp"})
-    tp_plan = {"fc1": "colwise", "fc2": "rowwise"}
+    layouts = frozenset({"dp", "zero1", "zero2", "zero3", "tp", "pp"})
+    tp_plan = {"fc1.0": "colwise", "fc2.0": "rowwise"}
+    config_class = TinyCNNConfig
 
     def build(self, cfg):
-        return TinyCNN()
+        return TinyCNN(self.options(cfg))
 
     def units(self, model):
         return [model.conv, model.fc1, model.fc2, model.head]
@@ -90,11 +106,15 @@ DEPTH = 2 * 6 + 1
 
 def _train(run_dir: Path, nproc: int, *sets: str, family_spec: str = "test_model_family:family",
            env: dict | None = None) -> subprocess.CompletedProcess:
-    args = [f'model.family="{family_spec}"', f"train.steps={STEPS}", f"train.global_batch={BATCH}", "train.lr=0.01"]
+    args = [f'model.family="{family_spec}"', f"train.steps={STEPS}", f"train.global_batch={BATCH}", "train.lr=0.01",
+            *(OWN if family_spec == "test_model_family:family" else ())]
     return chipset_train(run_dir, nproc, [*args, *sets], env=env or family_env(str(HERE)))
 
 
-LAYOUTS = {"dp2": ("parallel.zero=0",), "zero3": ("parallel.zero=3",), "tp2": ("parallel.tp=2", "parallel.zero=0")}
+# Every run sets the family's own keys (TinyCNNConfig) from --set, the way a user would.
+OWN = ("model.channels=3", "model.hidden=12")
+LAYOUTS = {"dp2": ("parallel.zero=0",), "zero3": ("parallel.zero=3",), "tp2": ("parallel.tp=2", "parallel.zero=0"),
+           "pp2": ("parallel.pp=2", "parallel.micro_batches=2", "parallel.zero=0")}
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +148,17 @@ def test_custom_family_two_ranks_match_one_process(request, runs, layout):
     parity.assert_grad_norms_close(norms, want_norms, n=N_REDUCE, depth=DEPTH)
     assert want_losses[-1] < want_losses[0]  # it really trained
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["layout"]["tp" if "tp" in layout[0] else "dp"] == 2
+    assert summary["layout"][layout[0].split(".")[1].split("=")[0] if "zero" not in layout[0] else "dp"] == 2
+    written = tomllib.loads((run / "config.toml").read_text())["model"]
+    assert (written["channels"], written["hidden"], written["head_hidden"]) == (3, 12, 8), \
+        "the family's own keys, set (channels, hidden) and default (head_hidden), in the resolved config"
 
 
 @pytest.mark.parametrize("nproc, sets, expected", [
-    (2, ("parallel.pp=2",), "does not support pp"),
-    (3, ("parallel.tp=3",), "fc1 (colwise) has out_features = 32, not divisible by parallel.tp = 3"),
+    (2, ("parallel.ep=2",), "does not support ep"),
+    (5, ("parallel.tp=5",), "fc1.0 (colwise) has out_features = 12, not divisible by parallel.tp = 5"),
+    (1, ("model.chanels=4",), "model.chanels: unknown key (value 4) (did you mean 'channels'?)"),
+    (1, ("model.channels=0",), "model family 'tiny-cnn' refuses its keys: model.channels = 0: expected >= 1"),
     (1, ("train.recompute=\"selective\"",), "model family 'tiny-cnn' supports full, none; use one of those"),
     (1, ("train.eval_every=2",), "model family 'tiny-cnn' has its own data() but no eval_data(cfg)"),
 ])
@@ -175,7 +200,7 @@ def test_entry_point_families_listed_broken_one_isolated_good_one_trains(tmp_pat
     fams = {f["name"]: f for f in json.loads(r.stdout)["families"]}
     assert fams["transformer"]["status"] == "ok"
     assert fams["cnn"]["status"] == "ok" and fams["cnn"]["distribution"] == "chipset-cnn"
-    assert "tp" in fams["cnn"]["layouts"] and "pp" not in fams["cnn"]["layouts"]
+    assert "tp" in fams["cnn"]["layouts"] and "ep" not in fams["cnn"]["layouts"]
     assert fams["broken"]["status"] == "import-error" and "needs libfoo 2" in fams["broken"]["reason"]
     table = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models"],
                            capture_output=True, text=True, env=env, timeout=300)

@@ -46,7 +46,7 @@ def _images(tmp_path):
     ("safetensors", lambda t: [f"model.init_from={_hf_dir(t)}"],
      "model.init_from = '{t}/llama' (reading its safetensors weights) needs the 'safetensors' package, which cannot "
      "be imported here (No module named 'safetensors'); install it: pip install 'chipset[hf]' (or pip install safetensors)"),
-    ("PIL", lambda t: ["model.family=resnet", "model.vocab_size=2", "data.source=images", f"data.path={_images(t)}"],
+    ("PIL", lambda t: ["model.family=resnet", "model.num_classes=2", "data.source=images", f"data.path={_images(t)}"],
      "data.source = 'images' (decoding the images) needs the 'pillow' package, which cannot be imported here "
      "(No module named 'PIL'); install it: pip install 'chipset[images]' (or pip install pillow)"),
 ])

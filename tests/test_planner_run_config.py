@@ -25,7 +25,7 @@ def _train(run_dir, *sets: str) -> int:
     """Train one step into ``run_dir``; the number of parameters the run built."""
     r = run_cli("train", "--set", "train.steps=1", *[a for s in sets for a in ("--set", s)], "--run-dir", str(run_dir))
     assert r.returncode == 0, r.stderr
-    return int(re.search(r"(\d+) params", r.stdout).group(1))
+    return int(re.search(r"([\d,]+) params", r.stdout).group(1).replace(",", ""))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_write_config_keeps_the_run_dtype_and_batch(runs, capsys, tmp_path):
 
 
 def test_families_the_planner_cannot_describe_exit_2(tmp_path, capsys):
-    _train(tmp_path / "resnet", "model.family=resnet", "model.vocab_size=10")
+    _train(tmp_path / "resnet", "model.family=resnet", "model.num_classes=10")
     custom = tmp_path / "custom.toml"
     custom.write_text('[model]\nfamily = "my_models:factory"\nhidden_size = 64\n')
     for config, family in ((tmp_path / "resnet" / "config.toml", "resnet"), (custom, "my_models:factory")):

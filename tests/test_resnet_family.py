@@ -25,7 +25,7 @@ from testenv import SideBySide, chipset_train, family_env, selected
 HERE = Path(__file__).resolve().parent
 
 WIDTH, BLOCKS, CLASSES, BATCH, STEPS = 4, 2, 5, 8, 3
-SIZE = [f"model.hidden_size={WIDTH}", f"model.num_hidden_layers={BLOCKS}", f"model.vocab_size={CLASSES}"]
+SIZE = [f"model.hidden_size={WIDTH}", f"model.num_hidden_layers={BLOCKS}", f"model.num_classes={CLASSES}"]
 
 # Longest single reduction: a convolution weight's gradient sums over batch x image positions.
 # Longest chain, forward: stem conv and GroupNorm (2), per block conv, norm, conv, norm (4),
@@ -156,7 +156,7 @@ def runs(request, tmp_path_factory):
         jobs[key] = job(key, nproc, *sets)
     if selected(request, test_image_folder_trains_on_two_ranks_like_one_process):
         folder = root / "imgs"
-        sets = ('data.source="images"', f'data.path="{folder}"', "model.vocab_size=3")
+        sets = ('data.source="images"', f'data.path="{folder}"', "model.num_classes=3")
 
         def images():  # one process, then ZeRO-3 on two ranks, over the same folder
             _image_folder(folder)
@@ -232,6 +232,10 @@ def test_listed_as_built_in_and_counted_for_mfu(tmp_path):
     (("parallel.pp=2", "parallel.virtual_stages=4", 'parallel.schedule="interleaved_1f1b"', "parallel.micro_batches=2"),
      "pp*virtual_stages (8) exceeds the model's 4 pipeline units (stem, blocks.0, blocks.1, head)"),
     (('data.source="text"', 'data.path="corpus.txt"', "model.vocab_size=256"), "model family 'resnet' trains on images, synthetic or from a folder"),
+    # the family's own [model] keys (ResNetConfig): checked by name, type and value before launch
+    (("model.num_clases=3",), "model.num_clases: unknown key (value 3) (did you mean 'num_classes'?)"),
+    (('model.num_classes="ten"',), "model.num_classes"),
+    (("model.num_classes=1",), "model family 'resnet' refuses its keys: model.num_classes = 1: a classifier needs at least 2 classes"),
 ])
 def test_unsupported_layouts_are_refused_before_launch(tmp_path, sets, expected):
     run = tmp_path / "run"
@@ -292,12 +296,12 @@ def test_image_folder_trains_on_two_ranks_like_one_process(runs):
 def test_image_folder_problems_are_refused_before_launch(tmp_path):
     folder = _image_folder(tmp_path / "imgs")
     cases = [
-        (("model.vocab_size=5",), "model.vocab_size (5) is the number of classes, and data.path has 3 class "
-                                  "folders (blue, green, red); set model.vocab_size = 3"),
-        (("model.vocab_size=3", f'data.path="{tmp_path / "nope"}"'), "expected a folder with one sub-folder"),
+        (("model.num_classes=5",), "model.num_classes (5) is the number of classes, and data.path has 3 class "
+                                  "folders (blue, green, red); set model.num_classes = 3"),
+        (("model.num_classes=3", f'data.path="{tmp_path / "nope"}"'), "expected a folder with one sub-folder"),
     ]
     (tmp_path / "empty" / "cats").mkdir(parents=True)
-    cases.append((("model.vocab_size=1", f'data.path="{tmp_path / "empty"}"'), "class folder(s) cats hold no image"))
+    cases.append((("model.num_classes=2", f'data.path="{tmp_path / "empty"}"'), "class folder(s) cats hold no image"))
     for extra, expected in cases:
         run = tmp_path / "run"
         r = _train(run, 1, 'data.source="images"', f'data.path="{folder}"', *extra)
@@ -305,7 +309,7 @@ def test_image_folder_problems_are_refused_before_launch(tmp_path):
         assert expected in r.stderr
         assert not run.exists()
     (folder / "green" / "broken.png").write_bytes(b"not a png")
-    r = _train(tmp_path / "run", 1, 'data.source="images"', f'data.path="{folder}"', "model.vocab_size=3")
+    r = _train(tmp_path / "run", 1, 'data.source="images"', f'data.path="{folder}"', "model.num_classes=3")
     assert r.returncode == 2 and "broken.png is not a readable image" in r.stderr, r.stderr[-2000:]
 
 
@@ -326,7 +330,7 @@ def test_evaluation_reports_loss_and_accuracy_on_held_out_images(tmp_path):
     last = res.metrics[-1]
     assert "eval_ppl" not in last and res.summary["throughput_unit"] == "samples"
     fam = ResNetFamily()
-    model = bind(fam, ResNet(cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.vocab_size), cfg)
+    model = bind(fam, ResNet(cfg.model.hidden_size, cfg.model.num_hidden_layers, fam.options(cfg).num_classes), cfg)
     model.load_state_dict(res.params)
     model.eval()
     held = fam.eval_data(cfg)

@@ -170,6 +170,10 @@ def _check_family(cfg):
     problems = layout_problems(family, cfg)
     if problems:
         raise ConfigError("\n".join(problems))
+    if getattr(family, "config_class", None) is not None:  # the run's config.toml holds every key, defaults too
+        import dataclasses
+
+        cfg.model.family_options = dataclasses.asdict(family.options(cfg))
     return family
 
 

@@ -1,15 +1,20 @@
-"""The ``[model]`` table: the keys of the built-in decoder-only transformer.
+"""The ``[model]`` table: the keys of the built-in decoder-only transformer, plus the keys a
+family declares for itself.
 
-Every family reads its keys from this dataclass today (a family's own config dataclass is the
-next step of the model contract). Kept in ``models/`` so that model code, the layers it is built
-from and the planner read it without importing the training room.
+A family with keys of its own (``ModelFamily.config_class``, a dataclass: resnet's
+``num_classes``, a user family's widths) gets them in the same ``[model]`` table; they are
+validated against that dataclass when the config is read and kept in
+:attr:`ModelConfig.family_options`, and the family reads them typed with
+``family.options(cfg)``. Kept in ``models/`` so that model code, the layers it is built from and
+the planner read it without importing the training room.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["ROUTERS", "ModelConfig"]
+__all__ = ["ROUTERS", "ModelConfig", "is_family_keys"]
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -85,3 +90,11 @@ class ModelConfig:
     """A Hugging Face config.json: the architecture keys above are taken from it (random init), docs/hf.md."""
     init_from: str = ""
     """A Hugging Face model directory (config.json + safetensors): architecture and weights, docs/hf.md."""
+    family_options: dict[str, Any] = field(default_factory=dict, metadata={"family_keys": True})
+    """Not a key of its own: the ``[model]`` keys the family declares in its ``config_class``,
+    validated when the config is read; written back into ``[model]`` with the others."""
+
+
+def is_family_keys(f) -> bool:
+    """Whether dataclass field ``f`` holds a family's own keys (not a key of the table itself)."""
+    return bool(f.metadata.get("family_keys"))

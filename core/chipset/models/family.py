@@ -38,6 +38,20 @@ class ModelFamily:
     """Layouts this family supports (names from :data:`LAYOUTS`). Any other degree > 1 (or
     ZeRO stage) in ``parallel.*`` is refused before launch with exit 2."""
 
+    config_class: type | None = None
+    """A dataclass of this family's own ``[model]`` keys, each with a default (resnet's
+    ``num_classes``). They are read in the same table as the shared keys (``family``,
+    ``init_from``, ...), validated against this dataclass's fields and types when the config is
+    read (an unknown key or a wrong type: exit 2 before launch), and read with :meth:`options`.
+    Value rules (ranges) belong in the dataclass's ``__post_init__`` (raise ``ValueError``) or in
+    :meth:`config_problems`. None: the family reads the built-in decoder's keys only."""
+
+    def options(self, cfg):
+        """This run's values of :attr:`config_class` (its defaults for the keys not set)."""
+        if self.config_class is None:
+            raise TypeError(f"model family {self.name!r} declares no config_class")
+        return self.config_class(**cfg.model.family_options)
+
     tp_plan: dict[str, str] = {}
     """Tensor-parallel plan: module-name pattern (``fnmatch``, e.g. ``"mlp.*.fc1"``) to a style
     of :data:`PLAN_STYLES`; the first matching pattern wins. The usual pair: ``colwise``
@@ -347,7 +361,13 @@ def layout_problems(family: ModelFamily, cfg) -> list[str]:
 
 def _layout_checks(family, cfg) -> list[str]:
     """The checks every family gets unless it declares its own (ModelFamily.layout_problems)."""
-    problems = list(family.problems(cfg)) if callable(getattr(family, "problems", None)) else []
+    problems = []
+    if getattr(family, "config_class", None) is not None:
+        try:
+            family.options(cfg)
+        except (TypeError, ValueError) as exc:  # the dataclass's own rules (__post_init__)
+            problems.append(f"[model]: model family {family.name!r} refuses its keys: {exc}")
+    problems += list(family.problems(cfg)) if callable(getattr(family, "problems", None)) else []
     modes = getattr(family, "recompute_modes", frozenset({"none"}))
     if cfg.train.recompute not in modes:
         problems.append(f"train.recompute = {cfg.train.recompute!r}: model family {family.name!r} supports "

@@ -7,12 +7,13 @@ FLOPs count, and pipeline stages cut from its chain of units (stem, residual blo
 head); it has no tensor parallelism (nothing but the head is an ``nn.Linear``). Select it with ``model.family = "resnet"``
 (examples/resnet-tiny.toml, docs/models.md).
 
-The ``model.*`` keys it reads, reusing the decoder's names for the same roles:
+The ``model.*`` keys it reads: its own ``num_classes`` (:class:`ResNetConfig`, the family's
+``config_class``) and two shared ones, for the same roles as in the decoder:
 
 * ``hidden_size``: channels of the first stage (each later stage doubles them);
 * ``num_hidden_layers``: residual blocks; every second block starts a new stage (stride 2,
   twice the channels);
-* ``vocab_size``: number of classes.
+* ``num_classes``: number of classes.
 
 Why GroupNorm and not BatchNorm: BatchNorm normalises with the statistics of the batch the
 process sees, so under dp each rank would normalise its half-batch with its own mean and
@@ -24,6 +25,7 @@ equals one process up to the order of floating-point sums.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -228,24 +230,39 @@ def forward_flops(width: int, blocks: int, classes: int, size: int = IMAGE_SIZE,
     return total + 2 * last * classes
 
 
+@dataclass
+class ResNetConfig:
+    """The resnet family's own ``[model]`` keys."""
+
+    num_classes: int = 10
+    """Number of classes: the classifier's outputs; with data.source = "images", the number of
+    class sub-folders of data.path."""
+
+    def __post_init__(self):
+        if self.num_classes < 2:
+            raise ValueError(f"model.num_classes = {self.num_classes}: a classifier needs at least 2 classes")
+
+
 class ResNetFamily(ModelFamily):
     """The contract's answers for :class:`ResNet` on :class:`SyntheticImages`."""
 
     name = "resnet"
+    config_class = ResNetConfig
     layouts = frozenset({"dp", "zero1", "zero2", "zero3", "pp"})  # no nn.Linear to split but the head
 
     def build(self, cfg) -> nn.Module:
         m = cfg.model
-        return ResNet(m.hidden_size, m.num_hidden_layers, m.vocab_size)
+        return ResNet(m.hidden_size, m.num_hidden_layers, self.options(cfg).num_classes)
 
     def problems(self, cfg) -> list[str]:
         da = cfg.data
         if da.source == "images":
             classes, _, problems = image_folder_classes(da.path)
-            if not problems and len(classes) != cfg.model.vocab_size:
-                problems.append(f"model.vocab_size ({cfg.model.vocab_size}) is the number of classes, and "
+            want = self.options(cfg).num_classes
+            if not problems and len(classes) != want:
+                problems.append(f"model.num_classes ({want}) is the number of classes, and "
                                 f"data.path has {len(classes)} class folders ({', '.join(classes[:8])}"
-                                f"{', ...' if len(classes) > 8 else ''}); set model.vocab_size = {len(classes)}")
+                                f"{', ...' if len(classes) > 8 else ''}); set model.num_classes = {len(classes)}")
             if not problems and da.eval_path:
                 held, _, bad = image_folder_classes(da.eval_path)
                 problems += [b.replace("data.path", "data.eval_path") for b in bad]
@@ -261,14 +278,15 @@ class ResNetFamily(ModelFamily):
     def data(self, cfg) -> SyntheticImages | ImageFolder:
         if cfg.data.source == "images":
             return ImageFolder(cfg.data.path, cfg.train.global_batch, cfg.data.seed)
-        return SyntheticImages(cfg.model.vocab_size, cfg.train.global_batch, cfg.data.seed)
+        return SyntheticImages(self.options(cfg).num_classes, cfg.train.global_batch, cfg.data.seed)
 
     def eval_data(self, cfg) -> SyntheticImages | ImageFolder:
         """Held-out images: ``data.eval_path`` (class sub-folders, as data.path), or synthetic
         samples of the same classes that no training step draws."""
         if cfg.data.source == "images":
             return ImageFolder(cfg.data.eval_path, cfg.train.global_batch, cfg.data.seed)
-        return SyntheticImages(cfg.model.vocab_size, cfg.train.global_batch, cfg.data.seed, offset=HELD_OUT_OFFSET)
+        return SyntheticImages(self.options(cfg).num_classes, cfg.train.global_batch, cfg.data.seed,
+                               offset=HELD_OUT_OFFSET)
 
     def eval_metrics(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         return classifier_metrics(self, model, inputs, targets)
@@ -280,7 +298,7 @@ class ResNetFamily(ModelFamily):
         torch.utils.flop_counter counts for a training step (tests/test_resnet_family.py)."""
         m = cfg.model
         stem_input_grad = 2 * CHANNELS * m.hidden_size * 9 * IMAGE_SIZE * IMAGE_SIZE
-        return 3.0 * forward_flops(m.hidden_size, m.num_hidden_layers, m.vocab_size) - stem_input_grad
+        return 3.0 * forward_flops(m.hidden_size, m.num_hidden_layers, self.options(cfg).num_classes) - stem_input_grad
 
 
 def family() -> ResNetFamily:

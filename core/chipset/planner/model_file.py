@@ -58,9 +58,10 @@ def load_model_toml(path: str | Path, base: ModelSpec | None = None) -> ModelSpe
 
 def _is_train_table(table: dict[str, Any]) -> bool:
     """A ``chipset train`` [model] table the planner's own keys cannot read: it names a family (as
-    every run directory's config.toml does) or keys only the engine's ModelConfig has."""
+    every run directory's config.toml does, with the family's own keys beside the shared ones) or
+    keys only the engine's ModelConfig has."""
     keys = set(table) - {"init_from", "hf_config"}
-    return set(table) <= _TRAIN_KEYS and ("family" in table or not keys <= _PLANNER_KEYS)
+    return "family" in table or (set(table) <= _TRAIN_KEYS and not keys <= _PLANNER_KEYS)
 
 
 def _train_model(table: dict[str, Any], train: dict[str, Any], p: Path) -> ModelSpec:

@@ -200,7 +200,11 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in fields(self)}
+        """Section -> keys; a model family's own keys (``model.family_options``) sit in
+        ``model`` beside the shared ones, as in the TOML table."""
+        out = {f.name: dataclasses.asdict(getattr(self, f.name)) for f in fields(self)}
+        out["model"].update(out["model"].pop("family_options"))
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config") -> RunConfig:
@@ -297,17 +301,24 @@ def _apply(cfg: RunConfig, raw: dict[str, Any], where: str, problems: list[str])
         problems += clashes
         if clashes:
             continue
+        own = _FamilyKeys(body.get("family", target.family)) if section == "model" else None
         for key, value in body.items():
             full = f"{section}.{key}"
+            if own is not None and key not in types and own.has(key):  # the family's own [model] key
+                v = _coerce(value, own.types[key], full, problems)
+                if v is not None:
+                    target.family_options[key] = v
+                continue
             if full in KEY_ALIASES:
                 full = KEY_ALIASES[full]
                 log.warning("%s: %s.%s is deprecated and will be removed in the next release; use %s "
                             "(the Hugging Face name)", where, section, key, full)
                 key = full.split(".", 1)[1]
             if key not in types:
+                valid = [k for k in types if k != "family_options"] + (list(own.types) if own else [])
                 problems.append(
-                    f"{full}: unknown key (value {value!r}){_did_you_mean(key, types)}; "
-                    f"valid keys in [{section}]: {', '.join(types)}"
+                    f"{full}: unknown key (value {value!r}){_did_you_mean(key, valid)}; "
+                    f"valid keys in [{section}]: {', '.join(valid)}" + (own.note if own else "")
                 )
                 continue
             if full == "train.dtype" and value in DTYPE_ALIASES:
@@ -315,6 +326,34 @@ def _apply(cfg: RunConfig, raw: dict[str, Any], where: str, problems: list[str])
             v = _coerce(value, types[key], full, problems)
             if v is not None:
                 setattr(target, key, v)
+
+
+class _FamilyKeys:
+    """The ``[model]`` keys model family ``spec`` declares (``ModelFamily.config_class``), found
+    only when a key is not a shared one (a family import can cost)."""
+
+    def __init__(self, spec: str):
+        self.spec, self._types, self.note = spec, None, ""
+
+    @property
+    def types(self) -> dict[str, type]:
+        if self._types is None:
+            self._types = {}
+            from chipset.models.registry import resolve_family
+
+            try:
+                cls = getattr(resolve_family(self.spec), "config_class", None)
+            except ConfigError as exc:  # reported again, in full, by validation
+                self.note = f" (model family {self.spec!r} could not be loaded to read its own keys: {exc})"
+                return self._types
+            if cls is not None:
+                self._types = {k: t for k, t in get_type_hints(cls).items()
+                               if k in {f.name for f in dataclasses.fields(cls)}}
+                self.note = f" (of which {', '.join(self._types)} are model family {self.spec!r}'s own)"
+        return self._types
+
+    def has(self, key: str) -> bool:
+        return key in self.types
 
 
 def _parse_scalar(text: str) -> Any:
