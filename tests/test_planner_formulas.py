@@ -101,7 +101,7 @@ def test_flash_attention_drops_the_quadratic_term_and_gqa_shrinks_kv():
 
 
 @pytest.mark.parametrize(("schedule", "v", "m", "expect"), [
-    ("1f1b", 1, 32, 8), ("1f1b", 1, 4, 4), ("gpipe", 1, 32, 32), ("interleaved", 2, 32, 2 * 7 + 8 + 1),
+    ("1f1b", 1, 32, 8), ("1f1b", 1, 4, 4), ("gpipe", 1, 32, 32), ("interleaved_1f1b", 2, 32, 2 * 7 + 8 + 1),
 ])
 def test_in_flight_micro_batches_by_schedule(schedule, v, m, expect):
     assert in_flight_chunks(Layout(pp=8, schedule=schedule, virtual_stages=v), m) == expect
@@ -111,7 +111,7 @@ def test_interleaving_reduces_activation_memory_towards_korthikanti_bound():
     m = PRESETS["llama2-7b"]
     train = TrainSpec(global_batch=64)
     plain = memory_per_device(m, Layout(pp=4, schedule="1f1b"), train).activations
-    inter = memory_per_device(m, Layout(pp=4, schedule="interleaved", virtual_stages=4), train).activations
+    inter = memory_per_device(m, Layout(pp=4, schedule="interleaved_1f1b", virtual_stages=4), train).activations
     # 1F1B holds l blocks' worth on stage 0; interleaved l (1 + (p-1)/(p v)) = 1.1875 l
     assert 1.1 < inter / plain < 1.3
 
@@ -227,7 +227,7 @@ def test_predicted_bubble_is_the_schedule_fraction_of_the_ideal_pipeline_time():
     m = PRESETS["llama2-7b"]
     cl = Cluster(1, 8, DEV)
     train = TrainSpec(global_batch=32)
-    for lay in (Layout(pp=8, schedule="1f1b"), Layout(pp=8, schedule="interleaved", virtual_stages=4),
+    for lay in (Layout(pp=8, schedule="1f1b"), Layout(pp=8, schedule="interleaved_1f1b", virtual_stages=4),
                 Layout(pp=4, dp=2, schedule="gpipe")):
         p = evaluate(m, lay, train, cl)
         slot = (p.breakdown["compute"] + p.breakdown["tp"] + p.breakdown["pp"] + p.breakdown["ep"]

@@ -80,7 +80,7 @@ def test_fix_fully_specifying_a_layout_evaluates_just_that_layout():
 
 
 def test_parse_fix_reads_interleaved_chunks_and_rejects_unknown_keys():
-    assert parse_fix(["parallel.schedule=interleaved-v4"]) == {"schedule": "interleaved", "virtual_stages": 4}
+    assert parse_fix(["parallel.schedule=interleaved-v4"]) == {"schedule": "interleaved_1f1b", "virtual_stages": 4}
     with pytest.raises(ConfigError, match="expected parallel.KEY=VALUE"):
         parse_fix(["parallel.tpp=2"])
     with pytest.raises(ConfigError, match="integer"):

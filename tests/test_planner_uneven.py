@@ -107,8 +107,8 @@ CASES = [
     (BLOOM, BLOOM_LAYOUT, BLOOM_TRAIN, JEAN_ZAY),
     (BLOOM, dataclasses.replace(BLOOM_LAYOUT, recompute="none", micro_batch=1), BLOOM_TRAIN, JEAN_ZAY),
     (BLOOM, dataclasses.replace(BLOOM_LAYOUT, schedule="gpipe"), BLOOM_TRAIN, JEAN_ZAY),
-    (BLOOM, dataclasses.replace(BLOOM_LAYOUT, schedule="interleaved", virtual_stages=2), BLOOM_TRAIN, JEAN_ZAY),
-    (BLOOM, dataclasses.replace(BLOOM_LAYOUT, schedule="interleaved", virtual_stages=3), BLOOM_TRAIN, JEAN_ZAY),
+    (BLOOM, dataclasses.replace(BLOOM_LAYOUT, schedule="interleaved_1f1b", virtual_stages=2), BLOOM_TRAIN, JEAN_ZAY),
+    (BLOOM, dataclasses.replace(BLOOM_LAYOUT, schedule="interleaved_1f1b", virtual_stages=3), BLOOM_TRAIN, JEAN_ZAY),
     # a small vocabulary: the heavier middle stage is the slowest; a huge one: the last stage
     (dataclasses.replace(PRESETS["llama2-7b"], layers=30), Layout(dp=2, tp=1, pp=4, zero=1), TrainSpec(global_batch=32),
      Cluster(1, 8, A100)),
@@ -116,7 +116,7 @@ CASES = [
      TrainSpec(global_batch=32), Cluster(2, 8, A100)),
     (dataclasses.replace(PRESETS["mixtral-8x7b"], layers=31), Layout(dp=4, tp=2, pp=2, ep=4, zero=1),
      TrainSpec(global_batch=32), Cluster(2, 8, A100)),
-    (PRESETS["llama3-405b"], Layout(dp=1, tp=8, pp=16, zero=1, schedule="interleaved", virtual_stages=4),
+    (PRESETS["llama3-405b"], Layout(dp=1, tp=8, pp=16, zero=1, schedule="interleaved_1f1b", virtual_stages=4),
      TrainSpec(global_batch=64), Cluster(16, 8, A100)),
 ]
 

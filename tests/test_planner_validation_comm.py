@@ -115,7 +115,7 @@ def test_stage_aware_pipeline_sends_and_tensor_parallel_edges():
     m = PRESETS["llama2-7b"]
     train = TrainSpec(global_batch=8)
     cl = Cluster(2, 8, DEV)
-    lay = Layout(tp=2, pp=2, micro_batch=1, sequence_parallel=False, schedule="interleaved", virtual_stages=2)
+    lay = Layout(tp=2, pp=2, micro_batch=1, sequence_parallel=False, schedule="interleaved_1f1b", virtual_stages=2)
     sends = {st: next(i.calls for i in communication(m, lay, train, cl, stage=st) if i.dim == "pp")
              for st in (None, "first", "last")}
     assert sends == {None: 2 * 2 * 8, "first": 3 * 8, "last": 3 * 8}  # (2v-1)m at the ends, 2vm in the middle

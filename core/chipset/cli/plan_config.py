@@ -16,9 +16,6 @@ from typing import Any
 
 from chipset.errors import ConfigError
 
-_SCHEDULE = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved": "interleaved_1f1b"}
-"""Planner schedule name -> parallel.schedule of chipset train."""
-
 _ARCH_KEYS = frozenset({
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "intermediate_size", "max_position_embeddings", "tie_word_embeddings", "num_experts",
@@ -132,7 +129,7 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         # train.global_batch / (dp * micro_batches) = the planner's micro_batch sequences per rank
         "micro_batches": pred.micro_batches,
         "sequence_parallel": lay.sp,
-        "schedule": _SCHEDULE[lay.schedule],
+        "schedule": lay.schedule,  # the planner plans chipset train's schedules by their names
         "virtual_stages": lay.v,
         "cp_attention": lay.cp_attention,
     }

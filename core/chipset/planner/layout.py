@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass
 
 from chipset.errors import ConfigError
 from chipset.parallel.recompute import RECOMPUTE
+from chipset.parallel.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
 __all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE"]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = PIPELINE_SCHEDULES  # chipset train's parallel.schedule names, declared by the runtime
 CP_ATTENTION = ("ring", "allgather")
 
 
@@ -43,7 +44,8 @@ class Layout:
     micro_batch: int = 1
     """Sequences per micro-batch per data-parallel rank."""
     schedule: str = "1f1b"
-    """Pipeline schedule: "1f1b", "gpipe" or "interleaved" (with ``virtual_stages`` chunks)."""
+    """Pipeline schedule, by chipset train's names (``parallel.schedule``): "1f1b", "gpipe" or
+    "interleaved_1f1b" (with ``virtual_stages`` chunks; labelled ``interleaved-vN`` in plans)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (v); > 1 only for the interleaved schedule."""
     recompute: str = "none"
@@ -65,12 +67,12 @@ class Layout:
 
     @property
     def v(self) -> int:
-        return self.virtual_stages if self.schedule == "interleaved" else 1
+        return self.virtual_stages if self.schedule == "interleaved_1f1b" else 1
 
     @property
     def schedule_label(self) -> str:
         """``"interleaved-v4"`` style label used in output and accepted by ``--fix``."""
-        return f"interleaved-v{self.v}" if self.schedule == "interleaved" else self.schedule
+        return f"interleaved-v{self.v}" if self.schedule == "interleaved_1f1b" else self.schedule
 
     def check(self) -> Layout:
         """Raise ConfigError for values no model could run with; return self otherwise."""

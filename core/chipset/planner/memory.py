@@ -126,7 +126,7 @@ def in_flight_chunks(lay: Layout, micro_batches: int, rank: int = 0) -> int:
         return 1
     if lay.schedule == "gpipe":
         return mb
-    if lay.schedule == "interleaved":
+    if lay.schedule == "interleaved_1f1b":
         return min(mb * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
     return min(p - rank, mb)
 
@@ -292,7 +292,7 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     head = tokens * ref.head_bytes_per_token(m, lay, train) if loss_stage else 0.0
     # Micro-batches whose activations are alive at the first backward: the first stage's warm-up; the
     # last stage runs each backward right after its forward except under GPipe.
-    if stage == "last" and lay.schedule == "interleaved":  # its other chunks warm up like the first rank's
+    if stage == "last" and lay.schedule == "interleaved_1f1b":  # its other chunks warm up like the first rank's
         chunks = min(micro_batches * lay.v, (lay.v - 1) * lay.pp + 1)
     elif stage == "last":
         chunks = micro_batches * lay.v if lay.schedule == "gpipe" else 1
@@ -304,7 +304,7 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     # 1F1B the first stage has min(p, m-1) left (rank i: min(p - i, m - 1)), GPipe m-1; the interleaved
     # schedule is counted as if its warm-up were still in flight (an upper bound).
     accumulated = gb * local if lay.zero >= 2 and micro_batches > 1 else 0.0
-    if stage == "only" or lay.schedule == "interleaved" or stage == "last" and lay.schedule != "gpipe":
+    if stage == "only" or lay.schedule == "interleaved_1f1b" or stage == "last" and lay.schedule != "gpipe":
         later = chunks
     elif lay.schedule == "gpipe":
         later = chunks - lay.v

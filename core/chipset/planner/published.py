@@ -116,7 +116,7 @@ RUNS: list[PublishedRun] = [
     PublishedRun(f"GPT {p}B", f"{_NARAYANAN}, Table 1", _gpt(a, h, L), "a100-80g", n, B,
                  {"tp": t, "pp": pp, "dp": n // (t * pp), "cp": 1, "zero": 0, "recompute": "full",
                   "sequence_parallel": False}, x, notes=_T1,
-                 schedules=("interleaved",) if pp > 1 else ("1f1b",), train={**_WHOLE_FORWARD, **_EAGER_LOSS})
+                 schedules=("interleaved_1f1b",) if pp > 1 else ("1f1b",), train={**_WHOLE_FORWARD, **_EAGER_LOSS})
     for p, a, h, L, t, pp, n, B, x in (
         ("1.7", 24, 2304, 24, 1, 1, 32, 512, 137),
         ("3.6", 32, 3072, 30, 2, 1, 64, 512, 138),
@@ -149,7 +149,7 @@ RUNS: list[PublishedRun] = [
                        "optimizer and gradients (zero 2); 126 layers on 16 stages, one fewer on the first and "
                        "the last, whose first and last model chunks hold only the embedding and the output layer "
                        "(Sec. 3.3.2: the planner's uneven split, with one-block chunks among the candidates); "
-                       "interleaving depth and micro-batch not stated", schedules=("interleaved",))
+                       "interleaving depth and micro-batch not stated", schedules=("interleaved_1f1b",))
     for n, dp, x, u in ((8192, 64, 430, 0.43), (16384, 128, 400, 0.41))
 ]
 
@@ -264,9 +264,9 @@ def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assump
         b for b in range(1, min(local, a.max_micro_batch) + 1) if local % b == 0]
     options = []
     for sched in run.schedules:
-        if sched == "interleaved":
+        if sched == "interleaved_1f1b":
             vs = interleave_depths(run.model.layers, fixed.get("pp", 1))
-            options += [("interleaved", v) for v in vs] or [("1f1b", 1)]
+            options += [("interleaved_1f1b", v) for v in vs] or [("1f1b", 1)]
         else:
             options.append((sched, 1))
     best: Prediction | None = None

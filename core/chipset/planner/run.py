@@ -26,7 +26,6 @@ __all__ = ["from_run_config", "optimizer_bytes", "peak_memory_per_rank", "check_
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPE_BY_NAME.items()}
-_SCHEDULES = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "interleaved"}
 
 
 def optimizer_bytes(train: Any, masters_are_params: bool) -> int:
@@ -53,7 +52,7 @@ def from_run_config(cfg: Any, world_size: int | None = None,
     masters_are_params = tr.dtype == "float32" and par.zero in (0, 3) and not par.offload_optimizer
     lay = Layout(dp=dp, tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, zero=par.zero,
                  micro_batch=tr.global_batch // (dp * par.micro_batches),
-                 schedule=_SCHEDULES.get(par.schedule, par.schedule), virtual_stages=par.virtual_stages,
+                 schedule=par.schedule, virtual_stages=par.virtual_stages,
                  recompute=tr.recompute, sequence_parallel=par.sequence_parallel,
                  cp_attention=getattr(par, "cp_attention", "allgather"))
     train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e,

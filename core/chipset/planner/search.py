@@ -21,7 +21,7 @@ from typing import Any
 from chipset.errors import ConfigError, UsageError
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
-from chipset.planner.layout import RECOMPUTE, Layout, TrainSpec
+from chipset.planner.layout import RECOMPUTE, SCHEDULES, Layout, TrainSpec
 from chipset.planner.memory import memory_per_device
 from chipset.planner.model import ModelSpec
 from chipset.planner.stages import interleave_depths
@@ -67,9 +67,9 @@ def parse_fix(items: list[str]) -> dict[str, Any]:
             name = key.removeprefix("parallel.")
             if not sep or not key.startswith("parallel.") or name not in FIXABLE:
                 raise ConfigError(f"--fix {item!r}: expected parallel.KEY=VALUE with KEY one of {', '.join(FIXABLE)}")
-            if name == "schedule":
+            if name == "schedule":  # the label of a plan (interleaved-v4) or chipset train's name
                 sched, _, v = value.partition("-v")
-                out["schedule"] = sched
+                out["schedule"] = "interleaved_1f1b" if sched == "interleaved" else sched
                 if v:
                     out["virtual_stages"] = _int(item, v)
             elif name == "recompute":
@@ -80,7 +80,7 @@ def parse_fix(items: list[str]) -> dict[str, Any]:
                 out[name] = value.lower() in ("1", "true", "yes")
             else:
                 out[name] = _int(item, value)
-    if out.get("schedule", "interleaved") not in ("1f1b", "gpipe", "interleaved"):
+    if out.get("schedule", "1f1b") not in SCHEDULES:
         raise ConfigError(f"--fix parallel.schedule={out['schedule']!r}: expected 1f1b, gpipe or interleaved-vN")
     if out.get("zero", 0) not in (0, 1, 2, 3):
         raise ConfigError(f"--fix parallel.zero={out['zero']}: expected a ZeRO stage 0, 1, 2 or 3")
@@ -199,7 +199,7 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds.append(("gpipe", 1))
-        scheds += [("interleaved", v) for v in interleave_depths(m.layers, pp)]
+        scheds += [("interleaved_1f1b", v) for v in interleave_depths(m.layers, pp)]
     if "schedule" in fix or "virtual_stages" in fix:
         want_s = fix.get("schedule")
         want_v = fix.get("virtual_stages")
@@ -212,7 +212,7 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
             continue
         micro = local // b
         for sched, v in scheds:
-            if sched == "interleaved" and micro % pp:
+            if sched == "interleaved_1f1b" and micro % pp:
                 res.discarded["interleaved schedule needs micro-batches divisible by pp"] += 1
                 if not full_fix:
                     continue

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chipset.errors import ConfigError
+from chipset.parallel.schedule import bubble_fraction as schedule_bubble
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import CommItem, communication, stage_micro_items
@@ -116,8 +117,9 @@ def launch_floor(blocks: int, recompute: str, a: Assumptions) -> int:
 
 
 def bubble_fraction(pp: int, micro_batches: int, v: int = 1) -> float:
-    """Idle pipeline time over ideal time: (p-1)/m, or (p-1)/(v·m) interleaved."""
-    return (pp - 1) / (v * micro_batches)
+    """Idle pipeline time over ideal time: the runtime's formula (one declaration,
+    :func:`chipset.parallel.schedule.bubble_fraction`): (p-1)/m, or (p-1)/(v·m) interleaved."""
+    return schedule_bubble(pp, micro_batches, v)
 
 
 def _sum(items: list[CommItem], *, dim: str | None = None, phase: str | None = None) -> float:

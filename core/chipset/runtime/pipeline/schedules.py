@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from chipset.errors import ConfigError
+from chipset.parallel.schedule import SCHEDULES, bubble_fraction
 
 __all__ = [
     "Op",
@@ -112,8 +113,8 @@ class PipelineSchedule:
         return virtual_stage % self.stages, virtual_stage // self.stages
 
     def theoretical_bubble(self) -> float:
-        """docs/formulas.md: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved."""
-        return (self.stages - 1) / (self.virtual_stages * self.micro_batches)
+        """:func:`bubble_fraction` of this schedule's shape."""
+        return bubble_fraction(self.stages, self.micro_batches, self.virtual_stages)
 
 def _fwd(chunk: int, mb: int) -> Instruction:
     return Instruction(Op.FORWARD, mb, chunk)
@@ -217,7 +218,6 @@ def interleaved_1f1b(p: int, m: int, v: int) -> PipelineSchedule:
     return with_transfers("interleaved_1f1b", p, m, v, compute)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
