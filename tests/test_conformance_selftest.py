@@ -79,6 +79,8 @@ CASES = [
      ["test_argument_variants_match_reference[sdpa-scale-bool_mask-float32]",
       "test_argument_variants_match_reference[sdpa-additive_mask-float32]"],
      ["test_argument_variants_match_reference[sdpa-gqa-causal-fewer_queries-float32]"]),
+    ("bad_grouped_mm", "forward_matches and grouped_mm-float32 or swiglu-float32", "kernels",
+     ["test_forward_matches_reference[grouped_mm-float32]"], ["test_forward_matches_reference[swiglu-float32]"]),
     ("ignores_ignore_index", "argument_variants and cross_entropy", "kernels",
      ["test_argument_variants_match_reference[cross_entropy-ignore_index-sum-float32]"],
      ["test_argument_variants_match_reference[cross_entropy-none-default_ignore-float32]"]),

@@ -140,6 +140,17 @@ def fused_adamw(
         p.addcdiv_((m / bc1).to(p.dtype), denom.to(p.dtype), value=-lr)
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Grouped matrix multiply (the experts of a MoE layer): rows of ``x`` ``[T, in]`` come in
+    groups, group ``g`` being rows ``offs[g-1]:offs[g]`` (``offs``: int32 cumulative group ends,
+    ``offs[-1] == T``; a group may be empty), and group ``g`` is multiplied by ``w[g]``
+    ``[in, out]``. Returns ``[T, out]``. One matmul per group, in the input dtype."""
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    outs = [x[a:b] @ w[g] for g, (a, b) in enumerate(zip(starts, ends, strict=True))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[-1])
+
+
 REFERENCE_KERNELS = {
     "rms_norm": rms_norm,
     "layer_norm": layer_norm,
@@ -148,4 +159,5 @@ REFERENCE_KERNELS = {
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "cross_entropy": cross_entropy,
     "fused_adamw": fused_adamw,
+    "grouped_mm": grouped_mm,
 }

@@ -8,6 +8,8 @@
   ``torch.optim.AdamW(fused=True)``; groups it cannot take go to the reference.
 - rms_norm (float32), swiglu, cross_entropy: the ``torch.nn.functional`` ops, one C++
   call (and autograd node) each instead of the reference's chain of Python-level ops.
+- grouped_mm: ``torch._grouped_mm``, every MoE expert's GEMM in one call (and one autograd
+  node) instead of the reference's matmul per expert.
 
 Every predicate takes the reference's arguments and says no to anything it does not
 handle exactly, so the registry falls back to ``chipset.kernels.reference``. Attention,
@@ -112,12 +114,23 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
     return F.cross_entropy(lf, target, ignore_index=ignore_index, reduction="sum") / count
 
 
+def grouped_mm_available(x, w, offs) -> bool:
+    return (hasattr(torch, "_grouped_mm") and _cpu(x, w, offs) and x.dtype in _FLOATS and w.dtype == x.dtype
+            and x.dim() == 2 and w.dim() == 3 and offs.dtype == torch.int32 and offs.dim() == 1
+            and offs.shape[0] == w.shape[0] and x.shape[1] == w.shape[1])
+
+
+def grouped_mm(x, w, offs):
+    return torch._grouped_mm(x, w, offs=offs)
+
+
 KERNELS = {
     "scaled_dot_product_attention": (scaled_dot_product_attention, sdpa_available, "torch SDPA (fused CPU attention)"),
     "fused_adamw": (fused_adamw, fused_adamw_available, "torch._fused_adamw_ (fused multi-tensor AdamW, CPU)"),
     "rms_norm": (rms_norm, rms_norm_available, "torch.nn.functional.rms_norm (float32)"),
     "swiglu": (swiglu, swiglu_available, "torch.nn.functional.silu times up"),
     "cross_entropy": (cross_entropy, cross_entropy_available, "torch.nn.functional.cross_entropy"),
+    "grouped_mm": (grouped_mm, grouped_mm_available, "torch._grouped_mm (all MoE experts in one call)"),
 }
 
 

@@ -250,6 +250,10 @@ class Plugin:
                 "scaled_dot_product_attention",
                 lambda q, k, v, mask=None, causal=False, scale=None: ref(q, k, v, None, causal, scale),
                 priority=5, description="attention that drops the mask")
+        elif v == "bad_grouped_mm":
+            ref = registry.reference("grouped_mm")
+            registry.register("grouped_mm", lambda x, w, offs: ref(x, w[:1].expand_as(w), offs), priority=5,
+                              description="grouped_mm with the first group's weights for every group")
         elif v == "ignores_ignore_index":
             ref = registry.reference("cross_entropy")
             registry.register(

@@ -51,6 +51,8 @@ def _inputs(name: str, dt: torch.dtype, dev) -> tuple[list, dict, list[int]]:
     if name == "cross_entropy":
         target = torch.randint(0, 32, (8,), generator=g).to(dev)
         return [r(8, 32), target], {}, [0]
+    if name == "grouped_mm":  # 3 groups of 4, 0 and 7 rows; the weights as MoE experts pass them (a transposed view)
+        return [r(11, 16), r(3, 8, 16).transpose(1, 2), torch.tensor([4, 4, 11], dtype=torch.int32).to(dev)], {}, [0, 1]
     raise KeyError(name)
 
 

@@ -1,0 +1,133 @@
+"""A MoE layer's experts: chipset's ``MoE`` (grouped GEMM on the ``cpu`` backend) vs the plain
+PyTorch MoE block users write (a ``ModuleList`` of expert MLPs and a loop over the experts that
+received tokens, as Hugging Face's Mixtral/Qwen2-MoE blocks do), forward + backward.
+
+Both get the same router and expert weights (copied from chipset's layer into the peer, which
+never imports chipset for its computation) and the same input; the routing is top-k softmax
+without capacity, so both compute the same function (checked before timing: outputs and input
+gradients agree to float32 rounding). The two alternate repetition by repetition; the table
+gives the median seconds per forward + backward and the ratio peer / chipset (> 1: chipset
+faster), with the load average.
+
+    OMP_NUM_THREADS=1 python benchmarks/moe_experts.py [--tokens 2048] [--hidden 256]
+        [--ffn 512] [--experts 8] [--top-k 2] [--reps 7] [--iters 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PlainExpert(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PlainMoE(nn.Module):
+    """The loop a user writes: route, then each expert takes the tokens sent to it."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(PlainExpert(hidden, ffn) for _ in range(experts))
+
+    def forward(self, x):
+        b, s, h = x.shape
+        flat = x.reshape(-1, h)
+        probs = F.softmax(self.router(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == e)
+            if rows.numel():
+                out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out.view(b, s, h)
+
+
+def chipset_moe(hidden: int, ffn: int, experts: int, top_k: int):
+    from chipset.layers.moe import MoE
+    from chipset.loader import backend
+
+    cfg = SimpleNamespace(num_experts=experts, num_experts_per_tok=top_k, router="softmax", capacity_factor=0.0,
+                          norm_topk_prob=True, hidden_size=hidden, moe_intermediate_size=ffn, intermediate_size=ffn,
+                          shared_expert_intermediate_size=0)
+    b = backend(os.environ.get("CHIPSET_BACKEND", "cpu"))
+    layer = MoE(cfg, b.kernels)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return layer, b
+
+
+def copy_into(peer: PlainMoE, layer) -> None:
+    with torch.no_grad():
+        peer.router.weight.copy_(layer.router.weight)
+        for e, ex in enumerate(peer.experts):
+            ex.gate_proj.weight.copy_(layer.experts.gate_proj[e])
+            ex.up_proj.weight.copy_(layer.experts.up_proj[e])
+            ex.down_proj.weight.copy_(layer.experts.down_proj[e])
+
+
+def step(module, x):
+    x = x.detach().requires_grad_(True)
+    y = module(x)
+    y.backward(torch.ones_like(y))
+    return y.detach(), x.grad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=5)
+    a = ap.parse_args()
+    layer, b = chipset_moe(a.hidden, a.ffn, a.experts, a.top_k)
+    peer = PlainMoE(a.hidden, a.ffn, a.experts, a.top_k)
+    copy_into(peer, layer)
+    x = torch.randn(4, a.tokens // 4, a.hidden, generator=torch.Generator().manual_seed(1))
+    (yc, gc), (yp, gp) = step(layer, x), step(peer, x)
+    torch.testing.assert_close(yc, yp, rtol=1e-4, atol=1e-5)  # the same function
+    torch.testing.assert_close(gc, gp, rtol=1e-4, atol=1e-5)
+    kernel = b.kernels.select("grouped_mm", x.reshape(-1, a.hidden), layer.experts.gate_proj.transpose(1, 2),
+                              torch.ones(a.experts, dtype=torch.int32))
+    times: dict[str, list[float]] = {"chipset": [], "plain": []}
+    for rep in range(a.reps):
+        for name in (("chipset", "plain") if rep % 2 == 0 else ("plain", "chipset")):
+            mod = layer if name == "chipset" else peer
+            step(mod, x)  # warm
+            t0 = time.perf_counter()
+            for _ in range(a.iters):
+                step(mod, x)
+            times[name].append((time.perf_counter() - t0) / a.iters)
+    c, p = statistics.median(times["chipset"]), statistics.median(times["plain"])
+    print(f"backend {b.name}, grouped_mm kernel: {getattr(kernel, '__module__', '?')}.{getattr(kernel, '__name__', '?')}")
+    print(f"tokens {a.tokens}, hidden {a.hidden}, ffn {a.ffn}, experts {a.experts}, top-k {a.top_k}, "
+          f"{a.reps} reps x {a.iters} iters, load average {os.getloadavg()[0]:.2f}")
+    print(f"chipset MoE   {1e3 * c:8.2f} ms per forward+backward")
+    print(f"plain PyTorch {1e3 * p:8.2f} ms per forward+backward")
+    print(f"ratio plain / chipset: {p / c:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
