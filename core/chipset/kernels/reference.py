@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from chipset.kernels.blockwise import attention_block, attention_block_backward
+
 __all__ = [
     "rms_norm",
     "layer_norm",
@@ -148,4 +150,6 @@ REFERENCE_KERNELS = {
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "cross_entropy": cross_entropy,
     "fused_adamw": fused_adamw,
+    "attention_block": attention_block,
+    "attention_block_backward": attention_block_backward,
 }

@@ -1,0 +1,101 @@
+"""Blockwise attention: one block of keys at a time, returning the log-sum-exp to merge with.
+
+``attention_block(q, k, v, mask=None, causal=False, scale=None) -> (out, lse)`` is softmax
+attention of ``q`` over this block of keys only: ``out`` in ``q``'s dtype, ``lse`` the
+float32 log of each query's softmax denominator (``-inf`` for a query that sees no key of
+the block, whose ``out`` row is 0). Outputs of several blocks of the same queries combine
+exactly: ``lse = logaddexp(lse_1, lse_2)``, ``out = out_1 exp(lse_1 - lse) + out_2 exp(lse_2 - lse)``
+(:func:`merge_blocks`). ``attention_block_backward(do, q, k, v, out, lse, ...)`` returns
+``(dq, dk, dv)`` of this block given the *merged* ``out`` and ``lse`` of all blocks (the
+softmax probabilities of the block are ``exp(q k^T scale - lse)``), so a caller sums the
+blocks' contributions without ever holding the whole score matrix.
+
+Shapes ``(batch, heads, seq, head_dim)``; ``k`` and ``v`` have as many heads as ``q`` (the
+caller repeats grouped kv heads). ``causal``: square blocks only, query ``i`` sees keys
+``j <= i``. ``mask``: bool, True = attend, broadcastable to ``(b, h, sq, sk)``.
+
+The references walk the queries in tiles of :data:`TILE` rows, so what they hold at once is
+``TILE x sk`` scores, not ``sq x sk``; a backend registers a fused kernel under the same
+names (the cpu plugin: torch's flash attention for CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_block", "attention_block_backward", "merge_blocks", "TILE"]
+
+TILE = 512
+"""Query rows the references score at once."""
+
+
+def _scores(q, k, mask, causal, scale, lo):
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if causal:
+        rows = torch.arange(lo, lo + q.shape[-2], device=q.device).unsqueeze(1)
+        s = s.masked_fill(torch.arange(k.shape[-2], device=q.device).unsqueeze(0) > rows, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+def _tile_mask(mask, lo, hi):
+    if mask is None or mask.shape[-2] == 1:
+        return mask
+    return mask[..., lo:hi, :]
+
+
+def _check(q, k, causal):
+    if k.shape[-3] != q.shape[-3]:
+        raise ValueError(f"attention_block: k has {k.shape[-3]} heads, q {q.shape[-3]}; repeat grouped kv heads first")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"attention_block: causal needs a square block, found {q.shape[-2]} queries x {k.shape[-2]} keys")
+
+
+def attention_block(q, k, v, mask=None, causal=False, scale=None):
+    """``(out, lse)`` of ``q`` over one block of keys (module docstring)."""
+    _check(q, k, causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    outs, lses = [], []
+    for lo in range(0, q.shape[-2], TILE):
+        hi = min(lo + TILE, q.shape[-2])
+        s = _scores(q[..., lo:hi, :], k, _tile_mask(mask, lo, hi), causal, scale, lo)
+        lse = torch.logsumexp(s, dim=-1)
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        outs.append(torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.float()))
+        lses.append(lse)
+    return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1)
+
+
+def attention_block_backward(do, q, k, v, out, lse, mask=None, causal=False, scale=None):
+    """``(dq, dk, dv)`` of one block, from the merged ``out`` and ``lse`` (module docstring)."""
+    _check(q, k, causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    kf, vf = k.float(), v.float()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for lo in range(0, q.shape[-2], TILE):
+        hi = min(lo + TILE, q.shape[-2])
+        qt, dot = q[..., lo:hi, :].float(), do[..., lo:hi, :].float()
+        s = _scores(qt, kf, _tile_mask(mask, lo, hi), causal, scale, lo)
+        lt = lse[..., lo:hi]
+        p = torch.exp(s - torch.where(torch.isinf(lt), torch.zeros_like(lt), lt).unsqueeze(-1))
+        delta = (dot * out[..., lo:hi, :].float()).sum(-1, keepdim=True)
+        dv += p.transpose(-2, -1) @ dot
+        ds = p * (dot @ vf.transpose(-2, -1) - delta)
+        dq[..., lo:hi, :] = ds @ kf * scale
+        dk += ds.transpose(-2, -1) @ qt * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def merge_blocks(out, lse, blk_out, blk_lse):
+    """Merge a block's ``(blk_out, blk_lse)`` into the running float32 ``(out, lse)``; rows
+    that saw no key anywhere yet stay 0 with ``lse = -inf``."""
+    new = torch.logaddexp(lse, blk_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    a = torch.exp(lse - safe).unsqueeze(-1)
+    b = torch.exp(blk_lse - safe).unsqueeze(-1)
+    return out * a + blk_out.float() * b, new
