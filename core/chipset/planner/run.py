@@ -55,7 +55,9 @@ def from_run_config(cfg: Any, world_size: int | None = None,
                  micro_batch=tr.global_batch // (dp * par.micro_batches),
                  schedule=_SCHEDULES.get(par.schedule, par.schedule), virtual_stages=par.virtual_stages,
                  recompute=tr.recompute, sequence_parallel=par.sequence_parallel,
-                 cp_attention=getattr(par, "cp_attention", "allgather"))
+                 cp_attention=getattr(par, "cp_attention", "allgather"),
+                 offload_activations=bool(getattr(tr, "offload_activations", False)),
+                 loss_chunk=int(getattr(tr, "loss_chunk", 0)))
     train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e,
                       optimizer_bytes=optimizer_bytes(tr, masters_are_params), bucket_mb=par.bucket_mb)
     return m, lay.check(), train
