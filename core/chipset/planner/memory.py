@@ -213,7 +213,8 @@ def _edge_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: Train
     s = seq_len / lay.cp
     sp_div = t if lay.sp else 1
     first = (train.param_bytes + (1 if m.dropout else 0)) * s * b * h / sp_div
-    last = 2 * train.param_bytes * s * b * h / sp_div + 4 * s * b * m.vocab / t
+    logit_tokens = ref.loss_tokens(lay, s * b, b)  # a chunked loss holds one chunk's logits
+    last = 2 * train.param_bytes * s * b * h / sp_div + 4 * logit_tokens * m.vocab / t
     return first, last
 
 
@@ -242,6 +243,8 @@ def memory_per_stage(m: ModelSpec, lay: Layout, train: TrainSpec,
         # The block being recomputed holds its full activations during its backward.
         full = dataclasses.replace(lay, recompute="none")
         working = block_activation_bytes(m, full, s, train) - per_block
+    if lay.offload_activations:  # saved activations on the host; the block in backward back on the device
+        working, per_block = working + per_block, 0.0
     out = {}
     for stage, psi in stages.items():
         rank, blocks = pos[stage]
