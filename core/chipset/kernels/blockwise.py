@@ -12,10 +12,13 @@ blocks' contributions without ever holding the whole score matrix.
 
 Shapes ``(batch, heads, seq, head_dim)``; ``k`` and ``v`` have as many heads as ``q`` (the
 caller repeats grouped kv heads). ``causal``: square blocks only, query ``i`` sees keys
-``j <= i``. ``mask``: bool, True = attend, broadcastable to ``(b, h, sq, sk)``.
+``j <= i``. ``mask``: bool, True = attend, broadcastable to ``(b, h, sq, sk)``. ``docs``:
+``(q_docs, k_docs)``, document ids ``(b, sq)`` and ``(b, sk)``: a query sees only keys of
+its own document (document masks, without an ``sq x sk`` mask in memory).
 
-The references walk the queries in tiles of :data:`TILE` rows, so what they hold at once is
-``TILE x sk`` scores, not ``sq x sk``; a backend registers a fused kernel under the same
+The references walk the queries in tiles of as many rows as keep a tile's float32 scores
+within :data:`TILE_SCORES` elements (over batch and heads), so what they hold at once is
+bounded whatever the block's length; a backend registers a fused kernel under the same
 names (the cpu plugin: torch's flash attention for CPU).
 """
 
@@ -25,14 +28,24 @@ import math
 
 import torch
 
-__all__ = ["attention_block", "attention_block_backward", "merge_blocks", "TILE"]
+__all__ = ["attention_block", "attention_block_backward", "merge_blocks", "TILE_SCORES"]
 
-TILE = 512
-"""Query rows the references score at once."""
+TILE_SCORES = 1 << 21
+"""Score elements (batch x heads x rows x keys) the references hold at once: 8 MiB in float32."""
 
 
-def _scores(q, k, mask, causal, scale, lo):
+def _tiles(q, k):
+    rows = max(1, TILE_SCORES // max(1, q[..., 0, 0].numel() * k.shape[-2]))
+    for lo in range(0, q.shape[-2], rows):
+        yield lo, min(lo + rows, q.shape[-2])
+
+
+def _scores(q, k, mask, causal, scale, lo, docs=None):
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if docs is not None:
+        qd, kd = docs
+        same = qd[:, lo:lo + q.shape[-2]].unsqueeze(-1) == kd.unsqueeze(-2)
+        s = s.masked_fill(~same.unsqueeze(1), float("-inf"))
     if causal:
         rows = torch.arange(lo, lo + q.shape[-2], device=q.device).unsqueeze(1)
         s = s.masked_fill(torch.arange(k.shape[-2], device=q.device).unsqueeze(0) > rows, float("-inf"))
@@ -54,14 +67,13 @@ def _check(q, k, causal):
         raise ValueError(f"attention_block: causal needs a square block, found {q.shape[-2]} queries x {k.shape[-2]} keys")
 
 
-def attention_block(q, k, v, mask=None, causal=False, scale=None):
+def attention_block(q, k, v, mask=None, causal=False, scale=None, docs=None):
     """``(out, lse)`` of ``q`` over one block of keys (module docstring)."""
     _check(q, k, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     outs, lses = [], []
-    for lo in range(0, q.shape[-2], TILE):
-        hi = min(lo + TILE, q.shape[-2])
-        s = _scores(q[..., lo:hi, :], k, _tile_mask(mask, lo, hi), causal, scale, lo)
+    for lo, hi in _tiles(q, k):
+        s = _scores(q[..., lo:hi, :], k, _tile_mask(mask, lo, hi), causal, scale, lo, docs)
         lse = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         outs.append(torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.float()))
@@ -69,7 +81,7 @@ def attention_block(q, k, v, mask=None, causal=False, scale=None):
     return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1)
 
 
-def attention_block_backward(do, q, k, v, out, lse, mask=None, causal=False, scale=None):
+def attention_block_backward(do, q, k, v, out, lse, mask=None, causal=False, scale=None, docs=None):
     """``(dq, dk, dv)`` of one block, from the merged ``out`` and ``lse`` (module docstring)."""
     _check(q, k, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -77,10 +89,9 @@ def attention_block_backward(do, q, k, v, out, lse, mask=None, causal=False, sca
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for lo in range(0, q.shape[-2], TILE):
-        hi = min(lo + TILE, q.shape[-2])
+    for lo, hi in _tiles(q, k):
         qt, dot = q[..., lo:hi, :].float(), do[..., lo:hi, :].float()
-        s = _scores(qt, kf, _tile_mask(mask, lo, hi), causal, scale, lo)
+        s = _scores(qt, kf, _tile_mask(mask, lo, hi), causal, scale, lo, docs)
         lt = lse[..., lo:hi]
         p = torch.exp(s - torch.where(torch.isinf(lt), torch.zeros_like(lt), lt).unsqueeze(-1))
         delta = (dot * out[..., lo:hi, :].float()).sum(-1, keepdim=True)

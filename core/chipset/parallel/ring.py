@@ -10,7 +10,8 @@ With the load-balanced layout (cp rank ``i`` holds chunks ``i`` and ``2cp-1-i``)
 needs a mask: the own block is causal over the local tokens (their positions increase), a
 block from an earlier rank ``j < i`` is seen whole by all local queries through its first
 chunk only, and one from a later rank ``j > i`` by the local second chunk only, whole.
-Document masks (``docs``, the whole sequence's document ids) add a mask per step.
+Document masks (``docs``, the whole sequence's document ids) hand each step's query and key ids to
+the kernel, which masks tile by tile (no block x block mask in memory).
 
 Backward circulates the blocks again with their gradient accumulators and calls
 ``attention_block_backward`` with the merged output and log-sum-exp, so each block's share
@@ -54,7 +55,7 @@ def fold_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
 
 
 def _step(cp, src: int, s_local: int, docs, s: int):
-    """(query rows, key columns, causal, mask) of the step that holds ``src``'s block."""
+    """(query rows, key columns, causal, document ids of both or None) of the step that holds ``src``'s block."""
     c = s_local // 2
     every = slice(0, s_local)
     if src == cp.rank:
@@ -63,12 +64,10 @@ def _step(cp, src: int, s_local: int, docs, s: int):
         rows, cols, causal = every, slice(0, c), False
     else:
         rows, cols, causal = slice(c, s_local), every, False
-    mask = None
-    if docs is not None:
-        qd = docs[:, cp.positions(s, docs.device)[rows]]
-        kd = docs[:, cp.positions_of(src, s, docs.device)[cols]]
-        mask = (qd.unsqueeze(-1) == kd.unsqueeze(-2)).unsqueeze(1)  # (b, 1, rows, cols)
-    return rows, cols, causal, mask
+    pair = None
+    if docs is not None:  # document ids of the step's queries and keys (kernels/blockwise.py ``docs``)
+        pair = (docs[:, cp.positions(s, docs.device)[rows]], docs[:, cp.positions_of(src, s, docs.device)[cols]])
+    return rows, cols, causal, pair
 
 
 class _RingAttention(torch.autograd.Function):
@@ -83,10 +82,10 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp.size):
             pending = _rotate(cp, kv) if step < cp.size - 1 else None
-            rows, cols, causal, mask = _step(cp, (cp.rank - step) % cp.size, s_local, docs, s)
+            rows, cols, causal, pair = _step(cp, (cp.rank - step) % cp.size, s_local, docs, s)
             kk, vv = expand_kv(kv[0][:, :, cols], rep), expand_kv(kv[1][:, :, cols], rep)
             qq = q[:, :, rows]
-            blk_o, blk_lse = kern.attention_block(qq, kk, vv, mask=mask, causal=causal)
+            blk_o, blk_lse = kern.attention_block(qq, kk, vv, causal=causal, docs=pair)
             o[:, :, rows], lse[:, :, rows] = merge_blocks(o[:, :, rows], lse[:, :, rows], blk_o, blk_lse)
             if pending is not None:
                 buf, handles = pending
@@ -112,11 +111,11 @@ class _RingAttention(torch.autograd.Function):
         blk = torch.stack([k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
                            torch.zeros_like(v, dtype=torch.float32)]).contiguous()
         for step in range(cp.size):
-            rows, cols, causal, mask = _step(cp, (cp.rank - step) % cp.size, s_local, docs, s)
+            rows, cols, causal, pair = _step(cp, (cp.rank - step) % cp.size, s_local, docs, s)
             kk = expand_kv(blk[0][:, :, cols].to(k.dtype), rep)
             vv = expand_kv(blk[1][:, :, cols].to(v.dtype), rep)
             dqq, dkk, dvv = kern.attention_block_backward(
-                do[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows], mask=mask, causal=causal)
+                do[:, :, rows], q[:, :, rows], kk, vv, out[:, :, rows], lse[:, :, rows], causal=causal, docs=pair)
             dq[:, :, rows] += dqq.float()
             blk[2][:, :, cols] += fold_kv(dkk.float(), rep)
             blk[3][:, :, cols] += fold_kv(dvv.float(), rep)

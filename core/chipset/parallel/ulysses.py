@@ -18,7 +18,6 @@ import math
 
 import torch
 
-from chipset.layers.documents import document_mask
 from chipset.parallel.ring import expand_kv
 
 __all__ = ["ulysses_attention", "BlockAttention"]
@@ -73,17 +72,17 @@ class BlockAttention(torch.autograd.Function):
     output and log-sum-exp, backward calls ``attention_block_backward`` (no score matrix kept)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernels, mask, causal):
-        out, lse = kernels.attention_block(q, k, v, mask=mask, causal=causal)
+    def forward(ctx, q, k, v, kernels, docs, causal):
+        out, lse = kernels.attention_block(q, k, v, causal=causal, docs=docs)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernels, ctx.mask, ctx.causal = kernels, mask, causal
+        ctx.kernels, ctx.docs, ctx.causal = kernels, docs, causal
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.kernels.attention_block_backward(do.to(q.dtype), q, k, v, out, lse,
-                                                          mask=ctx.mask, causal=ctx.causal)
+                                                          causal=ctx.causal, docs=ctx.docs)
         return dq, dk, dv, None, None, None
 
 
@@ -100,9 +99,5 @@ def ulysses_attention(q, k, v, cp, docs=None):
     qh, kh, vh = (t.index_select(2, inv) for t in (qh, kh, vh))  # sequence order
     rep = qh.shape[1] // kh.shape[1]
     kh, vh = expand_kv(kh, rep), expand_kv(vh, rep)
-    if docs is None:
-        out = BlockAttention.apply(qh, kh, vh, cp.kernels, None, True)
-    else:
-        pos = torch.arange(s, device=q.device)
-        out = BlockAttention.apply(qh, kh, vh, cp.kernels, document_mask(docs, docs, pos, pos), False)
+    out = BlockAttention.apply(qh, kh, vh, cp.kernels, None if docs is None else (docs, docs), True)
     return _ToSeq.apply(out.index_select(2, order), cp)

@@ -51,22 +51,22 @@ def scaled_dot_product_attention(q, k, v, mask=None, causal=False, scale=None):
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
-def block_available(q, k, v, mask=None, causal=False, scale=None) -> bool:
-    if not sdpa_available(q, k, v) or mask is not None:
+def block_available(q, k, v, mask=None, causal=False, scale=None, docs=None) -> bool:
+    if not sdpa_available(q, k, v) or mask is not None or docs is not None:
         return False
     return k.shape[1] == q.shape[1] and (not causal or q.shape[-2] == k.shape[-2])
 
 
-def attention_block(q, k, v, mask=None, causal=False, scale=None):
+def attention_block(q, k, v, mask=None, causal=False, scale=None, docs=None):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse
 
 
-def block_backward_available(do, q, k, v, out, lse, mask=None, causal=False, scale=None) -> bool:
-    return block_available(q, k, v, mask, causal) and _cpu(do, out, lse) and do.dtype == out.dtype == q.dtype
+def block_backward_available(do, q, k, v, out, lse, mask=None, causal=False, scale=None, docs=None) -> bool:
+    return block_available(q, k, v, mask, causal, docs=docs) and _cpu(do, out, lse) and do.dtype == out.dtype == q.dtype
 
 
-def attention_block_backward(do, q, k, v, out, lse, mask=None, causal=False, scale=None):
+def attention_block_backward(do, q, k, v, out, lse, mask=None, causal=False, scale=None, docs=None):
     # The kernel reads out and lse as given: the merged ones make this block's share exact.
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
