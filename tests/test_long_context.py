@@ -165,5 +165,41 @@ def test_chunked_loss_and_offloaded_activations_equal_the_plain_step():
     assert off_loss == want_loss and all(torch.equal(off[n], want[n]) for n in want)
 
 
+@pytest.mark.parametrize(("over", "expect"), [
+    ({"train": {"loss_chunk": -1}}, "train.loss_chunk = -1: expected a number of tokens >= 0"),
+    ({"data": {"document_mask": True}}, "data.document_mask needs the end-of-document id: set data.eos_id"),
+    ({"parallel": {"cp": 2, "pp": 2}, "train": {"offload_activations": True}},
+     "train.offload_activations needs parallel.pp = 1 (found 2)"),
+    ({"parallel": {"cp": 3, "cp_attention": "ulysses"}, "train": {"seq_len": 36}},
+     "heads per tp rank (4/1) must be divisible by cp (3)"),
+], ids=["negative_chunk", "no_eos", "pp", "ulysses_heads"])
+def test_long_context_keys_refuse_what_they_cannot_do(over, expect):
+    from chipset.errors import ConfigError
+    from chipset.train.config import RunConfig
+
+    with pytest.raises(ConfigError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig.from_dict(_merge(BASE, over)).validate(world_size=None)
+
+
+def test_context_plan_recommends_the_savers_only_when_memory_needs_them():
+    """planner/context.py on the example's model: a roomy device takes the plainest fastest
+    layout; a device that the plain layouts exceed gets offload and a chunked loss."""
+    from chipset.planner.cluster import resolve_cluster
+    from chipset.planner.context import context_layouts
+    from chipset.planner.layout import TrainSpec
+    from chipset.planner.model import ModelSpec
+
+    m = ModelSpec(name="t", layers=4, hidden=64, heads=4, kv_heads=2, ffn_hidden=172, vocab=2048, seq_len=32768,
+                  kernels="reference", flash_attention=False).validate()
+    train = TrainSpec(global_batch=1, dtype="float32", param_bytes=4, grad_bytes=4)
+    roomy = context_layouts(m, train, resolve_cluster("1x2:sim-generic"), 32768)[0]
+    assert roomy.fits and not roomy.layout.offload_activations and not roomy.layout.loss_chunk
+    tight = context_layouts(m, train, resolve_cluster("1x2:sim-small"), 32768)
+    best = tight[0]
+    assert best.fits and best.layout.cp == 2, best.layout
+    plain = [p for p in tight if not p.layout.offload_activations and not p.layout.loss_chunk]
+    assert plain and not any(p.fits for p in plain)
+
+
 if __name__ == "__main__":
     _job(sys.argv[1], sys.argv[2])
