@@ -298,8 +298,11 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     embed = tokens * ref.embed_bytes_per_token(lay) if stage in ("only", "first") else 0.0
     logit_tokens = ref.loss_tokens(lay, tokens, lay.micro_batch)
     head = logit_tokens * ref.head_bytes_per_token(m, lay, train) if loss_stage else 0.0
+    chunk_grads = 0.0
     if loss_stage and logit_tokens < tokens:  # the chunks' checkpoint keeps the head's input whole
         head += e * tokens * m.hidden
+        # Its gradient in loss backward: the running sum and one chunk's slice gradient, both full-size.
+        chunk_grads = 2 * e * tokens * m.hidden
     # Micro-batches whose activations are alive at the first backward: the first stage's warm-up; the
     # last stage runs each backward right after its forward except under GPipe.
     if stage == "last" and lay.schedule == "interleaved":  # its other chunks warm up like the first rank's
@@ -330,7 +333,7 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
         stage_out = e * tokens * m.hidden * kept
         if loss_stage:
             moments.append(("loss backward", acts + stage_out + head * mbs,
-                            logit_tokens * ref.loss_backward_bytes_per_token(m, lay) + grads, 0.0))
+                            logit_tokens * ref.loss_backward_bytes_per_token(m, lay) + grads + chunk_grads, 0.0))
         moments.append(("block backward", acts + stage_out + head * (mbs - 1) + redo,
                         ref.block_backward_bytes(m, lay, tokens, train) + grads, z3))
     mbs = max(1, chunks // lay.v) if lay.v > 1 else chunks

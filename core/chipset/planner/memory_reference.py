@@ -23,11 +23,12 @@ they say otherwise. ``E`` is the compute dtype's size, ``F = 4`` (float32).
 
 from __future__ import annotations
 
+from chipset.kernels.blockwise import TILE_SCORES
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 
 __all__ = ["block_bytes_per_token", "mask_bytes", "head_bytes_per_token", "embed_bytes_per_token", "loss_tokens",
-           "loss_backward_bytes_per_token", "block_backward_bytes", "F"]
+           "loss_backward_bytes_per_token", "block_backward_bytes", "attention_tile_bytes", "F"]
 
 F = 4
 
@@ -108,4 +109,18 @@ def block_backward_bytes(m: ModelSpec, lay: Layout, tokens: float, train: TrainS
     if m.is_moe and not m.experts_split_over_tp:  # whole experts on every tp rank
         t = 1
     f = m.ffn * (m.top_k if m.is_moe else 1)
-    return e * tokens * (h + f / t) + e * h * m.ffn / t
+    return e * tokens * (h + f / t) + e * h * m.ffn / t + attention_tile_bytes(m, lay, tokens)
+
+
+def attention_tile_bytes(m: ModelSpec, lay: Layout, tokens: float) -> float:
+    """Ring and Ulysses attention through the reference block kernels (kernels/blockwise.py):
+    the float32 scores and probabilities of one query tile, both alive while the tile's
+    gradients are computed (at most ``TILE_SCORES`` elements each)."""
+    if lay.cp == 1 or lay.cp_attention not in ("ring", "ulysses"):
+        return 0.0
+    s_local = tokens / lay.micro_batch
+    if lay.cp_attention == "ring":  # the own block: local queries x local keys
+        heads, sq = m.heads / lay.tp, s_local
+    else:  # the whole sequence on heads / cp heads
+        heads, sq = m.heads / lay.tp / lay.cp, s_local * lay.cp
+    return 2 * F * min(TILE_SCORES, lay.micro_batch * heads * sq * sq)
