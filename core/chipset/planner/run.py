@@ -83,7 +83,8 @@ def _gib(n: float) -> str:
 
 
 _ADVICE = ("lower model.hidden_size / num_hidden_layers / vocab_size / intermediate_size, train.global_batch "
-           "or train.seq_len, or raise parallel.micro_batches, parallel.zero or the tp/pp degrees")
+           "or train.seq_len, or raise parallel.micro_batches, parallel.zero or the tp/pp degrees; for long "
+           "sequences parallel.cp, train.offload_activations and train.loss_chunk (docs/long-context.md)")
 
 
 def check_job_memory(cfg: Any, world_size: int, local_ranks: int, device_memory: int | None,
