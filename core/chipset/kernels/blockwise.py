@@ -28,7 +28,7 @@ import math
 
 import torch
 
-__all__ = ["attention_block", "attention_block_backward", "merge_blocks", "TILE_SCORES"]
+__all__ = ["attention_block", "attention_block_backward", "merge_blocks", "BlockAttention", "TILE_SCORES"]
 
 TILE_SCORES = 1 << 21
 """Score elements (batch x heads x rows x keys) the references hold at once: 8 MiB in float32."""
@@ -110,3 +110,22 @@ def merge_blocks(out, lse, blk_out, blk_lse):
     a = torch.exp(lse - safe).unsqueeze(-1)
     b = torch.exp(blk_lse - safe).unsqueeze(-1)
     return out * a + blk_out.float() * b, new
+
+
+class BlockAttention(torch.autograd.Function):
+    """Attention through the ``attention_block`` kernels, differentiable: forward keeps the
+    output and log-sum-exp, backward calls ``attention_block_backward`` (no score matrix kept)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernels, docs, causal):
+        out, lse = kernels.attention_block(q, k, v, causal=causal, docs=docs)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernels, ctx.docs, ctx.causal = kernels, docs, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernels.attention_block_backward(do.to(q.dtype), q, k, v, out, lse,
+                                                          causal=ctx.causal, docs=ctx.docs)
+        return dq, dk, dv, None, None, None

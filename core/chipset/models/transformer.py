@@ -30,7 +30,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from chipset.kernels import KernelRegistry
-from chipset.layers.documents import document_ids, document_mask, document_positions
+from chipset.kernels.blockwise import BlockAttention
+from chipset.layers.documents import document_ids, document_positions
 from chipset.layers.moe import MoE, is_moe_layer
 from chipset.models.config import ModelConfig
 
@@ -155,8 +156,10 @@ class Attention(nn.Module):
             return self.attend(q, k, v) if docs is None else self.attend(q, k, v, docs)
         if docs is None:
             return self._k.scaled_dot_product_attention(q, k, v, causal=True)
-        pos = torch.arange(q.shape[2], device=q.device)
-        return self._k.scaled_dot_product_attention(q, k, v, mask=document_mask(docs, docs, pos, pos))
+        rep = q.shape[1] // k.shape[1]  # the block kernels take as many kv heads as query heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return BlockAttention.apply(q, k, v, self._k, (docs, docs), True)  # masked tile by tile
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -18,9 +18,10 @@ import math
 
 import torch
 
+from chipset.kernels.blockwise import BlockAttention
 from chipset.parallel.ring import expand_kv
 
-__all__ = ["ulysses_attention", "BlockAttention"]
+__all__ = ["ulysses_attention"]
 
 
 def _a2a(cp, inp: torch.Tensor) -> torch.Tensor:
@@ -65,25 +66,6 @@ class _ToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _to_heads(ctx.cp, g.contiguous()), None
-
-
-class BlockAttention(torch.autograd.Function):
-    """Attention through the ``attention_block`` kernels, differentiable: forward keeps the
-    output and log-sum-exp, backward calls ``attention_block_backward`` (no score matrix kept)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, kernels, docs, causal):
-        out, lse = kernels.attention_block(q, k, v, causal=causal, docs=docs)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernels, ctx.docs, ctx.causal = kernels, docs, causal
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernels.attention_block_backward(do.to(q.dtype), q, k, v, out, lse,
-                                                          causal=ctx.causal, docs=ctx.docs)
-        return dq, dk, dv, None, None, None
 
 
 def ulysses_attention(q, k, v, cp, docs=None):
