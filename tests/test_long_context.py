@@ -1,8 +1,8 @@
 """Long context: fused ring and Ulysses cp equal one process (fp32, GQA), document masks,
 chunked loss and activation offload (issue 34).
 
-One 2-rank torchrun job runs the cp variants beside one single-process job that runs the
-references (tests/multirank.py); losses per step, gradient norms and final parameters must
+A 2-rank and a 4-rank torchrun job run the cp variants beside one single-process job that
+runs the references (tests/multirank.py); losses per step, gradient norms and final parameters must
 match within the bounds of tests/parity.py, as in tests/test_engine_tp.py. ``kv1`` models
 have one kv head for four query heads: fewer kv heads than the cp degree, so Ulysses repeats
 them. Document-mask variants use a small vocabulary so the end-of-document id occurs in
@@ -33,17 +33,20 @@ BASE = {
 KV1 = {"model": {"num_key_value_heads": 1}}
 DOCS = {"model": {"vocab_size": 16}, "data": {"document_mask": True, "eos_id": 3}}
 REFS = {"ref": {}, "ref_kv1": KV1, "ref_docs": DOCS}
-VARIANTS = {
-    "cp2_ring": ({"parallel": {"cp": 2, "cp_attention": "ring"}}, "ref"),
+VARIANTS = {  # name -> (overrides, reference, ranks)
+    "cp2_ring": ({"parallel": {"cp": 2, "cp_attention": "ring"}}, "ref", 2),
     "cp2_ring_kv1_selective": ({"parallel": {"cp": 2, "cp_attention": "ring"}, "train": {"recompute": "selective"},
-                                **KV1}, "ref_kv1"),
-    "cp2_ulysses": ({"parallel": {"cp": 2, "cp_attention": "ulysses"}}, "ref"),
-    "cp2_ulysses_kv1": ({"parallel": {"cp": 2, "cp_attention": "ulysses"}, **KV1}, "ref_kv1"),
-    "cp2_ring_docs": (_merge(DOCS, {"parallel": {"cp": 2, "cp_attention": "ring"}}), "ref_docs"),
+                                **KV1}, "ref_kv1", 2),
+    "cp2_ulysses": ({"parallel": {"cp": 2, "cp_attention": "ulysses"}}, "ref", 2),
+    "cp2_ulysses_kv1": ({"parallel": {"cp": 2, "cp_attention": "ulysses"}, **KV1}, "ref_kv1", 2),
+    "cp2_ring_docs": (_merge(DOCS, {"parallel": {"cp": 2, "cp_attention": "ring"}}), "ref_docs", 2),
     "cp2_ulysses_docs_offload_chunked": (_merge(DOCS, {"parallel": {"cp": 2, "cp_attention": "ulysses"},
                                                        "train": {"offload_activations": True, "loss_chunk": 24}}),
-                                         "ref_docs"),
-    "cp2_allgather_docs": (_merge(DOCS, {"parallel": {"cp": 2}}), "ref_docs"),
+                                         "ref_docs", 2),
+    "cp2_allgather_docs": (_merge(DOCS, {"parallel": {"cp": 2}}), "ref_docs", 2),
+    # cp 4: one kv head repeated for four ranks; ring with four hops and document masks.
+    "cp4_ulysses_kv1": ({"parallel": {"cp": 4, "cp_attention": "ulysses"}, **KV1}, "ref_kv1", 4),
+    "cp4_ring_docs": (_merge(DOCS, {"parallel": {"cp": 4, "cp_attention": "ring"}}), "ref_docs", 4),
 }
 
 
@@ -58,15 +61,16 @@ def _run(b, overrides: dict) -> dict:
 
 def _job(mode: str, out_path: str) -> None:
     b = multirank.start()
-    todo = REFS if mode == "ref" else {k: over for k, (over, _) in VARIANTS.items()}
+    world = b.collective.world_size()
+    todo = REFS if mode == "ref" else {k: over for k, (over, _, n) in VARIANTS.items() if n == world}
     multirank.finish(b, {name: _run(b, over) for name, over in todo.items()}, out_path)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    multirank.require(2)
-    got = multirank.run_jobs(HERE, [{"w2": 2, "ref": 1}], tmp_path_factory.mktemp("longctx"))
-    return got["w2"], got["ref"]
+    multirank.require(4)
+    got = multirank.run_jobs(HERE, [{"w2": 2, "w4": 4, "ref": 1}], tmp_path_factory.mktemp("longctx"))
+    return {**got["w2"], **got["w4"]}, got["ref"]
 
 
 N_REDUCE = parity.model_reduction_size(BASE)
