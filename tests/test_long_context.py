@@ -44,9 +44,11 @@ VARIANTS = {  # name -> (overrides, reference, ranks)
                                                        "train": {"offload_activations": True, "loss_chunk": 24}}),
                                          "ref_docs", 2),
     "cp2_allgather_docs": (_merge(DOCS, {"parallel": {"cp": 2}}), "ref_docs", 2),
-    # cp 4: one kv head repeated for four ranks; ring with four hops and document masks.
+    # cp 4: one kv head repeated for four ranks; ring with four hops, document masks and blocks
+    # recomputed in backward (which read the documents of their forward again).
     "cp4_ulysses_kv1": ({"parallel": {"cp": 4, "cp_attention": "ulysses"}, **KV1}, "ref_kv1", 4),
-    "cp4_ring_docs": (_merge(DOCS, {"parallel": {"cp": 4, "cp_attention": "ring"}}), "ref_docs", 4),
+    "cp4_ring_docs_full_recompute": (_merge(DOCS, {"parallel": {"cp": 4, "cp_attention": "ring"},
+                                                   "train": {"recompute": "full"}}), "ref_docs", 4),
 }
 
 
@@ -119,7 +121,6 @@ def test_packed_window_loss_is_the_token_weighted_mean_of_its_documents():
     model.document_eos = eos
     packed = model.loss(tokens, targets).detach()
     model.document_eos = None
-    model.rotary.documents = None
     parts = [(0, 7), (7, 14), (14, 15), (15, 25)]
     weighted = sum(model.loss(tokens[:, a:b], targets[:, a:b]).detach() * (b - a) for a, b in parts) / 25
     tol = parity.reduction_rtol(25 * 64, parity.model_depth(2))

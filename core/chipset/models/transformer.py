@@ -75,7 +75,7 @@ class Rotary:
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # built on first use
         self.layout = None  # the model's seq_layout (context parallel): which positions this rank holds
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.documents = None  # document masks: (b, s) document ids of the whole sequences being run
+        self.documents = None  # document masks: (b, s) document ids of the whole sequences of the last forward
 
     @property
     def cos(self) -> torch.Tensor:
@@ -271,13 +271,18 @@ class Transformer(nn.Module):
     def seq_layout(self, layout) -> None:
         self.rotary.layout = layout
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``tokens`` at ``positions`` (default: ``0..s-1``, or this rank's share of
-        them under ``seq_layout``)."""
-        return self.head(self.hidden(tokens, positions))
+        them under ``seq_layout``); ``documents``: document ids of the whole sequences (b, s)
+        for document masks (None: causal attention over everything)."""
+        return self.head(self.hidden(tokens, positions, documents))
 
-    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+               documents: torch.Tensor | None = None) -> torch.Tensor:
         """The last block's output (before the head) of :meth:`forward`."""
+        # Kept until the next forward: a recomputed block reads them again in backward.
+        self.rotary.documents = documents
         dtype = self.embed_tokens.weight.dtype
         if positions is None:
             cos, sin = self.rotary.tables(tokens.shape[1], tokens.device, dtype)
@@ -332,17 +337,16 @@ class Transformer(nn.Module):
 
         ``aux``: add a MoE model's load-balancing loss (training); evaluation leaves it out.
         """
-        positions = None
+        positions = docs = None
         if self.document_eos is not None:  # masks and positions per document (layers/documents.py)
             docs = document_ids(tokens, self.document_eos)
-            self.rotary.documents = docs
             positions = document_positions(docs)
         if self.seq_layout is not None:
             tokens, targets = self.seq_layout.local(tokens), self.seq_layout.local(targets)
             positions = None if positions is None else self.seq_layout.local(positions)
         if self.loss_chunk and self.loss_chunk < tokens.numel():
-            loss = self.chunked_loss(self.hidden(tokens, positions), targets)
+            loss = self.chunked_loss(self.hidden(tokens, positions, docs), targets)
         else:
-            loss = self.output_loss(self(tokens, positions), targets)
+            loss = self.output_loss(self(tokens, positions, docs), targets)
         extra = self.aux_loss([self]) if aux else None
         return loss if extra is None else loss + extra
