@@ -43,6 +43,7 @@ JOBS = {
         "1 process, bf16": {"train": {"dtype": "bfloat16"}},
         "1 process, full recompute": {"train": {"recompute": "full"}},
         "1 process, selective recompute": {"train": {"recompute": "selective"}},
+        "1 process, activation offload, loss chunk 256": {"train": {"offload_activations": True, "loss_chunk": 256}},
     },
     2: {
         "dp2 zero0": {"parallel": {"zero": 0}},
@@ -58,6 +59,9 @@ JOBS = {
         "tp2 + sp (4 experts, top-2, replicated over tp)": {"model": MOE, "parallel": {"tp": 2, "sequence_parallel": True}},
         "cp2": {"parallel": {"cp": 2}},
         "cp2, ring attention": {"parallel": {"cp": 2, "cp_attention": "ring"}},
+        "cp2, ulysses": {"parallel": {"cp": 2, "cp_attention": "ulysses"}},
+        "cp2, ring, activation offload, loss chunk 128": {"parallel": {"cp": 2, "cp_attention": "ring"},
+                                                          "train": {"offload_activations": True, "loss_chunk": 128}},
         "pp2 interleaved 1f1b (v=2)": {"parallel": {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
                                                     "micro_batches": 4}},
         "tp2 + sp, full recompute": {"parallel": {"tp": 2, "sequence_parallel": True}, "train": {"recompute": "full"}},

@@ -66,6 +66,9 @@ def add_parser(sub) -> None:
                    help="full recompute reruns each block's whole forward (Megatron-LM, DeepSpeed, reentrant "
                         "checkpointing); default: it stops before the MLP's output projection, as torch's "
                         "non-reentrant checkpoint and chipset's engine do")
+    p.add_argument("--context", action="store_true",
+                   help="recommend a context layout for the sequence length (--seq-len): cp degree, ring or "
+                        "Ulysses attention, recompute, chunked loss and activation offload (docs/long-context.md)")
     p.add_argument("--list-profiles", action="store_true", help="list the device profiles installed plugins declare")
     p.add_argument("--validation", action="store_true",
                    help="print how far the planner is from published training runs and from steps timed on an "
@@ -271,6 +274,8 @@ def run(args) -> int:
         return _run_module(args, cluster, fix, a, _train_spec(args, batch, args.dtype or DEFAULT_DTYPE))
     model = _model(args)
     train = _train_spec(args, *_train_settings(args))
+    if args.context:
+        return _context(args, model, train, cluster, a)
     res = search(model, train, cluster, fix=fix, assumptions=a)
     _warn_unknown_bandwidth(cluster)
     shown = res.candidates[: args.top]
@@ -315,6 +320,41 @@ def run(args) -> int:
         fixed = res.fixed_only is not None
         print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and not fixed else None,
                       model, cluster, "The fixed layout" if fixed else "The fastest layout"))
+    return 0
+
+
+def _context(args, model, train, cluster, a) -> int:
+    """``--context``: the context layouts of planner/context.py, the recommendation first."""
+    from chipset.planner.context import context_layouts
+
+    shown = context_layouts(model, train, cluster, model.seq_len, a)[: args.top]
+    if args.json:
+        print(json.dumps([p.to_json() for p in shown], indent=2))
+        return 0
+    print(f"model {model.name}, seq {model.seq_len}, global batch {train.global_batch}, "
+          f"{cluster.world_size} x {cluster.profile}: context layouts, fastest that fits first")
+    print(f"{'#':>2} {'dp':>4} {'cp':>3} {'attention':<9} {'recompute':<9} {'zero':>4} {'loss_chunk':>10} "
+          f"{'offload':<7} {'mem/dev':>10} {'step s':>9} {'offload s':>9}")
+    for i, p in enumerate(shown, 1):
+        lay = p.layout
+        attention = lay.cp_attention if lay.cp > 1 else "-"
+        print(f"{i:>2} {lay.dp:>4} {lay.cp:>3} {attention:<9} {lay.recompute:<9} {lay.zero:>4} "
+              f"{lay.loss_chunk:>10} {str(lay.offload_activations).lower():<7} {_gib(p.memory.total):>10} "
+              f"{p.step_time_s:>9.4g} {p.breakdown['offload']:>9.3g}{'' if p.fits else '  DOES NOT FIT'}")
+    best = shown[0]
+    if not best.fits:
+        print(f"\nnothing fits: the smallest needs {_gib(best.memory.total)} per device; add devices or shorten "
+              "the sequence")
+        return 0
+    lay = best.layout
+    sets = [f"parallel.cp={lay.cp}", f"train.recompute={lay.recompute}", f"parallel.zero={lay.zero}"]
+    if lay.cp > 1:
+        sets.append(f"parallel.cp_attention={lay.cp_attention}")
+    if lay.loss_chunk:
+        sets.append(f"train.loss_chunk={lay.loss_chunk}")
+    if lay.offload_activations:
+        sets.append("train.offload_activations=true")
+    print("\nrecommended: " + " ".join(f"--set {s}" for s in sets))
     return 0
 
 

@@ -36,10 +36,10 @@ def problems(da, vocab_size: int) -> list[str]:
         out.append(f"data.dataset = {da.dataset!r} names a Hub dataset to stream; set data.source = 'hf' and "
                    "data.streaming = true (a copy saved with save_to_disk goes in data.path)")
     if da.source != "tokens":
-        if da.eos_id >= 0:
+        if da.eos_id >= 0 and not getattr(da, "document_mask", False):
             out.append(f"data.eos_id = {da.eos_id!r} is for data.source = 'tokens' with Megatron indexed datasets "
-                       f"(documents without an end-of-document token); data.source = {da.source!r} takes the EOS "
-                       "from its tokenizer: remove data.eos_id")
+                       f"(documents without an end-of-document token) or data.document_mask; data.source = "
+                       f"{da.source!r} takes the EOS from its tokenizer: remove data.eos_id")
         return out
     stores = []  # (key, path, store) of every token source the run reads
     if da.blend:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from chipset.kernels.blockwise import attention_block, attention_block_backward
+
 __all__ = [
     "rms_norm",
     "layer_norm",
@@ -160,4 +162,6 @@ REFERENCE_KERNELS = {
     "cross_entropy": cross_entropy,
     "fused_adamw": fused_adamw,
     "grouped_mm": grouped_mm,
+    "attention_block": attention_block,
+    "attention_block_backward": attention_block_backward,
 }

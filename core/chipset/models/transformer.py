@@ -30,6 +30,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from chipset.kernels import KernelRegistry
+from chipset.kernels.blockwise import BlockAttention
+from chipset.layers.documents import document_ids, document_positions
 from chipset.layers.moe import MoE, is_moe_layer
 from chipset.models.config import ModelConfig
 
@@ -73,6 +75,7 @@ class Rotary:
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # built on first use
         self.layout = None  # the model's seq_layout (context parallel): which positions this rank holds
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.documents = None  # document masks: (b, s) document ids of the whole sequences of the last forward
 
     @property
     def cos(self) -> torch.Tensor:
@@ -91,9 +94,11 @@ class Rotary:
         return self._tables
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` at ``positions`` (not cached), in ``dtype`` on their device."""
+        """``(cos, sin)`` at ``positions`` (not cached), in ``dtype`` on their device: ``[s, head_dim]``
+        for positions ``[s]``, ``[b, 1, s, head_dim]`` for per-sequence positions ``[b, s]``."""
         pos = positions.to("cpu")
-        return (self.cos[pos].to(positions.device, dtype), self.sin[pos].to(positions.device, dtype))
+        cos, sin = self.cos[pos].to(positions.device, dtype), self.sin[pos].to(positions.device, dtype)
+        return (cos.unsqueeze(1), sin.unsqueeze(1)) if pos.dim() == 2 else (cos, sin)
 
     def tables(self, s: int, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` of shape ``[s, head_dim]`` for the ``s`` tokens this rank holds of each
@@ -146,9 +151,15 @@ class Attention(nn.Module):
     def _core(self, q, k, v, cos, sin):
         q = self._k.rotary_embedding(q, cos, sin)
         k = self._k.rotary_embedding(k, cos, sin)
+        docs = self.rotary.documents
         if self.attend is not None:
-            return self.attend(q, k, v)
-        return self._k.scaled_dot_product_attention(q, k, v, causal=True)
+            return self.attend(q, k, v) if docs is None else self.attend(q, k, v, docs)
+        if docs is None:
+            return self._k.scaled_dot_product_attention(q, k, v, causal=True)
+        rep = q.shape[1] // k.shape[1]  # the block kernels take as many kv heads as query heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return BlockAttention.apply(q, k, v, self._k, (docs, docs), True)  # masked tile by tile
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -230,6 +241,8 @@ class Transformer(nn.Module):
             self.head.lm_head.weight = self.embed_tokens.weight
         self.loss_fn = None  # pluggable (vocab-parallel cross-entropy); None = the kernel
         self.seq_layout = None  # pluggable (context parallel): which tokens this rank holds
+        self.document_eos = None  # data.document_mask: the id that ends a document (None: off)
+        self.loss_chunk = 0  # train.loss_chunk: tokens per chunk of the head and loss (0: all at once)
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -258,9 +271,18 @@ class Transformer(nn.Module):
     def seq_layout(self, layout) -> None:
         self.rotary.layout = layout
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``tokens`` at ``positions`` (default: ``0..s-1``, or this rank's share of
-        them under ``seq_layout``)."""
+        them under ``seq_layout``); ``documents``: document ids of the whole sequences (b, s)
+        for document masks (None: causal attention over everything)."""
+        return self.head(self.hidden(tokens, positions, documents))
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+               documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The last block's output (before the head) of :meth:`forward`."""
+        # Kept until the next forward: a recomputed block reads them again in backward.
+        self.rotary.documents = documents
         dtype = self.embed_tokens.weight.dtype
         if positions is None:
             cos, sin = self.rotary.tables(tokens.shape[1], tokens.device, dtype)
@@ -269,13 +291,30 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)
         for block in self.layers:
             x = block(x, cos, sin)
-        return self.head(x)
+        return x
 
     def output_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of ``logits``: the vocabulary-parallel ``loss_fn`` when
         tensor parallelism split them, else the backend's cross-entropy kernel."""
         loss_fn = self.loss_fn or self._k.cross_entropy
         return loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def chunked_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`output_loss` of ``head(x)``, ``loss_chunk`` tokens at a time: each chunk's
+        logits are dropped after its loss and recomputed in backward, so at most one chunk's
+        ``[tokens x vocab]`` exists. The chunks' means are weighted by their counted tokens."""
+        counted = (targets != -100).sum().clamp(min=1)
+        step = max(1, self.loss_chunk // x.shape[0])  # whole sequences' columns: (b, step) tokens a chunk
+
+        def part(xc, tc):
+            return self.output_loss(self.head(xc), tc) * (tc != -100).sum()
+
+        total = None
+        for lo in range(0, targets.shape[1], step):
+            xc, tc = x[:, lo:lo + step], targets[:, lo:lo + step]
+            term = checkpoint(part, xc, tc, use_reentrant=False) if torch.is_grad_enabled() else part(xc, tc)
+            total = term if total is None else total + term
+        return total / counted
 
     def aux_loss(self, modules) -> torch.Tensor | None:
         """``router_aux_loss_coef`` x the summed load-balancing losses of the MoE layers among
@@ -293,10 +332,21 @@ class Transformer(nn.Module):
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, aux: bool = True) -> torch.Tensor:
         """Mean next-token cross-entropy (float32) over the tokens this rank holds.
 
+        With ``document_eos`` set, each document of a packed window is run as if alone: its
+        tokens attend within it and rotary positions restart at its first token.
+
         ``aux``: add a MoE model's load-balancing loss (training); evaluation leaves it out.
         """
+        positions = docs = None
+        if self.document_eos is not None:  # masks and positions per document (layers/documents.py)
+            docs = document_ids(tokens, self.document_eos)
+            positions = document_positions(docs)
         if self.seq_layout is not None:
             tokens, targets = self.seq_layout.local(tokens), self.seq_layout.local(targets)
-        loss = self.output_loss(self(tokens), targets)
+            positions = None if positions is None else self.seq_layout.local(positions)
+        if self.loss_chunk and self.loss_chunk < tokens.numel():
+            loss = self.chunked_loss(self.hidden(tokens, positions, docs), targets)
+        else:
+            loss = self.output_loss(self(tokens, positions, docs), targets)
         extra = self.aux_loss([self]) if aux else None
         return loss if extra is None else loss + extra

@@ -79,6 +79,11 @@ def tp_cp_problems(m, par, tr) -> list[str]:
         problems.append(
             f"train.seq_len/cp ({tr.seq_len}/{par.cp}) must be divisible by tp ({par.tp}) with parallel.sequence_parallel"
         )
+    if par.cp > 1 and par.cp_attention == "ulysses" and (m.num_attention_heads // max(par.tp, 1)) % par.cp:
+        problems.append(
+            f"cp_attention = 'ulysses' splits heads over cp: heads per tp rank ({m.num_attention_heads}/{par.tp}) "
+            f"must be divisible by cp ({par.cp}); choose another parallel.cp or cp_attention = 'ring'"
+        )
     return problems
 
 

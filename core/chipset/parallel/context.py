@@ -9,10 +9,14 @@ over the cp group (backward: their gradients are reduce-scattered back to the ow
 the causal mask is built from global positions (key position <= query position). Rotary
 embeddings use global positions too (``Transformer.forward(tokens, positions)``).
 
-``attention="ring"`` instead passes K/V blocks around the cp ring with batched send/recv
-(each transfer overlapping the block computed meanwhile) and merges the blocks with an
-online softmax, so no rank ever holds the whole sequence's K/V; backward circulates the
-blocks again together with their gradient accumulators, which end at their owners.
+``attention="ring"`` instead passes K/V blocks around the cp ring and merges one fused
+attention block per step by log-sum-exp (parallel/ring.py), so no rank ever holds the whole
+sequence's K/V nor a block's score matrix. ``attention="ulysses"`` all-to-alls q, k, v from
+a sequence split to a head split, attends over the whole sequence on its heads and
+all-to-alls back (parallel/ulysses.py): heads / cp must be whole.
+
+Document masks: ``attend(q, k, v, docs)`` with ``docs`` the document id of every token of
+the whole sequences (``(b, s)``) keeps each query within its own document, in every mode.
 
 Everything else in the model is per token, so nothing else changes; each rank's loss is
 the mean over its tokens (an equal share), and cp ranks act as data-parallel replicas for
@@ -21,17 +25,16 @@ the parameter gradients (DataParallel averages over dp x cp).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from chipset.errors import ConfigError
-from chipset.interfaces import Collective, Group, P2POp
+from chipset.interfaces import Collective, Group
+from chipset.layers.documents import document_mask
 
 __all__ = ["ContextParallel", "apply_cp", "CP_ATTENTION"]
 
-CP_ATTENTION = ("allgather", "ring")
+CP_ATTENTION = ("allgather", "ring", "ulysses")
 
 
 class ContextParallel:
@@ -44,7 +47,7 @@ class ContextParallel:
         self.group = group
         self.size = group.size
         self.rank = group.ranks.index(collective.rank())
-        self._k = kernels
+        self.kernels = kernels
         self.attention = attention
         self._masks: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -75,6 +78,10 @@ class ContextParallel:
         """Global positions of this rank's tokens in a sequence of length ``s``."""
         return self.positions_of(self.rank, s, device)
 
+    def rank_major_positions(self, s: int, device=None) -> torch.Tensor:
+        """Global positions of every rank's tokens, rank after rank (what an all-gather yields)."""
+        return torch.cat([self.positions_of(r, s, device) for r in range(self.size)])
+
     def _mask(self, s_local: int, device) -> torch.Tensor:
         key = (s_local, str(device))
         if key not in self._masks:
@@ -84,121 +91,27 @@ class ContextParallel:
             self._masks[key] = k.unsqueeze(0) <= q.unsqueeze(1)  # (s_local, s): True = attend
         return self._masks[key]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of local queries over the whole sequence's keys/values ((b, h, s, d))."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Causal attention of local queries over the whole sequence's keys/values ((b, h, s, d));
+        ``docs``: document ids of the whole sequences (b, s), or None for one document each."""
+        from chipset.parallel.ring import ring_attention
         from chipset.parallel.tensor import all_gather_along
+        from chipset.parallel.ulysses import ulysses_attention
 
         if self.attention == "ring":
-            return _RingAttention.apply(q, k, v, self)
-
+            return ring_attention(q, k, v, self, docs)
+        if self.attention == "ulysses":
+            return ulysses_attention(q, k, v, self, docs)
         k_all = all_gather_along(k, 2, self.collective, self.group)
         v_all = all_gather_along(v, 2, self.collective, self.group)
-        mask = self._mask(q.shape[2], q.device)
-        return self._k.scaled_dot_product_attention(q, k_all, v_all, mask=mask, causal=False)
-
-
-# --- ring attention -------------------------------------------------------------------------
-
-
-def _rotate(cp: ContextParallel, t: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """Send ``t`` to the next cp rank and receive the previous rank's into a new buffer (async)."""
-    nxt = cp.group.ranks[(cp.rank + 1) % cp.size]
-    prv = cp.group.ranks[(cp.rank - 1) % cp.size]
-    buf = torch.empty_like(t)
-    handles = cp.collective.batch_p2p([P2POp("send", t, nxt, cp.group), P2POp("recv", buf, prv, cp.group)])
-    return buf, handles
-
-
-def _wait(handles) -> None:
-    for h in handles:
-        h.wait()
-
-
-def _expand(t: torch.Tensor, rep: int) -> torch.Tensor:
-    return t.repeat_interleave(rep, dim=1) if rep > 1 else t
-
-
-def _fold(t: torch.Tensor, rep: int) -> torch.Tensor:
-    """Sum the gradient of repeated kv heads back onto each kv head."""
-    if rep == 1:
-        return t
-    b, h, s, d = t.shape
-    return t.view(b, h // rep, rep, s, d).sum(2)
-
-
-class _RingAttention(torch.autograd.Function):
-    """Causal attention over the cp ring, block by block with an online softmax (float32 math)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cp):
-        s_local = q.shape[2]
-        s = s_local * cp.size
-        qpos = cp.positions(s, q.device)
-        rep = q.shape[1] // k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        qf = q.float()
-        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        m = torch.full(q.shape[:3], float("-inf"), device=q.device)
-        l = torch.zeros(q.shape[:3], device=q.device)  # noqa: E741 - the softmax denominator, as in the papers
-        kv = torch.stack([k, v]).contiguous()
-        src = cp.rank
-        for step in range(cp.size):
-            pending = _rotate(cp, kv) if step < cp.size - 1 else None
-            mask = cp.positions_of(src, s, q.device).unsqueeze(0) <= qpos.unsqueeze(1)
-            if bool(mask.any()):
-                kk, vv = _expand(kv[0].float(), rep), _expand(kv[1].float(), rep)
-                sc = (qf @ kk.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf"))
-                new_m = torch.maximum(m, sc.amax(-1))
-                safe = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)
-                p = torch.exp(sc - safe.unsqueeze(-1))
-                alpha = torch.exp(m - safe)
-                l = l * alpha + p.sum(-1)  # noqa: E741
-                o = o * alpha.unsqueeze(-1) + p @ vv
-                m = new_m
-            if pending is not None:
-                buf, handles = pending
-                _wait(handles)
-                kv = buf
-            src = (src - 1) % cp.size
-        o = o / l.unsqueeze(-1)  # every query attends at least itself: l > 0
-        lse = m + torch.log(l)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.cp = cp
-        return o.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        cp = ctx.cp
-        s = q.shape[2] * cp.size
-        qpos = cp.positions(s, q.device)
-        rep = q.shape[1] // k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        qf, dof = q.float(), do.float()
-        delta = (dof * o).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qf)
-        # Each block travels with its gradient accumulators: (k, v, dk, dv).
-        blk = torch.stack([k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
-                           torch.zeros_like(v, dtype=torch.float32)]).contiguous()
-        src = cp.rank
-        for step in range(cp.size):
-            mask = cp.positions_of(src, s, q.device).unsqueeze(0) <= qpos.unsqueeze(1)
-            if bool(mask.any()):
-                kk, vv = _expand(blk[0], rep), _expand(blk[1], rep)
-                sc = (qf @ kk.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf"))
-                p = torch.exp(sc - lse.unsqueeze(-1))
-                blk[3] += _fold(p.transpose(-2, -1) @ dof, rep)
-                ds = p * (dof @ vv.transpose(-2, -1) - delta)
-                dq += ds @ kk * scale
-                blk[2] += _fold(ds.transpose(-2, -1) @ qf * scale, rep)
-            if step < cp.size - 1:
-                buf, handles = _rotate(cp, blk)
-            else:  # the last hop brings the finished gradients home
-                buf, handles = _rotate(cp, blk[2:].contiguous())
-            _wait(handles)
-            blk = buf
-            src = (src - 1) % cp.size
-        return dq.to(q.dtype), blk[0].to(k.dtype), blk[1].to(v.dtype), None
+        if docs is None:
+            mask = self._mask(q.shape[2], q.device)
+        else:
+            s = q.shape[2] * self.size
+            qpos, kpos = self.positions(s, q.device), self.rank_major_positions(s, q.device)
+            mask = document_mask(docs[:, qpos], docs[:, kpos], qpos, kpos)
+        return self.kernels.scaled_dot_product_attention(q, k_all, v_all, mask=mask, causal=False)
 
 
 def apply_cp(model: nn.Module, attention: list[nn.Module], *, cp: ContextParallel) -> nn.Module:

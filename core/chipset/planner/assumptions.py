@@ -64,6 +64,11 @@ class Assumptions:
     (measured overlap slowdowns of 10-40% are reported for NCCL beside GEMMs, e.g. Wang et
     al. 2023 "Overlap communication with dependent computation", Jangda et al. 2022)."""
     cp_overlap: bool = True
-    """Ring attention overlaps its K/V exchange with attention compute."""
+    """Ring attention overlaps its K/V exchange with attention compute (Ulysses' all-to-alls
+    sit between the projections and attention: never overlapped)."""
+    host_link_bandwidth: float = 25e9
+    """Bytes/s between device and host memory for activation offload, one direction: a PCIe
+    Gen4 x16 link moves about 25 GB/s in practice (Gen5: about 50). Offload copies are
+    counted unoverlapped (chipset's offload copies synchronously), an upper bound."""
     max_micro_batch: int = 16
     """Largest micro-batch the search tries (all divisors of the per-replica batch up to it)."""

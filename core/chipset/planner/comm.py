@@ -27,7 +27,9 @@ What is sent, per device and step (b micro-batch, s/cp local sequence, m micro-b
   backward; 6 with full recompute) of the top_k copies of the local tokens.
 - cp (ring attention, Liu et al. 2023): per block and micro-batch K and V go round the
   ring forward, again backward with their gradients: 3x (4x with full recompute) an
-  all-gather of the local K, V.
+  all-gather of the local K, V. Ulysses (Jacobs et al. 2023): per block and micro-batch
+  four all-to-alls forward (q, k, v to the head split, the output back; kv heads repeated
+  up to a multiple of cp) and four backward (six each way with full recompute).
 - pp: per micro-batch and model chunk one activation forward and one gradient backward,
   b·s·h/t bytes (Narayanan et al. 2021 scatter/gather optimisation), plus an all-reduce of
   the tied embedding's gradient between the first and last stage.
@@ -219,6 +221,13 @@ def stage_micro_items(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster, 
         out.append(_item(cl, lay, "ep", "all_to_all", "tokens", lay.ep, tokens, a2a, "micro"))
 
     # --- context parallel ---------------------------------------------------------------
+    if lay.cp_attention == "ulysses":  # q, k, v to the head split and the output back; as many in backward
+        kv_heads = max(1, round(m.kv_dim / m.head_dim / t))
+        kv_width = math.lcm(kv_heads, lay.cp) * m.head_dim  # kv heads repeated up to a multiple of cp
+        mean = P * b * s * (2 * h / t + 2 * kv_width) / 4  # one call's buffer, averaged over the four
+        calls = (12 if lay.recompute == "full" else 8) * blocks * mb
+        out.append(_item(cl, lay, "cp", "all_to_all", "q, k, v, out", lay.cp, mean, calls, "cp"))
+        return [i for i in out if i is not None]
     kv = 2 * P * b * (seq_len or m.seq_len) * max(m.kv_dim / t, m.head_dim)
     rounds = (4 if lay.recompute == "full" else 3) * blocks * mb
     out.append(_item(cl, lay, "cp", "all_gather", "kv", lay.cp, kv, rounds, "cp"))

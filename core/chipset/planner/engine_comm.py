@@ -177,7 +177,7 @@ def departures(cfg: Any, stage: str) -> list[Departure]:
             planner = 2 * 3 * (n - 1) * kv_local
             add("batch_p2p", (engine - planner) * L * mb,
                 "ring attention: a last hop brings dK, dV home (and backward blocks travel in float32)")
-        else:
+        elif par.cp_attention == "allgather":
             add("all_gather", -2 * kv_local * L * mb,
                 "cp_attention=allgather: one all-gather of K, V forward, not the three ring passes the planner counts")
             add("reduce_scatter", n * kv_local * L * mb,

@@ -16,13 +16,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from chipset.errors import ConfigError
+from chipset.parallel.context import CP_ATTENTION
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.parallel.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
 __all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE"]
 
 SCHEDULES = PIPELINE_SCHEDULES  # chipset train's parallel.schedule names, declared by the runtime
-CP_ATTENTION = ("ring", "allgather")
+# parallel.cp_attention's names: the engine's (CP_ATTENTION, parallel/context.py)
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,13 @@ class Layout:
     """With tp > 1, norms and dropout run sequence-parallel (Korthikanti et al. 2022)."""
     cp_attention: str = "ring"
     """With cp > 1: "ring" (K/V blocks passed round the ring, Liu et al. 2023: what the communication
-    model counts) or "allgather" (K/V gathered whole: chipset's engine's default)."""
+    model counts), "allgather" (K/V gathered whole: chipset's engine's default) or "ulysses"
+    (all-to-all to a head split and back, Jacobs et al. 2023)."""
+    offload_activations: bool = False
+    """Each block's saved activations wait in host memory (``train.offload_activations``): one
+    block's on the device, the others' copied out and back (``offload`` time)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the head and loss (``train.loss_chunk``); 0 = all at once."""
 
     @property
     def world_size(self) -> int:
@@ -87,6 +94,8 @@ class Layout:
             problems.append(f"parallel.schedule must be one of {', '.join(SCHEDULES)} (found {self.schedule!r})")
         if self.cp_attention not in CP_ATTENTION:
             problems.append(f"parallel.cp_attention must be one of {', '.join(CP_ATTENTION)} (found {self.cp_attention!r})")
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            problems.append(f"train.loss_chunk must be an integer >= 0 (found {self.loss_chunk!r})")
         if self.recompute not in RECOMPUTE:
             problems.append(f"parallel.recompute must be one of {', '.join(RECOMPUTE)} (found {self.recompute!r})")
         if not problems and (self.dp * self.cp) % self.ep:

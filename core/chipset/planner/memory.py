@@ -213,7 +213,8 @@ def _edge_activation_bytes(m: ModelSpec, lay: Layout, seq_len: int, train: Train
     s = seq_len / lay.cp
     sp_div = t if lay.sp else 1
     first = (train.param_bytes + (1 if m.dropout else 0)) * s * b * h / sp_div
-    last = 2 * train.param_bytes * s * b * h / sp_div + 4 * s * b * m.vocab / t
+    logit_tokens = ref.loss_tokens(lay, s * b, b)  # a chunked loss holds one chunk's logits
+    last = 2 * train.param_bytes * s * b * h / sp_div + 4 * logit_tokens * m.vocab / t
     return first, last
 
 
@@ -242,6 +243,8 @@ def memory_per_stage(m: ModelSpec, lay: Layout, train: TrainSpec,
         # The block being recomputed holds its full activations during its backward.
         full = dataclasses.replace(lay, recompute="none")
         working = block_activation_bytes(m, full, s, train) - per_block
+    if lay.offload_activations:  # saved activations on the host; the block in backward back on the device
+        working, per_block = working + per_block, 0.0
     out = {}
     for stage, psi in stages.items():
         rank, blocks = pos[stage]
@@ -287,9 +290,19 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     e, gb = train.param_bytes, train.grad_bytes
     tokens = lay.micro_batch * s / lay.cp
     block = block_activation_bytes(m, lay, s, train)
+    # A recomputed block holds what it recomputed (full: everything; selective: the attention core) meanwhile.
+    redo = block_activation_bytes(m, dataclasses.replace(lay, recompute="none"), s, train) - block
+    if lay.offload_activations:  # every block's saved tensors on the host; the one in backward back on the device
+        redo, block = redo + block, 0.0
     loss_stage = stage in ("only", "last")
     embed = tokens * ref.embed_bytes_per_token(lay) if stage in ("only", "first") else 0.0
-    head = tokens * ref.head_bytes_per_token(m, lay, train) if loss_stage else 0.0
+    logit_tokens = ref.loss_tokens(lay, tokens, lay.micro_batch)
+    head = logit_tokens * ref.head_bytes_per_token(m, lay, train) if loss_stage else 0.0
+    chunk_grads = 0.0
+    if loss_stage and logit_tokens < tokens:  # the chunks' checkpoint keeps the head's input whole
+        head += e * tokens * m.hidden
+        # Its gradient in loss backward: the running sum and one chunk's slice gradient, both full-size.
+        chunk_grads = 2 * e * tokens * m.hidden
     # Micro-batches whose activations are alive at the first backward: the first stage's warm-up; the
     # last stage runs each backward right after its forward except under GPipe.
     if stage == "last" and lay.schedule == "interleaved_1f1b":  # its other chunks warm up like the first rank's
@@ -311,8 +324,6 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     else:
         later = min(lay.pp - rank, micro_batches - 1)
     z3 = e * local / max(1, blocks) if lay.zero == 3 else 0.0  # the block's gathered parameters
-    # A recomputed block holds what it recomputed (full: everything; selective: the attention core) meanwhile.
-    redo = block_activation_bytes(m, dataclasses.replace(lay, recompute="none"), s, train) - block
     moments = []
     for alive, grads in ((chunks, 0.0), (later, accumulated)) if accumulated else ((chunks, 0.0),):
         mbs = max(1, alive // lay.v) if lay.v > 1 else alive
@@ -322,7 +333,7 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
         stage_out = e * tokens * m.hidden * kept
         if loss_stage:
             moments.append(("loss backward", acts + stage_out + head * mbs,
-                            tokens * ref.loss_backward_bytes_per_token(m, lay) + grads, 0.0))
+                            logit_tokens * ref.loss_backward_bytes_per_token(m, lay) + grads + chunk_grads, 0.0))
         moments.append(("block backward", acts + stage_out + head * (mbs - 1) + redo,
                         ref.block_backward_bytes(m, lay, tokens, train) + grads, z3))
     mbs = max(1, chunks // lay.v) if lay.v > 1 else chunks

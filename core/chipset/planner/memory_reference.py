@@ -8,7 +8,12 @@ both the softmax and its NaN-cleaned copy; SwiGLU keeps gate, up, sigmoid(gate),
 product and the down projection's input; cross-entropy keeps float32 logits. Under
 sequence parallelism the projections reading one norm (q, k, v; gate, up) share one
 contiguous copy of the gathered sequence;
-ring attention (cp) keeps only its inputs, its float32 output and the log-sum-exp.
+ring attention (cp) keeps only its inputs, its output and the float32 log-sum-exp (the
+blockwise kernels, kernels/blockwise.py); Ulysses keeps q and k, v repeated to the local
+query heads, all of the whole sequence for heads/cp heads, its output and the log-sum-exp.
+Activation offload (``offload_activations``) keeps no block's saved tensors on the device
+but the one whose backward runs; a chunked loss (``loss_chunk``) keeps the head's input
+and one chunk's logits at a time.
 Each count below was checked tensor by tensor against ``torch.autograd.graph.saved_tensors_hooks``
 on the engine's model (docs/planner.md, "Validation: peak memory").
 
@@ -18,11 +23,12 @@ they say otherwise. ``E`` is the compute dtype's size, ``F = 4`` (float32).
 
 from __future__ import annotations
 
+from chipset.kernels.blockwise import TILE_SCORES
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 
-__all__ = ["block_bytes_per_token", "mask_bytes", "head_bytes_per_token", "embed_bytes_per_token",
-           "loss_backward_bytes_per_token", "block_backward_bytes", "F"]
+__all__ = ["block_bytes_per_token", "mask_bytes", "head_bytes_per_token", "embed_bytes_per_token", "loss_tokens",
+           "loss_backward_bytes_per_token", "block_backward_bytes", "attention_tile_bytes", "F"]
 
 F = 4
 
@@ -42,8 +48,10 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
     attn_in = e * h
     if lay.recompute == "selective":  # the checkpointed core keeps q, k, v as they came out of the projections
         core = e * (h + 2 * m.kv_dim) / t
-    elif lay.cp > 1 and lay.cp_attention == "ring":  # q, the local k, v, the float32 output and log-sum-exp
-        core = (e * (h + 2 * m.kv_dim) + F * (h + a)) / t
+    elif lay.cp > 1 and lay.cp_attention == "ring":  # q, the local k, v, the output and float32 log-sum-exp
+        core = (e * (2 * h + 2 * m.kv_dim) + F * a) / t
+    elif lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k and v on the local heads' query width, output, lse
+        core = (4 * e * h + F * a) / t
     else:  # float32 q, k and v (k, v repeated to every head and gathered over cp), softmax and its clean copy
         core = F * h / t * (1 + 2 * lay.cp) + 2 * F * (a / t) * seq_len
     attn_out = e * h / t
@@ -63,7 +71,7 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
 
 def mask_bytes(m: ModelSpec, lay: Layout, seq_len: int) -> float:
     """The boolean causal mask one block builds per micro-batch (local queries x all keys)."""
-    if lay.recompute != "none" or (lay.cp > 1 and lay.cp_attention == "ring"):
+    if lay.recompute != "none" or (lay.cp > 1 and lay.cp_attention in ("ring", "ulysses")):
         return 0.0
     return seq_len / lay.cp * seq_len
 
@@ -80,6 +88,14 @@ def head_bytes_per_token(m: ModelSpec, lay: Layout, train: TrainSpec) -> float:
     return _norm(m, lay, e) + e * m.hidden + F * m.vocab / lay.tp + 2 * F + 10
 
 
+def loss_tokens(lay: Layout, tokens: float, batch: int) -> float:
+    """Tokens whose logits exist at once: a chunk of ``loss_chunk`` (whole columns of the
+    ``batch`` sequences, as the model cuts them), or all ``tokens``."""
+    if not lay.loss_chunk:
+        return tokens
+    return min(tokens, max(1, lay.loss_chunk // batch) * batch)
+
+
 def loss_backward_bytes_per_token(m: ModelSpec, lay: Layout) -> float:
     """Float32 vocabulary-sized buffers alive in the cross-entropy's backward on top of the saved logits:
     four (softmax gradient, gather gradient, and the expression's temporaries), two vocabulary-parallel."""
@@ -93,4 +109,18 @@ def block_backward_bytes(m: ModelSpec, lay: Layout, tokens: float, train: TrainS
     if m.is_moe and not m.experts_split_over_tp:  # whole experts on every tp rank
         t = 1
     f = m.ffn * (m.top_k if m.is_moe else 1)
-    return e * tokens * (h + f / t) + e * h * m.ffn / t
+    return e * tokens * (h + f / t) + e * h * m.ffn / t + attention_tile_bytes(m, lay, tokens)
+
+
+def attention_tile_bytes(m: ModelSpec, lay: Layout, tokens: float) -> float:
+    """Ring and Ulysses attention through the reference block kernels (kernels/blockwise.py):
+    the float32 scores and probabilities of one query tile, both alive while the tile's
+    gradients are computed (at most ``TILE_SCORES`` elements each)."""
+    if lay.cp == 1 or lay.cp_attention not in ("ring", "ulysses"):
+        return 0.0
+    s_local = tokens / lay.micro_batch
+    if lay.cp_attention == "ring":  # the own block: local queries x local keys
+        heads, sq = m.heads / lay.tp, s_local
+    else:  # the whole sequence on heads / cp heads
+        heads, sq = m.heads / lay.tp / lay.cp, s_local * lay.cp
+    return 2 * F * min(TILE_SCORES, lay.micro_batch * heads * sq * sq)

@@ -54,7 +54,9 @@ def from_run_config(cfg: Any, world_size: int | None = None,
                  micro_batch=tr.global_batch // (dp * par.micro_batches),
                  schedule=par.schedule, virtual_stages=par.virtual_stages,
                  recompute=tr.recompute, sequence_parallel=par.sequence_parallel,
-                 cp_attention=getattr(par, "cp_attention", "allgather"))
+                 cp_attention=getattr(par, "cp_attention", "allgather"),
+                 offload_activations=bool(getattr(tr, "offload_activations", False)),
+                 loss_chunk=int(getattr(tr, "loss_chunk", 0)))
     train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e,
                       optimizer_bytes=optimizer_bytes(tr, masters_are_params), bucket_mb=par.bucket_mb)
     return m, lay.check(), train
@@ -80,7 +82,8 @@ def _gib(n: float) -> str:
 
 
 _ADVICE = ("lower model.hidden_size / num_hidden_layers / vocab_size / intermediate_size, train.global_batch "
-           "or train.seq_len, or raise parallel.micro_batches, parallel.zero or the tp/pp degrees")
+           "or train.seq_len, or raise parallel.micro_batches, parallel.zero or the tp/pp degrees; for long "
+           "sequences parallel.cp, train.offload_activations and train.loss_chunk (docs/long-context.md)")
 
 
 def check_job_memory(cfg: Any, world_size: int, local_ranks: int, device_memory: int | None,

@@ -38,6 +38,7 @@ from chipset.planner.kernels import device_stage_compute, gemm_curve, stage_comp
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import (
     MemoryBreakdown,
+    block_activation_bytes,
     memory_per_device,
     params_per_device,
     pipeline_positions,
@@ -224,7 +225,8 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     shard = dense / n + expert / max(1, n // lay.ep) if lay.zero >= 1 else dense + expert
     t_opt = max(optimizer_time(train, shard, dev.memory_bandwidth, a), a.kernels_per_step * launch)
     t_host = dev.step_host_overhead or a.step_host_overhead
-    step = t_pipeline + dp_exposed + t_step_comm + t_opt + t_host
+    t_offload = offload_bytes(m, lay, train, s) / a.host_link_bandwidth
+    step = t_pipeline + dp_exposed + t_step_comm + t_opt + t_host + t_offload
     n_dev = lay.world_size
     tokens = train.global_batch * s
     hw = step_flops(m, train.global_batch, lay.recompute, s)
@@ -238,10 +240,20 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
                    "cp_exposed": t_cp * mb, "pp": t_pp * mb, "bubble": bubble, "dp_total": _sum(dp_items),
                    "dp_exposed": dp_exposed, "step_comm": t_step_comm, "optimizer": t_opt,
                    "roofline": (t_gemm + t_mem) * mb, "launch_floor": t_launch * mb,
-                   "host": t_host},
+                   "host": t_host, "offload": t_offload},
         comm=tuple(items), stage_blocks=stage_block_counts(m.layers, lay.pp), slowest_stage=stage,
         bubble_slots=bubble / t_slot if t_slot > 0 else 0.0,
     )
+
+
+def offload_bytes(m: ModelSpec, lay: Layout, train: TrainSpec, s: int) -> float:
+    """Bytes per step and device that activation offload moves between device and host: every
+    block's saved activations out in forward and back in backward, per micro-batch."""
+    if not lay.offload_activations:
+        return 0.0
+    mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
+    blocks = max(stage_block_counts(m.layers, lay.pp))
+    return 2 * block_activation_bytes(m, lay, s, train) * blocks * mb
 
 
 def _slot(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster, a: Assumptions, s: int, blocks: int,
@@ -258,7 +270,7 @@ def _slot(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster, a: Assumptio
     t_tp = _sum(micro, dim="tp") / mb
     t_ep = _sum(micro, dim="ep") / mb
     t_cp = _sum(micro, dim="cp") / mb
-    if a.cp_overlap:
+    if a.cp_overlap and lay.cp_attention == "ring":
         t_cp = max(0.0, t_cp - sc.attention_s)
     t_slot = t_compute + t_tp + t_ep + t_pp + t_cp
     return t_slot, sc, t_gemm, t_mem, t_launch, t_compute, micro, t_tp, t_ep, t_cp

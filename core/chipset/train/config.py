@@ -75,7 +75,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """With tp > 1: split norm regions along the sequence over tp (reduce-scatter/all-gather instead of all-reduce)."""
     cp_attention: str = "allgather"
-    """With cp > 1: allgather (all-gather K/V over cp) or ring (pass K/V blocks around the cp ring, online softmax)."""
+    """With cp > 1: allgather (all-gather K/V over cp), ring (pass K/V blocks around the cp ring, one fused attention block per step merged by log-sum-exp) or ulysses (all-to-all from a sequence split to a head split and back; heads/tp must divide by cp). docs/long-context.md says which to use."""
     schedule: str = "1f1b"
     """With pp > 1: pipeline schedule gpipe, 1f1b or interleaved_1f1b (docs/engine.md, `chipset train --print-schedule`)."""
     virtual_stages: int = 1
@@ -136,6 +136,10 @@ class TrainConfig:
     """float16 dynamic scaling: the floor of the scale."""
     recompute: str = "none"
     """Activation recompute: none, selective (attention core) or full (whole blocks)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the output head and loss: the logits of at most this many tokens exist at once (forward and backward), so [tokens x vocab] is never materialised whole; 0 = all tokens at once. Built-in transformer, pp = 1."""
+    offload_activations: bool = False
+    """Keep the activations each block saves for backward in host memory (copied back when backward needs them; on a side stream where the backend has streams), trading transfer time for device memory on long sequences. Built-in transformer, pp = 1."""
     compile: bool = False
     """Compile each transformer block with torch.compile (regional compilation) using the compile backend the backend plugin declares; refused (exit 2) where it declares none."""
     eval_every: int = 0
@@ -183,11 +187,13 @@ class DataConfig:
     blend: str = ""
     """tokens: several sources mixed by weight, one string of WEIGHT:PATH entries separated by commas, the weights summing to 1 (e.g. "0.7:wiki, 0.3:/data/code_text_document"); each PATH is a prepared folder, a .bin file or a Megatron PREFIX, a relative one resolved against data.path (then the folder of the sources). Deterministic: a step's batch is the same on every layout and after a resume. Empty = data.path alone."""
     eos_id: int = -1
-    """tokens, Megatron indexed datasets (PREFIX.bin + PREFIX.idx): the end-of-document id; -1 = the id every document already ends with (data preprocessed with --append-eod); an id the documents do not end with is inserted after each one."""
+    """tokens, Megatron indexed datasets (PREFIX.bin + PREFIX.idx): the end-of-document id; -1 = the id every document already ends with (data preprocessed with --append-eod); an id the documents do not end with is inserted after each one. With data.document_mask (any source): the id that ends a document."""
     streaming: bool = False
     """hf: stream the records (datasets' streaming mode) and tokenize them on the fly with data.tokenizer instead of preparing a cached token folder, for corpora that do not fit on disk; data.path: local JSONL, Parquet or text files (a file, a folder or a glob), or data.dataset."""
     dataset: str = ""
     """hf with data.streaming: a Hugging Face Hub dataset to stream, "owner/name" or "owner/name:config" (split train); empty = the local files of data.path."""
+    document_mask: bool = False
+    """Packed windows keep their document boundaries: a token attends only within its document (ended by the end-of-document id: data.eos_id, else the one a tokens folder records) and rotary positions restart at each document's first token. Built-in transformer, pp = 1; works with cp."""
 
 
 @dataclass
@@ -525,7 +531,8 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
     if par.cp_attention not in CP_ATTENTION:
-        problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected {' or '.join(CP_ATTENTION)}")
+        problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected "
+                        f"{', '.join(CP_ATTENTION[:-1])} or {CP_ATTENTION[-1]}")
     # The schedule is built to check it: only for degrees the rules below do not refuse anyway
     # (pp beyond the world, more micro-batches than sequences).
     if 1 < par.pp <= (world_size or par.pp) and par.micro_batches <= max(tr.global_batch, 1):
@@ -569,7 +576,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         from chipset.data import sources
 
         problems += sources.problems(da, m.vocab_size)
-    problems += _eval_problems(cfg)
+    problems += _eval_problems(cfg) + _long_context_problems(cfg)
     if da.max_bytes < 1:
         problems.append(f"data.max_bytes = {da.max_bytes!r}: expected a positive number of bytes")
     for name in ("grad_clip", "weight_decay", "loss_scale", "warmup_steps"):
@@ -609,6 +616,31 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
     # (the built-in transformer's: heads, kv heads, rotary, tp/cp/sp divisibility, MoE, HF).
     if family is not None and callable(getattr(family, "config_problems", None)):
         problems += family.config_problems(cfg)
+    return problems
+
+
+def _long_context_problems(cfg: RunConfig) -> list[str]:
+    """train.loss_chunk, train.offload_activations and data.document_mask: the built-in
+    transformer's, without pipeline stages (which run the blocks and the head themselves)."""
+    problems = []
+    tr, da = cfg.train, cfg.data
+    if tr.loss_chunk < 0:
+        problems.append(f"train.loss_chunk = {tr.loss_chunk!r}: expected a number of tokens >= 0 (0 = no chunking)")
+    used = [k for k, on in (("train.loss_chunk", tr.loss_chunk > 0), ("train.offload_activations", tr.offload_activations),
+                            ("data.document_mask", da.document_mask)) if on]
+    for key in used:
+        if cfg.model.family != "transformer":
+            problems.append(f"{key} is a feature of the built-in transformer; model.family = {cfg.model.family!r} "
+                            "does not support it: leave it off")
+        elif cfg.parallel.pp > 1:
+            problems.append(f"{key} needs parallel.pp = 1 (found {cfg.parallel.pp}): pipeline stages run the "
+                            "blocks and the head themselves; turn it off or use cp instead of pp")
+    if tr.loss_chunk > 0 and cfg.parallel.sequence_parallel:
+        problems.append("train.loss_chunk does not combine with parallel.sequence_parallel (the head gathers the "
+                        "sequence over tp): turn one of them off")
+    if da.document_mask and da.eos_id < 0 and da.source != "tokens":
+        problems.append(f"data.document_mask needs the end-of-document id: set data.eos_id (data.source = "
+                        f"{da.source!r} records none)")
     return problems
 
 

@@ -26,6 +26,7 @@ from chipset.parallel.context import ContextParallel, apply_cp
 from chipset.parallel.dims import ParallelDims
 from chipset.parallel.experts import apply_ep
 from chipset.parallel.moe import apply_cp_moe
+from chipset.parallel.offload import apply_offload
 from chipset.parallel.recompute import apply_recompute
 from chipset.parallel.tensor import TPContext, apply_plan
 from chipset.runtime.data_parallel import DataParallel
@@ -119,7 +120,28 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
         apply_compile(family.blocks(model), compile_backend)
     # After compile: a recomputed block checkpoints its compiled forward, from eager code.
     apply_recompute(model, mode=tr.recompute, family=family)
+    if tr.offload_activations:  # outside recompute: a recomputed block saves only its inputs
+        apply_offload(family.blocks(model), backend.memory)
+    if cfg.data.document_mask:
+        model.document_eos = document_eos(cfg)
+    if tr.loss_chunk:
+        model.loss_chunk = tr.loss_chunk
     return bind(family, model, cfg)
+
+
+def document_eos(cfg: RunConfig) -> int:
+    """The id that ends a document for ``data.document_mask``: ``data.eos_id``, else the one the
+    tokens folder records; ConfigError when neither names one."""
+    da = cfg.data
+    if da.eos_id >= 0:
+        return da.eos_id
+    from chipset.data.store import open_tokens
+
+    eos = open_tokens(da.path).meta.get("eos_id") if da.source == "tokens" and not da.blend else None
+    if eos is None or eos < 0:
+        raise ConfigError(f"data.document_mask needs the end-of-document id: data.path = {da.path!r} records "
+                          "none; set data.eos_id")
+    return int(eos)
 
 
 def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):

@@ -4,6 +4,9 @@
   no materialised causal mask, no separate softmax and NaN-cleaning passes). Used when no
   row can be fully masked (no explicit mask; causal only with as many queries as keys),
   since the reference defines such rows as zeros; everything else goes to the reference.
+- attention_block / attention_block_backward: torch's flash attention for CPU
+  (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), which tiles the
+  keys and returns the log-sum-exp the ring merges with; float32, no mask.
 - fused_adamw: ``torch._fused_adamw_``, the CPU multi-tensor kernel behind
   ``torch.optim.AdamW(fused=True)``; groups it cannot take go to the reference.
 - rms_norm (float32), swiglu, cross_entropy: the ``torch.nn.functional`` ops, one C++
@@ -48,6 +51,27 @@ def scaled_dot_product_attention(q, k, v, mask=None, causal=False, scale=None):
     # Square causal: torch's top-left alignment is the reference's bottom-right one.
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
+
+
+def block_available(q, k, v, mask=None, causal=False, scale=None, docs=None) -> bool:
+    if not sdpa_available(q, k, v) or mask is not None or docs is not None:
+        return False
+    return k.shape[1] == q.shape[1] and (not causal or q.shape[-2] == k.shape[-2])
+
+
+def attention_block(q, k, v, mask=None, causal=False, scale=None, docs=None):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def block_backward_available(do, q, k, v, out, lse, mask=None, causal=False, scale=None, docs=None) -> bool:
+    return block_available(q, k, v, mask, causal, docs=docs) and _cpu(do, out, lse) and do.dtype == out.dtype == q.dtype
+
+
+def attention_block_backward(do, q, k, v, out, lse, mask=None, causal=False, scale=None, docs=None):
+    # The kernel reads out and lse as given: the merged ones make this block's share exact.
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
 
 
 def fused_adamw_available(params=None, grads=None, exp_avgs=None, exp_avg_sqs=None, step=None, **hyper) -> bool:
@@ -126,6 +150,9 @@ def grouped_mm(x, w, offs):
 
 KERNELS = {
     "scaled_dot_product_attention": (scaled_dot_product_attention, sdpa_available, "torch SDPA (fused CPU attention)"),
+    "attention_block": (attention_block, block_available, "torch flash attention for CPU, with log-sum-exp"),
+    "attention_block_backward": (attention_block_backward, block_backward_available,
+                                 "torch flash attention backward for CPU"),
     "fused_adamw": (fused_adamw, fused_adamw_available, "torch._fused_adamw_ (fused multi-tensor AdamW, CPU)"),
     "rms_norm": (rms_norm, rms_norm_available, "torch.nn.functional.rms_norm (float32)"),
     "swiglu": (swiglu, swiglu_available, "torch.nn.functional.silu times up"),

@@ -32,10 +32,12 @@ mode (measured in docs/benchmarks.md with benchmarks/sim_accounting_overhead.py)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +87,8 @@ class _Tracker(TorchDispatchMode):
         return self._track(func, args, kwargs or {})
 
     def _track(self, func, args, kwargs):
+        if getattr(self.memory._host, "depth", 0):  # host memory (Memory.host_allocations): not the device's
+            return func(*args, **kwargs)
         alias = _ALIASING.get(func)
         if alias is None:
             alias = _aliasing(func)
@@ -183,6 +187,7 @@ class SimMemory(Memory):
         self._lock = threading.RLock()
         self._mode: _Tracker | None = None
         self._current = 0  # the device set_device bound this process to
+        self._host = threading.local()  # depth of host_allocations blocks on this thread
         device.on_set_device(self._bind)
 
     # --- accounting ----------------------------------------------------------
@@ -325,3 +330,13 @@ class SimMemory(Memory):
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         # The host is the device: a plain copy is what pinning would give.
         return tensor.clone()
+
+    @contextlib.contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """Tensors created inside are host memory: never charged to the simulated device (nor
+        credited back when freed). Per thread, nestable."""
+        self._host.depth = getattr(self._host, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._host.depth -= 1

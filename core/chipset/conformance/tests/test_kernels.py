@@ -56,7 +56,8 @@ def _inputs(name: str, dt: torch.dtype, dev) -> tuple[list, dict, list[int]]:
     raise KeyError(name)
 
 
-DIFFERENTIABLE = [k for k in REFERENCE_KERNELS if k != "fused_adamw"]
+BLOCKWISE = ("attention_block", "attention_block_backward")  # tuples out, no autograd: own test below
+DIFFERENTIABLE = [k for k in REFERENCE_KERNELS if k != "fused_adamw" and k not in BLOCKWISE]
 
 
 def _require(caps, dtype):
@@ -137,6 +138,38 @@ def test_fused_adamw_matches_reference(backend, caps, dev, dtype):
             fn(params, [gr.to(dt).to(d).to(where) for gr in grads], m, v, step, lr=1e-2, weight_decay=0.1)
         results.append(params)
     _compare(results[0], results[1], "fused_adamw", dtype, caps, "updated parameter", results[2])
+
+
+@pytest.mark.parametrize("dtype", list(FLOATS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_block_matches_reference(backend, caps, dev, dtype, causal):
+    """``attention_block``'s (out, lse) and ``attention_block_backward``'s (dq, dk, dv), given a
+    merged out and lse of two blocks, as the reference's (kernels/blockwise.py)."""
+    _require(caps, dtype)
+    dt = FLOATS[dtype]
+    g = torch.Generator().manual_seed(5)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(dt).to(dev)
+
+    q, k, v, do = r(1, 2, 8, 16), r(1, 2, 8, 16), r(1, 2, 8, 16), r(1, 2, 8, 16)
+    runs = []
+    for fwd, bwd, conv in ((backend.kernels.select("attention_block", q, k, v, causal=causal),
+                            backend.kernels.select("attention_block_backward", do, q, k, v, q, q[..., 0].float(),
+                                                   causal=causal), lambda t: t),
+                           (backend.kernels.reference("attention_block"),
+                            backend.kernels.reference("attention_block_backward"), lambda t: t),
+                           (backend.kernels.reference("attention_block"),
+                            backend.kernels.reference("attention_block_backward"), exact)):
+        a = [conv(t) for t in (q, k, v, do)]
+        out, lse = fwd(*a[:3], causal=causal)
+        out2, lse2 = fwd(a[0], a[1].flip(-2), a[2].flip(-2))  # a second block of the same queries
+        lse_all = torch.logaddexp(lse.double(), lse2.double()).to(lse.dtype)
+        merged = (out.double() * (lse.double() - lse_all.double()).exp().unsqueeze(-1)
+                  + out2.double() * (lse2.double() - lse_all.double()).exp().unsqueeze(-1)).to(out.dtype)
+        runs.append([out, lse, *bwd(a[3], *a[:3], merged, lse_all, causal=causal)])
+    got, want, truth = runs
+    _compare(got, want, "attention_block", dtype, caps, "blockwise", truth)
 
 
 def test_every_reference_kernel_is_dispatchable(backend):
