@@ -107,12 +107,31 @@ def test_conformance_passes_on_a_device_torch_does_not_ship(conformance_on_the_p
 
 def test_the_double_is_reached_only_through_torchs_common_surface():
     code = ("import json, torch, toy_accel, chipset\n"
+            "from chipset.discovery.build import build_report\n"
+            "from chipset.discovery.records import discover\n"
             "b = chipset.backend()\n"
+            "rep = build_report(discover())\n"
             "print(json.dumps([b.name, torch.accelerator.current_accelerator().type, b.device.accelerator_type,"
-            " b.collective.c10d_backend, torch.distributed.get_default_backend_for_device('toyacc')]))\n")
+            " b.collective.c10d_backend, torch.distributed.get_default_backend_for_device('toyacc'),"
+            " rep['accelerator'], sorted(r['backend'] for r in rep['could_serve'])]))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(DOUBLE), env.get("PYTHONPATH")])), TOY_ACCEL_DOUBLE="1",
                CHIPSET_DISABLE_PLUGINS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == ["accelerator", "toyacc", "toyacc", "toyccl", "toyccl"]
+    assert json.loads(out.stdout.splitlines()[-1]) == [
+        "accelerator", "toyacc", "toyacc", "toyccl", "toyccl", "toyacc", ["accelerator", "cpu_sim"]]  # cpu is disabled here
+
+
+def test_backends_explains_which_backends_could_serve_this_build(capsys):
+    from chipset.cli.main import main
+
+    if torch.accelerator.current_accelerator() is not None:
+        pytest.skip("this torch build has an accelerator")
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "no accelerator in this build" in out
+    serve = next(line for line in out.splitlines() if "could serve it:" in line)
+    other = next(line for line in out.splitlines() if "need another torch build" in line)
+    assert "cpu_sim (ok)" in serve and "accelerator" not in serve
+    assert "accelerator (any accelerator)" in other and "cuda (cuda)" in other

@@ -91,6 +91,7 @@ descriptor = BackendDescriptor(
     name="accelerator",
     api_version=(1, 0),
     priority=30,  # below the vendor plugins (ascend 90, cuda 100), above the host (cpu 10)
+    device_types=("*",),  # whatever accelerator torch reports
     probe=_probe,
     load=_load,
     description="Any accelerator torch reports (XPU, PrivateUse1 devices, MPS) through torch.accelerator.",

@@ -116,6 +116,7 @@ descriptor = BackendDescriptor(
     name="cuda",
     api_version=(1, 0),
     priority=100,
+    device_types=("cuda",),  # CUDA and ROCm builds alike
     probe=_probe,
     load=_load,
     description="NVIDIA GPUs (torch.cuda, NCCL) and AMD GPUs (ROCm builds: torch.cuda on HIP, RCCL).",
