@@ -135,3 +135,20 @@ def test_backends_explains_which_backends_could_serve_this_build(capsys):
     other = next(line for line in out.splitlines() if "need another torch build" in line)
     assert "cpu_sim (ok)" in serve and "accelerator" not in serve
     assert "accelerator (any accelerator)" in other and "cuda (cuda)" in other
+
+
+@pytest.mark.parametrize("target, backend", [("rocm", "cuda"), ("xpu", "accelerator")])
+def test_the_rocm_and_xpu_gpu_checks_record_each_step_with_the_reason_here(tmp_path, target, backend):
+    if torch.accelerator.current_accelerator() is not None:
+        pytest.skip("this torch build has an accelerator: run plugins/accelerator/gpu_check.sh instead")
+    script = Path(__file__).resolve().parents[1] / "plugins" / "accelerator" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script), "--target", target, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(data["steps"]) == ["environment", "chipset_backends", "probe_fork_safe", "interfaces",
+                                   "collective_world1", "gemm_bf16", "conformance"]
+    assert data["steps"]["environment"]["ok"] and not data["all_ok"]
+    assert f"{backend} is unavailable" in data["steps"]["chipset_backends"]["error"]
+    assert all("backend unavailable" in s["skipped"] for s in list(data["steps"].values())[2:])
+    assert "| chipset_backends |" in (tmp_path / "gpu_check.md").read_text()
