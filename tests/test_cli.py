@@ -12,7 +12,8 @@ def test_backends_json_has_the_documented_shape_and_selects_cpu_sim():
     r = run_cli("backends", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    assert set(data) == {"api_version", "selected", "selection_reason", "backends"}
+    assert set(data) == {"api_version", "selected", "selection_reason", "backends", "torch_build"}
+    assert set(data["torch_build"]) == {"torch", "accelerator", "could_serve", "other_builds"}
     assert data["selected"] == "cpu_sim"
     by = {b["name"]: b for b in data["backends"]}
     assert {"cpu_sim", "cuda", "ascend"} <= set(by)

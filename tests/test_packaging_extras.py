@@ -42,7 +42,8 @@ def _core_extras() -> dict[str, list[Requirement]]:
 
 def test_every_bundled_distribution_has_a_pyproject():
     assert {"pyproject.toml", "plugins/cpu/pyproject.toml", "plugins/cpu_sim/pyproject.toml",
-            "plugins/cuda/pyproject.toml", "plugins/ascend/pyproject.toml"} <= set(PYPROJECTS)
+            "plugins/cuda/pyproject.toml", "plugins/ascend/pyproject.toml",
+            "plugins/accelerator/pyproject.toml"} <= set(PYPROJECTS)
 
 
 @pytest.mark.parametrize("rel", PYPROJECTS)

@@ -45,9 +45,10 @@ def _ensure_importable() -> None:
     """Fall back to the checkout's sources when chipset is not installed (no entry points then)."""
     try:
         import chipset  # noqa: F401
+        import chipset_accelerator  # noqa: F401
         import chipset_cuda  # noqa: F401
     except ImportError:
-        for sub in ("core", "plugins/cuda", "plugins/cpu_sim"):
+        for sub in ("core", "plugins/accelerator", "plugins/cuda", "plugins/cpu_sim"):
             sys.path.insert(0, str(ROOT / sub))
 
 

@@ -15,7 +15,7 @@ OUT="${OUT:-$root/gpu_check_out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python}"
 cd "$root"
-if ! "$PY" -m pip install --no-deps --no-build-isolation -q -e . -e plugins/cuda -e plugins/cpu_sim >"$OUT/install.log" 2>&1; then
+if ! "$PY" -m pip install --no-deps --no-build-isolation -q -e . -e plugins/accelerator -e plugins/cuda -e plugins/cpu_sim >"$OUT/install.log" 2>&1; then
   echo "pip install of the checkout failed (see $OUT/install.log); gpu_check.py falls back to the sources"
 fi
 timeout 270 "$PY" "$here/gpu_check.py" --out "$OUT"

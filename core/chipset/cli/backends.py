@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 from chipset._version import API_VERSION
+from chipset.discovery.build import build_report, explain
 from chipset.discovery.records import discover
 from chipset.discovery.select import select
 from chipset.errors import BackendSelectionError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("backends", help="list installed backends, their status and which is selected")
+    p = sub.add_parser("backends", help="list installed backends, their status, which is selected and which could serve the installed torch build")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--verbose", "-v", action="store_true", help="show tracebacks of plugins that failed")
     p.set_defaults(run=run)
@@ -29,6 +30,7 @@ def report() -> dict:
         "selected": selected,
         "selection_reason": reason,
         "backends": [r.to_dict() for r in records],
+        "torch_build": build_report(records),
         "_records": records,
     }
 
@@ -49,6 +51,8 @@ def run(args) -> int:
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row[:6], widths, strict=True)) + "  " + row[6])
     print()
+    for line in explain(rep["torch_build"]):
+        print(line)
     if rep["selected"]:
         print(f"selected: {rep['selected']} ({rep['selection_reason']})")
     else:

@@ -43,6 +43,10 @@ class BackendDescriptor:
     """Optional: True when this process has initialised the backend's device (driver/runtime
     context created). The conformance suite calls it right after ``probe()`` in a fresh
     process to prove the probe is fork-safe. Must not itself initialise anything."""
+    device_types: tuple[str, ...] = ()
+    """The torch device types this backend drives (``("cuda",)``, ``("npu",)``, ``("cpu",)``);
+    ``"*"``: whatever accelerator the torch build reports. ``chipset backends`` uses it to say
+    which installed backends could serve the installed torch build. Empty: not stated."""
     compile_backend: str | None = None
     """The ``torch.compile`` backend (e.g. ``"inductor"``) that ``train.compile = true`` uses on
     this backend's devices; None = compilation unsupported, and such runs are refused before

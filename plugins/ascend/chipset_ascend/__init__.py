@@ -84,6 +84,7 @@ descriptor = BackendDescriptor(
     name="ascend",
     api_version=(1, 0),
     priority=90,
+    device_types=("npu",),
     probe=_probe,
     load=_load,
     description="Huawei Ascend NPUs through torch_npu and HCCL.",

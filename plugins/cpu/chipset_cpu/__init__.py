@@ -31,6 +31,7 @@ descriptor = BackendDescriptor(
     name="cpu",
     api_version=(1, 0),
     priority=10,
+    device_types=("cpu",),
     probe=_probe,
     load=_load,
     simulator=False,

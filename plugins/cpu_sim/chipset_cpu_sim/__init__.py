@@ -33,6 +33,7 @@ descriptor = BackendDescriptor(
     name="cpu_sim",
     api_version=(1, 0),
     priority=0,
+    device_types=("cpu",),
     probe=_probe,
     load=_load,
     simulator=True,

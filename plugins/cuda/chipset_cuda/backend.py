@@ -11,7 +11,7 @@ import os
 from chipset.discovery.hookspecs import hookimpl
 from chipset.interfaces import ALL_COLLECTIVES, Capabilities, dtype_name
 from chipset.interfaces.collective import flight_recorder_file
-from chipset_cuda import VISIBLE_ENV
+from chipset_cuda import ROCM_VISIBLE_ENVS, VISIBLE_ENV
 from chipset_cuda import kernels as _kernels
 from chipset_cuda.collective import CudaCollective
 from chipset_cuda.device import CudaDevice, dtypes_for
@@ -44,9 +44,11 @@ def chipset_collective(device):
     return CudaCollective(device)
 
 
-def capabilities_for(compute_capability: tuple[int, int]) -> Capabilities:
-    """What GPUs of (at least) this compute capability support, as chipset declares it."""
-    dtypes = tuple(dtype_name(d) for d in dtypes_for(compute_capability))
+def capabilities_for(compute_capability: tuple[int, int], hip_dtypes: tuple | None = None) -> Capabilities:
+    """What GPUs of (at least) this compute capability support, as chipset declares it.
+    ``hip_dtypes``: the dtypes of an AMD GPU on a ROCm build (then RCCL carries the collectives,
+    and HIP graphs, unverified by chipset, are not declared)."""
+    dtypes = tuple(dtype_name(d) for d in (hip_dtypes or dtypes_for(compute_capability)))
     bf16 = "bfloat16" in dtypes
     return Capabilities(
         dtypes=dtypes,
@@ -56,7 +58,7 @@ def capabilities_for(compute_capability: tuple[int, int]) -> Capabilities:
         collective_dtypes=tuple(d for d in _NCCL_DTYPES if d != "bfloat16" or bf16),
         streams=True,
         event_timing=True,
-        graph_capture=True,  # CUDA graphs (torch.cuda.graphs), compute capability >= 7.0
+        graph_capture=hip_dtypes is None,  # CUDA graphs (torch.cuda.graphs), compute capability >= 7.0
         memory_capacity_enforced=True,
         pinned_memory=True,
         multi_process=True,
@@ -66,12 +68,13 @@ def capabilities_for(compute_capability: tuple[int, int]) -> Capabilities:
 
 @hookimpl
 def chipset_capabilities(device):
-    return capabilities_for(device.min_compute_capability())
+    hip = tuple(device.supported_dtypes) if device.hip else None
+    return capabilities_for(device.min_compute_capability(), hip)
 
 
 @hookimpl
 def chipset_register_kernels(registry, device):
-    _kernels.register(registry)
+    _kernels.register(registry, hip=bool(device.hip))
 
 
 @hookimpl
@@ -80,8 +83,9 @@ def chipset_launch_env(local_rank, local_world_size):
     # (device.set_device(local_rank)), as torchrun does. PCI bus order makes CUDA's
     # indices match nvidia-smi's, so CUDA_VISIBLE_DEVICES means the same to both.
     env = {"CUDA_DEVICE_ORDER": os.environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
-    if VISIBLE_ENV in os.environ:
-        env[VISIBLE_ENV] = os.environ[VISIBLE_ENV]
+    for var in (VISIBLE_ENV, *ROCM_VISIBLE_ENVS):  # ROCm's variables are carried too
+        if var in os.environ:
+            env[var] = os.environ[var]
     return {**env, **flight_recorder_env()}
 
 

@@ -202,13 +202,16 @@ TRITON_KERNELS = {
 }
 
 
-def register(registry) -> None:
-    """Register every CUDA kernel on ``registry``; Triton ones only when triton is installed."""
+def register(registry, hip: bool = False) -> None:
+    """Register every CUDA kernel on ``registry``; Triton ones only when triton is installed and
+    the build is not ROCm (``hip``): their block sizes and warp counts were chosen and measured
+    for NVIDIA's 32-wide warps and were never run on AMD's 64-wide wavefronts, so on ROCm the
+    core references run instead. torch's SDPA and fused AdamW have ROCm kernels and stay."""
     registry.register("scaled_dot_product_attention", scaled_dot_product_attention, priority=10,
                       available=sdpa_available, description="torch SDPA (flash / memory-efficient / cuDNN)")
     registry.register("fused_adamw", fused_adamw, priority=10, available=fused_adamw_available,
                       description="torch._fused_adamw_ (fused multi-tensor AdamW)")
-    if not triton_importable():
+    if hip or not triton_importable():
         return
     for name, (fn, available) in TRITON_KERNELS.items():
         registry.register(name, fn, priority=10, available=available, description="Triton (forward and backward)")

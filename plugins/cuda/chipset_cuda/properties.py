@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 from chipset.interfaces.device import DeviceProperties
 
-__all__ = ["GpuSpec", "SPECS", "profiles", "lookup", "estimate", "describe"]
+__all__ = ["GpuSpec", "SPECS", "profiles", "lookup", "estimate", "describe", "hip_dtypes"]
 
 GiB = 2**30
 T = 1e12
@@ -165,8 +165,24 @@ SPECS: dict[str, GpuSpec] = {
 
 
 def profiles() -> dict[str, DeviceProperties]:
-    """Every table row as a named profile (for ``BackendDescriptor.profiles``)."""
-    return {key: spec.to_properties() for key, spec in SPECS.items()}
+    """Every table row as a named profile (for ``BackendDescriptor.profiles``), NVIDIA's and
+    AMD's (``chipset_cuda.amd_properties``: ROCm builds of torch serve them through torch.cuda)."""
+    return {**{key: spec.to_properties() for key, spec in SPECS.items()}, **amd_profiles()}
+
+
+def hip_dtypes(gcn_arch: str) -> tuple:
+    """Tensor dtypes an AMD GPU of this architecture (``"gfx942"``) supports natively: bf16 on
+    every CDNA part ROCm torch supports (gfx90a on); FP8 in AMD's "fnuz" formats on gfx942
+    (MI300X/MI325X) and the OCP formats from gfx950 on (AMD's CDNA3/CDNA4 ISA guides)."""
+    import torch
+
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+              torch.int32, torch.int64, torch.uint8, torch.bool]
+    if gcn_arch == "gfx942":
+        dtypes += [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+    elif gcn_arch >= "gfx950" and gcn_arch.startswith("gfx9"):
+        dtypes += [torch.float8_e4m3fn, torch.float8_e5m2]
+    return tuple(dtypes)
 
 
 def lookup(device_name: str, total_memory: int = 0) -> GpuSpec | None:
@@ -265,8 +281,12 @@ def describe(
     compute_capability: tuple[int, int],
     sms: int,
     clock_hz: float | None = None,
+    amd: bool = False,
 ) -> DeviceProperties:
-    """Properties of a real device: the table row with measured memory/SMs, else an estimate."""
+    """Properties of a real device: the table row with measured memory/SMs, else an estimate.
+    ``amd``: a GPU of a ROCm build (the AMD rows below)."""
+    if amd:
+        return amd_describe(name, index, total_memory, compute_capability, sms)
     spec = lookup(name, total_memory)
     if spec is None:
         return estimate(name, index, total_memory, compute_capability, sms, clock_hz)
@@ -282,3 +302,90 @@ def describe(
             "source": f"{spec.source} (table row {spec.key!r})",
         }
     )
+
+
+# --- AMD Instinct (ROCm builds of torch serve them through torch.cuda) ------------------
+# AMD Instinct datasheet rows, for ROCm builds of torch (torch.cuda on HIP). Pure data: the descriptor exposes the rows as
+# named profiles (``mi250x-gcd``, ``mi210``, ``mi300x``, ``mi325x``) on any machine.
+#
+# Conventions are chipset_cuda.properties' (dense rates per dtype name, decimal bandwidth,
+# datasheet "GB" read as GiB, intra-node bandwidth per direction = the quoted bidirectional
+# Infinity Fabric aggregate / 2). ``float32`` is the vector (non-matrix) FP32 rate,
+# ``float64`` the FP64 matrix rate. Sources (AMD product pages and data sheets, amd.com):
+#
+#   [MI250X] AMD Instinct MI250X data sheet (2021): 220 CUs, 128 GB HBM2e at 3.2768 TB/s,
+#            FP64 vector 47.9 / matrix 95.7, FP32 vector 47.9, FP16/BF16 383 TFLOP/s; 8
+#            Infinity Fabric links, up to 800 GB/s. One MI250X is two GCDs and torch sees
+#            each as a device, so the profile is one GCD: half of every figure (110 CUs,
+#            64 GB, 1.6384 TB/s, BF16 191.5 TFLOP/s).
+#   [MI210]  AMD Instinct MI210 data sheet (2022): 104 CUs, 64 GB HBM2e at 1.6384 TB/s, FP64
+#            matrix 45.3, FP32 vector 22.6, FP16/BF16 181.0 TFLOP/s; 3 Infinity Fabric links,
+#            up to 300 GB/s.
+#   [MI300X] AMD Instinct MI300X data sheet (2023): 304 CUs, 192 GB HBM3 at 5.3 TB/s, FP64
+#            matrix 163.4, FP32 vector 163.4, TF32 653.7, FP16/BF16 1,307.4, FP8 2,614.9
+#            TFLOP/s dense (the sheet's sparsity figures are twice these); 7 Infinity Fabric
+#            links, 896 GB/s aggregate.
+#   [MI325X] AMD Instinct MI325X data sheet (2024): the MI300X compute die (same CUs and
+#            rates), 256 GB HBM3E at 6 TB/s, the same 896 GB/s Infinity Fabric.
+#
+# ``inter_node_bandwidth`` (one 400 Gb/s NIC per GPU on MI300-class platforms, 200 Gb/s on
+# MI200) and the latencies are typical-system estimates, as in the NVIDIA table.
+# Compute capabilities are what HIP reports (gfx90a -> 9.0, gfx942 -> 9.4).
+
+
+_AMD_IF_LATENCY = 3e-6
+
+# key: (name, match, memory, fp64, fp32, tf32, bf16, fp8, bandwidth, fabric, nic, CUs, cc, source)
+_AMD_ROWS = {
+    "mi250x-gcd": ("AMD Instinct MI250X (one GCD)", "MI250X", 64 * GiB, 47.85 * T, 23.95 * T, 0.0, 191.5 * T, 0.0,
+                   1638.4 * GBps, 400 * GBps, 200e9 / 8, 110, (9, 0), "AMD Instinct MI250X data sheet (2021), per GCD = half"),
+    "mi210": ("AMD Instinct MI210", "MI210", 64 * GiB, 45.3 * T, 22.6 * T, 0.0, 181.0 * T, 0.0,
+              1638.4 * GBps, 300 * GBps, 200e9 / 8, 104, (9, 0), "AMD Instinct MI210 data sheet (2022)"),
+    "mi300x": ("AMD Instinct MI300X", "MI300X", 192 * GiB, 163.4 * T, 163.4 * T, 653.7 * T, 1307.4 * T, 2614.9 * T,
+               5300 * GBps, 896 * GBps, 400e9 / 8, 304, (9, 4), "AMD Instinct MI300X data sheet (2023), dense rates"),
+    "mi325x": ("AMD Instinct MI325X", "MI325X", 256 * GiB, 163.4 * T, 163.4 * T, 653.7 * T, 1307.4 * T, 2614.9 * T,
+               6000 * GBps, 896 * GBps, 400e9 / 8, 304, (9, 4), "AMD Instinct MI325X data sheet (2024), dense rates"),
+}
+
+
+def _amd_props(key: str, index: int = 0) -> DeviceProperties:
+    name, _, memory, fp64, fp32, tf32, bf16, fp8, bandwidth, fabric, nic, cus, cc, source = _AMD_ROWS[key]
+    rates = {"float64": fp64, "float32": fp32, "bfloat16": bf16, "float16": bf16}
+    if tf32:
+        rates["tf32"] = tf32
+    if fp8:  # gfx942's FP8 formats are the "fnuz" variants
+        rates["float8_e4m3fnuz"] = rates["float8_e5m2fnuz"] = fp8
+    return DeviceProperties(
+        name=name, index=index, total_memory=memory, peak_flops=rates, memory_bandwidth=bandwidth,
+        intra_node_bandwidth=fabric / 2, inter_node_bandwidth=nic, intra_node_latency=_AMD_IF_LATENCY,
+        inter_node_latency=_NETWORK_LATENCY, compute_capability=cc, multiprocessor_count=cus,
+        estimated=False, source=source,
+    )
+
+
+def amd_profiles() -> dict[str, DeviceProperties]:
+    """The AMD rows as named profiles."""
+    return {key: _amd_props(key) for key in _AMD_ROWS}
+
+
+def amd_lookup(device_name: str) -> str | None:
+    """The profile key for a device name as ROCm reports it (``"AMD Instinct MI300X"``), or None."""
+    n = device_name.upper().replace(" ", "")
+    return next((key for key, row in _AMD_ROWS.items() if row[1] in n), None)
+
+
+def amd_describe(name: str, index: int, total_memory: int, compute_capability: tuple[int, int], cus: int) -> DeviceProperties:
+    """Properties of a real AMD GPU: the table row with measured memory and CUs; for a part not in
+    the table, its name and memory without rates, labelled estimated (NVIDIA's per-SM rates do
+    not describe AMD compute units)."""
+    key = amd_lookup(name)
+    if key is None:
+        return DeviceProperties(
+            name=name, index=index, total_memory=total_memory, compute_capability=tuple(compute_capability),
+            multiprocessor_count=cus, estimated=True,
+            source=f"no chipset profile for AMD part {name!r}: no peak rates (add a row to chipset_cuda.properties)",
+        )
+    props = _amd_props(key, index)
+    return DeviceProperties(**{**props.to_dict(), "name": name, "total_memory": total_memory,
+                               "compute_capability": tuple(compute_capability), "multiprocessor_count": cus,
+                               "peak_flops": props.peak_flops, "source": f"{props.source} (table row {key!r})"})
