@@ -168,3 +168,32 @@ def test_peft_adapter_folder_loads_with_peft_and_gives_chipsets_logits(exported,
     with torch.no_grad():
         theirs = model.eval()(tokens).logits
     assert rel_diff(theirs, mine) < RTOL
+
+
+def test_the_example_config_takes_a_model_directory(runs):
+    from chipset.errors import ConfigError
+    from chipset.train.config import load_config
+
+    _, base = runs
+    example = HERE.parents[1] / "examples" / "lora-finetune.toml"
+    with pytest.raises(ConfigError, match="model.init_from = 'path/to/your-hf-model'"):
+        load_config(example)
+    cfg = load_config(example, [f"model.init_from={base}", "data.source=synthetic", "train.seq_len=32"])
+    cfg.validate(world_size=4)
+    assert cfg.model.lora_rank == 16 and cfg.parallel.tp == 2 and cfg.parallel.zero == 3
+
+
+def test_bad_lora_settings_are_refused_before_launch(runs, tmp_path):
+    from chipset.errors import ConfigError
+    from chipset.train.config import load_config
+
+    _, base = runs
+    with pytest.raises(ConfigError, match=r"model.lora_dropout = 1.5: expected a probability in \[0, 1\)"):
+        load_config(None, ["model.lora_rank=4", "model.lora_dropout=1.5"]).validate(world_size=1)
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", f"model.init_from={base}",
+                        "--set", "model.lora_rank=4", "--set", "model.lora_targets=layers.*.self_attn.qq_proj",
+                        "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, env=multirank.env(), timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "pattern 'layers.*.self_attn.qq_proj' matches no module of the model" in r.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

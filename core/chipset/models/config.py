@@ -86,7 +86,7 @@ class ModelConfig:
     init_from: str = ""
     """A Hugging Face model directory (config.json + safetensors): architecture and weights, docs/hf.md."""
     lora_rank: int = 0
-    """LoRA adapters of this rank on the layers model.lora_targets names, the rest of the model frozen; 0 = off (docs/lora.md)."""
+    """LoRA adapters of this rank on the layers model.lora_targets names, the rest of the model frozen; 0 = off (docs/hf.md)."""
     lora_alpha: float = 16.0
     """LoRA scale numerator: each adapter's output is multiplied by lora_alpha / lora_rank."""
     lora_dropout: float = 0.0
