@@ -1,7 +1,7 @@
 """LoRA fine-tuning of a Hugging Face Llama (model.init_from + model.lora_rank; docs/lora.md).
 
-``chipset train`` runs the same 4 steps under one process, dp2 x ZeRO-3, tp2 and tp2 with sequence
-parallelism (the adapters' column-in-region and row paths, each with and without sequence parallelism). Every layout must
+``chipset train`` runs the same 4 steps under one process, dp2 x ZeRO-3, tp2 x ZeRO-3 and tp2 with
+sequence parallelism (the adapters' column-in-region and row paths, each with and without sequence parallelism). Every layout must
 leave the base weights bit-identical to the file while the adapters move and the loss falls,
 and equal one process under the parity rules of tests/parity.py. A run resumed from the step-2
 checkpoint ends bit for bit where the uninterrupted one did. The exports: merged HF weights load
@@ -40,7 +40,7 @@ TRAIN = ["--set", f"train.steps={STEPS}", "--set", f"train.seq_len={SEQ}", "--se
          "--set", "train.lr=0.05", "--set", "train.checkpoint_every=2", "--set", "train.keep_checkpoints=0",
          "--set", f"model.lora_rank={RANK}", "--set", f"model.lora_alpha={ALPHA}"]
 LAYOUTS = {"dp2_zero3": (["--set", "parallel.zero=3"], {"dp": 2, "zero": 3}),
-           "tp2": (["--set", "parallel.tp=2"], {"tp": 2}),
+           "tp2_zero3": (["--set", "parallel.tp=2", "--set", "parallel.zero=3"], {"tp": 2, "zero": 3}),
            "tp2_sp": (["--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true"], {"tp": 2})}
 LAYERS = HF_BASE["num_hidden_layers"]
 N_REDUCE = max(BATCH * SEQ, HF_BASE["vocab_size"], HF_BASE["hidden_size"], HF_BASE["intermediate_size"])
