@@ -59,6 +59,8 @@ ADAPTER_NAMES = ("lora_A", "lora_B")
 TARGET_STYLES = ("colwise", "colwise_in_region", "rowwise")
 """The tp plan styles whose modules LoRA targets by default: the attention and MLP projections."""
 _SEQ = 1
+LINEAR_TYPES = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+"""The modules LoRA adapts (exact types: y = x W^T + b, which the adapter's output is added to)."""
 
 
 @dataclass(frozen=True)
@@ -116,19 +118,21 @@ def _matches(model: nn.Module, patterns) -> dict[str, list[str]]:
 def target_problems(model: nn.Module, patterns, where: str = "model.lora_targets") -> list[str]:
     """Why ``patterns`` cannot target ``model`` (built on the meta device is enough): a pattern
     matching nothing, or a module that is not a linear layer."""
-    if not patterns:
-        return [f"{where}: no patterns and the model family's tp plan names no colwise/rowwise projection; "
-                "name the nn.Linear layers to adapt, e.g. model.lora_targets = \"layers.*.self_attn.q_proj\""]
     modules = dict(model.named_modules())
+    if not patterns:
+        linear = [n for n, m in modules.items() if type(m) in LINEAR_TYPES]
+        return [f"{where}: no patterns and the model family's tp plan names no colwise/rowwise projection; "
+                "name the nn.Linear layers to adapt (comma-separated patterns); this model's are "
+                + (", ".join(linear[:6]) + (", ..." if len(linear) > 6 else "") if linear else "none")]
     problems = []
     for pattern, names in _matches(model, patterns).items():
         if not names:
             problems.append(f"{where}: pattern {pattern!r} matches no module of the model; module names look "
-                            f"like {', '.join(list(modules)[1:4])} (chipset models --tree shows them)")
-        bad = [n for n in names if not isinstance(modules[n], (nn.Linear, ColumnParallelLinear, RowParallelLinear))]
-        if bad:
+                            f"like {', '.join(list(modules)[1:4])} (print(model) lists them)")
+        bad = [n for n in names if type(modules[n]) not in LINEAR_TYPES]
+        if bad:  # a subclass may transform its input before the matmul (ResNet's pooled head): not x W^T
             problems.append(f"{where}: pattern {pattern!r} matches {bad[0]} ({type(modules[bad[0]]).__name__}); "
-                            "LoRA adapts nn.Linear layers only; narrow the pattern")
+                            "LoRA adapts plain nn.Linear layers only; narrow the pattern")
     return problems
 
 
