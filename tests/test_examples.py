@@ -15,8 +15,9 @@ from chipset.train.config import load_config
 from testenv import SideBySide, clean_env, selected
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-# hf-finetune.toml names a model directory the user supplies (tests/test_hf.py runs it with one).
-CONFIGS = sorted(p for p in EXAMPLES.glob("*.toml") if p.name != "hf-finetune.toml")
+# hf-finetune.toml and lora-finetune.toml name a model directory the user supplies (tests/test_hf.py and
+# tests/test_lora.py load them with one).
+CONFIGS = sorted(p for p in EXAMPLES.glob("*.toml") if p.name not in ("hf-finetune.toml", "lora-finetune.toml"))
 
 # Scaled down so the suite stays fast; the layout (the point of each example) is kept.
 RUNNABLE = {

@@ -1,4 +1,4 @@
-"""``chipset export RUN_DIR [--step N] --format hf|torch --out DIR``: a checkpoint for other tools."""
+"""``chipset export RUN_DIR [--step N] --format hf|torch|peft --out DIR``: a checkpoint for other tools."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ def add_parser(sub) -> None:
         "without launching ranks, and write it to the new folder --out: --format hf writes config.json and "
         "safetensors (sharded above --max-shard-mb, with model.safetensors.index.json) that "
         "transformers.AutoModelForCausalLM.from_pretrained loads; --format torch writes model.pt (chipset "
-        "parameter names) and config.json (the [model] section). Weights come from the fp32 masters. "
+        "parameter names) and config.json (the [model] section); a LoRA run's adapters are merged into both. "
+        "--format peft writes a LoRA run's adapters alone (adapter_config.json, adapter_model.safetensors) "
+        "for peft.PeftModel.from_pretrained. Weights come from the fp32 masters. "
         "docs/hf.md.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory chipset train wrote (with checkpoints/)")
     p.add_argument("--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default: newest)")
-    p.add_argument("--format", default="hf", choices=("hf", "torch"), help="output format (default hf)")
+    p.add_argument("--format", default="hf", choices=("hf", "torch", "peft"),
+                   help="output format (default hf); peft: a LoRA run's adapters as a PEFT adapter folder")
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty folder to write (never overwritten)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of the written weights (default float32)")

@@ -90,6 +90,14 @@ class ModelConfig:
     """A Hugging Face config.json: the architecture keys above are taken from it (random init), docs/hf.md."""
     init_from: str = ""
     """A Hugging Face model directory (config.json + safetensors): architecture and weights, docs/hf.md."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on the layers model.lora_targets names, the rest of the model frozen; 0 = off (docs/hf.md)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: each adapter's output is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapter's input while training (0 <= p < 1); its masks are not the same across layouts."""
+    lora_targets: str = ""
+    """Layers LoRA adapts: comma-separated module-name patterns in the tp plans' vocabulary (e.g. "layers.*.self_attn.q_proj, layers.*.self_attn.v_proj"); empty = every projection the family's tp plan splits (attention and MLP)."""
     family_options: dict[str, Any] = field(default_factory=dict, metadata={"family_keys": True})
     """Not a key of its own: the ``[model]`` keys the family declares in its ``config_class``,
     validated when the config is read; written back into ``[model]`` with the others."""

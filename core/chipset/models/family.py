@@ -356,7 +356,12 @@ def layout_problems(family: ModelFamily, cfg) -> list[str]:
                         f"(it supports {', '.join(x for x in LAYOUTS if x in family.layouts)}); "
                         "change parallel.* or use a family that does")
     own = getattr(family, "layout_problems", None)  # ModelFamily subclasses; a duck-typed family gets the checks
-    return problems + (own(cfg) if callable(own) else _layout_checks(family, cfg))
+    problems += own(cfg) if callable(own) else _layout_checks(family, cfg)
+    if not problems and getattr(cfg.model, "lora_rank", 0) > 0:
+        from chipset.parallel.lora import target_patterns, target_problems
+
+        problems += target_problems(meta_model(family, cfg), target_patterns(cfg, family))
+    return problems
 
 
 def _layout_checks(family, cfg) -> list[str]:

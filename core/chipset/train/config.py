@@ -466,6 +466,21 @@ def _load(path: str | Path | None, overrides: list[str] | None) -> tuple[RunConf
     return cfg, problems
 
 
+def _lora_problems(m) -> list[str]:
+    """model.lora_*: the values alone (the targets are matched against the model in layout_problems)."""
+    out = []
+    if m.lora_rank < 0:
+        out.append(f"model.lora_rank = {m.lora_rank!r}: expected an integer >= 0 (0 = no LoRA)")
+    if not (math.isfinite(m.lora_alpha) and m.lora_alpha > 0):
+        out.append(f"model.lora_alpha = {m.lora_alpha!r}: expected a positive number (scale = alpha / rank)")
+    if not (math.isfinite(m.lora_dropout) and 0 <= m.lora_dropout < 1):
+        out.append(f"model.lora_dropout = {m.lora_dropout!r}: expected a probability in [0, 1)")
+    if m.lora_targets and not m.lora_rank:
+        out.append(f"model.lora_targets = {m.lora_targets!r} with model.lora_rank = 0: LoRA is off; "
+                   "set model.lora_rank (e.g. 8) or drop lora_targets")
+    return out
+
+
 def _absolute_data_paths(cfg: RunConfig, base: Path) -> None:
     for key in ("path", "eval_path"):
         value = getattr(cfg.data, key)
@@ -528,6 +543,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"train.profile_steps = {tr.profile_steps!r}: {exc}")
     if par.zero not in (0, 1, 2, 3):
         problems.append(f"parallel.zero = {par.zero!r}: expected a ZeRO stage 0, 1, 2 or 3")
+    problems += _lora_problems(m)
     if par.dp < 0:
         problems.append(f"parallel.dp = {par.dp!r}: expected a positive degree, or 0 for world size / (tp*pp*cp)")
     if par.cp_attention not in CP_ATTENTION:

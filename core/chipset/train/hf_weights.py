@@ -23,6 +23,7 @@ import torch
 from chipset.errors import ConfigError
 from chipset.models.hf.config import SUPPORTED_ARCHITECTURES
 from chipset.models.hf.weights import SafetensorsDir, name_problems, read_box, tensor_sources
+from chipset.parallel.lora import is_adapter
 from chipset.train.checkpoint.layout import engine_pieces, logical_shapes
 
 __all__ = ["load_into_engine"]
@@ -40,7 +41,8 @@ def load_into_engine(engine, directory: str | Path, architecture: str = "") -> i
     directory = Path(directory)
     read = 0
     with SafetensorsDir(directory) as src:
-        shapes = logical_shapes(engine)
+        # LoRA adapters are not in the file: they keep their initial values (parallel/lora.py).
+        shapes = {n: s for n, s in logical_shapes(engine).items() if not is_adapter(n)}
         tied = "head.lm_head.weight" not in shapes
         problems = name_problems(src, shapes, tied, family)
         if problems:
@@ -52,6 +54,8 @@ def load_into_engine(engine, directory: str | Path, architecture: str = "") -> i
         with torch.no_grad():
             for kind in kinds:
                 for name, shape, pieces in engine_pieces(engine, kind, for_load=True):
+                    if is_adapter(name):
+                        continue
                     hf = tensor_sources(name, shape, family)
                     for piece in pieces:
                         for box in piece.boxes:

@@ -25,6 +25,7 @@ from chipset.parallel.compile import apply_compile, check_compile, compile_backe
 from chipset.parallel.context import ContextParallel, apply_cp
 from chipset.parallel.dims import ParallelDims
 from chipset.parallel.experts import apply_ep
+from chipset.parallel.lora import apply_lora, lora_of
 from chipset.parallel.moe import apply_cp_moe
 from chipset.parallel.offload import apply_offload
 from chipset.parallel.recompute import apply_recompute
@@ -109,6 +110,9 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
     if dims.tp_enabled:  # the family's plan; the engine names no module (models/family.py)
         tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
         apply_plan(model, family.plan(cfg), tp=tp)
+    lora = lora_of(cfg, family)
+    if lora is not None:  # after the plan: the adapters follow its split (parallel/lora.py)
+        apply_lora(model, lora, seed=cfg.train.seed)
     if dims.cp_enabled:
         cp = ContextParallel(col, dims.group("cp", col), backend.kernels, attention=par.cp_attention)
         apply_cp(model, family.attention(model), cp=cp)

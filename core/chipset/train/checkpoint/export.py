@@ -29,6 +29,7 @@ import torch
 from chipset.errors import ConfigError
 from chipset.models.hf.config import SUPPORTED_ARCHITECTURES, to_hf_config
 from chipset.models.hf.names import expert_names, to_hf
+from chipset.parallel.lora import ADAPTER_NAMES, is_adapter, merge
 from chipset.runtime.precision import DTYPE_BY_NAME
 from chipset.train.config import RunConfig
 
@@ -36,7 +37,7 @@ __all__ = ["FORMATS", "Carried", "Exported", "carry_tokenizer", "export", "find_
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("hf", "torch")
+FORMATS = ("hf", "torch", "peft")
 DTYPES = DTYPE_BY_NAME  # the export's --dtype names: the same as train.dtype's
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -129,30 +130,38 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, fmt
     cfg = RunConfig.from_dict(state["config"], where=str(ckpt / store.STATE))
     shapes = {n: list(s) for n, s in state["shapes"].items()}
     hf_cfg, carried = None, Carried()
-    if fmt == "hf":
+    if fmt == "peft" and not cfg.model.lora_rank:
+        raise ConfigError(f"--format peft: {ckpt} was trained without LoRA (model.lora_rank = 0); export it "
+                          "with --format hf or torch")
+    if fmt in ("hf", "peft"):
         try:
             hf_cfg = to_hf_config(cfg.model)
         except ValueError as exc:
             raise ConfigError(f"cannot export {ckpt} as a Hugging Face model: {exc}") from None
         hf_cfg["torch_dtype"] = dtype
+    if fmt == "hf":
         carried = carry_tokenizer(cfg)
         hf_cfg.update(carried.ids)
     reader = store.safe_reader(ckpt)
     md = reader.read_metadata().state_dict_metadata
-    kind = "optim.master" if all(f"optim.master.{n}" in md for n in shapes) else "model"
+    # fp32 masters where they exist; a frozen parameter (LoRA's base) has none: its value.
+    kinds = {n: "optim.master" if f"optim.master.{n}" in md else "model" for n in shapes}
     out.parent.mkdir(parents=True, exist_ok=True)
     # mkdir, not mkdtemp: the folder gets the default mode (mkdtemp's is 0o700, readable by its owner only).
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
+        family = SUPPORTED_ARCHITECTURES[hf_cfg["architectures"][0]] if hf_cfg else ""
+        weights = _Weights(reader, kinds, shapes, cfg)
         if fmt == "hf":
-            family = SUPPORTED_ARCHITECTURES[hf_cfg["architectures"][0]]
-            _write_hf(reader, kind, shapes, hf_cfg, tmp, DTYPES[dtype], int(max_shard_mb * 2**20), family)
+            _write_hf(weights, hf_cfg, tmp, DTYPES[dtype], int(max_shard_mb * 2**20), family)
             _write_carried(carried, tmp)
+        elif fmt == "peft":
+            _write_peft(weights, cfg, tmp, DTYPES[dtype], family)
         else:
-            _write_torch(reader, kind, shapes, cfg, tmp, DTYPES[dtype])
-        # safetensors writes its files 0o600; config.json, written with open(), has the default mode.
-        mode = (tmp / "config.json").stat().st_mode & 0o777
+            _write_torch(weights, cfg, tmp, DTYPES[dtype])
+        # safetensors writes its files 0o600; the JSON files, written with open(), have the default mode.
+        mode = (tmp / ("adapter_config.json" if fmt == "peft" else "config.json")).stat().st_mode & 0o777
         for f in tmp.iterdir():
             f.chmod(mode)
         if out.exists():
@@ -291,17 +300,38 @@ def _hf_tensors(name: str, t: torch.Tensor, family: str) -> dict[str, torch.Tens
     return {e: t[i].contiguous() for i, e in enumerate(experts)}
 
 
-def _write_hf(reader, kind, shapes, hf_cfg, tmp: Path, dtype, max_bytes: int, family: str) -> None:
+class _Weights:
+    """The checkpoint's logical tensors, read a group at a time; with LoRA the model's names exclude the
+    adapters and each adapted weight comes merged (``W + alpha/rank * B @ A``, parallel/lora.py)."""
+
+    def __init__(self, reader, kinds: dict[str, str], shapes: dict[str, list[int]], cfg: RunConfig):
+        self.reader, self.kinds, self.all = reader, kinds, shapes
+        self.lora = cfg.model.lora_rank > 0
+        self.scale = cfg.model.lora_alpha / cfg.model.lora_rank if self.lora else 0.0
+        self.shapes = {n: s for n, s in shapes.items() if not is_adapter(n)}
+        self.adapters = [n for n in shapes if is_adapter(n)]
+
+    def read(self, names, *, merged: bool = True) -> dict[str, torch.Tensor]:
+        """float32 tensors of ``names``; with ``merged`` their adapters are read too and folded in."""
+        names = list(names)
+        if merged and self.lora:
+            names += [f"{n.removesuffix('.weight')}.{x}.weight" for n in names for x in ADAPTER_NAMES
+                      if f"{n.removesuffix('.weight')}.{x}.weight" in self.all]
+        buf = {n: torch.empty(self.all[n], dtype=torch.float32) for n in names}
+        _read(self.reader, {f"{self.kinds[n]}.{n}": (self.all[n], t) for n, t in buf.items()})
+        return merge(buf, self.scale) if merged and self.lora else buf
+
+
+def _write_hf(weights: _Weights, hf_cfg, tmp: Path, dtype, max_bytes: int, family: str) -> None:
     from safetensors.torch import save_file
 
-    groups = _groups(shapes, max_bytes, torch.tensor([], dtype=dtype).element_size())
+    groups = _groups(weights.shapes, max_bytes, torch.tensor([], dtype=dtype).element_size())
     files = ["model.safetensors"] if len(groups) == 1 else [
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map, total = {}, 0
     for names, file in zip(groups, files, strict=True):
-        buf = {n: (shapes[n], torch.empty(shapes[n], dtype=torch.float32)) for n in names}
-        _read(reader, {f"{kind}.{n}": v for n, v in buf.items()})
-        tensors = {k: v for n, (_, t) in buf.items() for k, v in _hf_tensors(n, t.to(dtype), family).items()}
+        buf = weights.read(names)
+        tensors = {k: v for n, t in buf.items() for k, v in _hf_tensors(n, t.to(dtype), family).items()}
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         for k, t in tensors.items():
             weight_map[k] = file
@@ -313,7 +343,33 @@ def _write_hf(reader, kind, shapes, hf_cfg, tmp: Path, dtype, max_bytes: int, fa
     (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
 
 
-def _write_torch(reader, kind, shapes, cfg: RunConfig, tmp: Path, dtype) -> None:
+def peft_name(name: str) -> str:
+    """PEFT's key of adapter ``name``: ``layers.0.self_attn.q_proj.lora_A.weight`` ->
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
+    base, _, leaf = name.removesuffix(".weight").rpartition(".")
+    return f"base_model.model.{to_hf(base + '.weight').removesuffix('.weight')}.{leaf}.weight"
+
+
+def _write_peft(weights: _Weights, cfg: RunConfig, tmp: Path, dtype, family: str) -> None:
+    """``adapter_model.safetensors`` (the adapters under PEFT's names) and ``adapter_config.json``
+    (a LoRA config whose target_modules are the adapted modules' exact Hugging Face names), which
+    ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the base model (model.init_from)."""
+    from safetensors.torch import save_file
+
+    m = cfg.model
+    tensors = {peft_name(n): t.to(dtype).contiguous() for n, t in weights.read(weights.adapters, merged=False).items()}
+    targets = sorted({k.removeprefix("base_model.model.").rsplit(".", 2)[0] for k in tensors})
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": m.init_from or None,
+        "r": m.lora_rank, "lora_alpha": m.lora_alpha, "lora_dropout": m.lora_dropout, "target_modules": targets,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
+    }
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _write_torch(weights: _Weights, cfg: RunConfig, tmp: Path, dtype) -> None:
     """``model.pt``: the state dict of the run's model family's module (its own names), and its
     ``[model]`` config as ``config.json`` (``ModelConfig(**json)`` rebuilds the module)."""
     import dataclasses
@@ -321,9 +377,7 @@ def _write_torch(reader, kind, shapes, cfg: RunConfig, tmp: Path, dtype) -> None
     from chipset.models.family import meta_model
     from chipset.models.registry import resolve_family
 
-    buf = {n: (s, torch.empty(s, dtype=torch.float32)) for n, s in shapes.items()}
-    _read(reader, {f"{kind}.{n}": v for n, v in buf.items()})
-    sd = {n: t.to(dtype) for n, (_, t) in buf.items()}
+    sd = {n: t.to(dtype) for n, t in weights.read(weights.shapes).items()}
     # A module's state_dict lists a shared (tied) weight under each of its names; the
     # checkpoint holds it once, under the first.
     first: dict[int, str] = {}
@@ -332,4 +386,5 @@ def _write_torch(reader, kind, shapes, cfg: RunConfig, tmp: Path, dtype) -> None
             sd[name] = sd[first[id(p)]]
         first.setdefault(id(p), name)
     torch.save(sd, tmp / "model.pt")
-    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg.model), indent=2) + "\n")
+    plain = dataclasses.replace(cfg.model, lora_rank=0, lora_targets="")  # the adapters are merged in
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(plain), indent=2) + "\n")

@@ -38,9 +38,14 @@ def check_resume(run_dir: Path, mode: str, cfg, backend, run_id: str | None = No
         return None
     from chipset.models.family import meta_model
     from chipset.models.registry import resolve_family
+    from chipset.parallel.lora import apply_lora, lora_of
 
     state = json.loads((path / store.STATE).read_text())
-    model = meta_model(resolve_family(cfg.model.family), cfg, backend.kernels)  # shapes only
+    family = resolve_family(cfg.model.family)
+    model = meta_model(family, cfg, backend.kernels)  # shapes only
+    lora = lora_of(cfg, family)
+    if lora is not None:  # its adapters are parameters the checkpoint holds too
+        apply_lora(model, lora, seed=cfg.train.seed)
     mine = {n: tuple(p.shape) for n, p in model.named_parameters()}
     problems = shape_mismatches({n: tuple(s) for n, s in state["shapes"].items()}, mine)
     if problems:
