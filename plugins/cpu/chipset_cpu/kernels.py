@@ -144,8 +144,21 @@ def grouped_mm_available(x, w, offs) -> bool:
             and offs.shape[0] == w.shape[0] and x.shape[1] == w.shape[1])
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: torch._grouped_mm's backward
+    refuses an expanded one (stride 0, e.g. from ``y.sum()``)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def grouped_mm(x, w, offs):
-    return torch._grouped_mm(x, w, offs=offs)
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
 KERNELS = {
