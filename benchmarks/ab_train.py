@@ -1,11 +1,11 @@
 """The same ``chipset train`` under two chipset source trees: collective bytes and step time side by side.
 
-    git archive REV_A core | tar -x -C /tmp/a     # one tree per revision to compare
-    git archive REV_B core | tar -x -C /tmp/b
+    git archive REV_A core plugins | tar -x -C /tmp/a     # one tree per revision to compare
+    git archive REV_B core plugins | tar -x -C /tmp/b
     python benchmarks/ab_train.py /tmp/a/core /tmp/b/core --reps 5 -- --nproc 2 --set parallel.tp=2 ...
 
 Runs ``python -m chipset.cli.main train ARGS --resume none`` with ``PYTHONPATH`` set to each
-tree in turn (a, b, a, b, ... so that load on a shared host falls on both alike), on
+tree (its core and, when the archive holds them, its plugins/*) in turn (a, b, a, b, ... so that load on a shared host falls on both alike), on
 cpu_sim. From every run's metrics.jsonl, after the first ``--skip`` steps: the bytes and
 calls per collective op of rank 0 (the simulator's exact count, the same every step and
 run), the median step time and the median per-rank mean of ``comm_s`` (time inside
@@ -31,7 +31,8 @@ from pathlib import Path
 def run(src: Path, args: list[str], run_dir: Path) -> tuple[list[dict], dict]:
     """One training run under the chipset tree ``src``: its metrics.jsonl records and summary.json."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
-    env.update(CHIPSET_BACKEND="cpu_sim", OMP_NUM_THREADS="1", PYTHONPATH=str(src))
+    plugins = sorted(str(d) for d in (src.parent / "plugins").glob("*") if d.is_dir())  # the tree's own plugins
+    env.update(CHIPSET_BACKEND="cpu_sim", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(src), *plugins]))
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts clean
     cmd = [sys.executable, "-m", "chipset.cli.main", "train", *args, "--resume", "none", "--run-dir", str(run_dir)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
