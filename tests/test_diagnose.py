@@ -126,3 +126,11 @@ def test_unreadable_run_dir_exits_2(tmp_path, capsys):
     assert main(["diagnose", str(tmp_path)]) == 2
     assert "nothing to diagnose" in capsys.readouterr().err
     assert main(["diagnose", str(tmp_path / "nope")]) == 2
+
+
+def test_report_page_starts_with_the_findings(tmp_path):
+    from chipset.report import load_run, render_html
+
+    html = render_html(load_run(_write(tmp_path, _recs(compute_s=lambda s, v: [2.0, 0.8]))))
+    assert html.index("<h2>Findings</h2>") < html.index("<h2>Run</h2>")
+    assert "rank 0 is a straggler" in html
