@@ -134,3 +134,15 @@ def test_report_page_starts_with_the_findings(tmp_path):
     html = render_html(load_run(_write(tmp_path, _recs(compute_s=lambda s, v: [2.0, 0.8]))))
     assert html.index("<h2>Findings</h2>") < html.index("<h2>Run</h2>")
     assert "rank 0 is a straggler" in html
+
+
+def test_live_watch_warns_once_per_straggler_and_leak():
+    from chipset.train.watch import LiveWatch
+
+    watch, lines = LiveWatch(), []
+    for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], memory_bytes=lambda s, v: [100 * MIB, s * MIB]):
+        lines += watch.step(rec)
+    assert len(lines) == 2 and "rank 1 is a straggler" in lines[0] and "rank 1's memory grew" in lines[1]
+    assert "(step 3)" in lines[0] and "at step 4" in lines[1]
+    watch = LiveWatch()
+    assert not [x for rec in _recs() for x in watch.step(rec)]

@@ -36,6 +36,7 @@ def runs(tmp_path_factory):
                 env["CHIPSET_SIM_FAULTS"] = FAULTS[name]
             r = testenv.chipset_train(base / name, 2, ["train.steps=6", "train.global_batch=2"], env=env, timeout=300)
             assert r.returncode == 0, r.stdout + r.stderr
+            (base / f"{name}.out").write_text(r.stdout + r.stderr)
             return base / name
         return start
 
@@ -67,3 +68,10 @@ def test_the_injected_fault_is_ranked_first(runs, capsys, fault, kind, rank, ste
     if rank is not None:
         assert first["rank"] == rank
     assert code == 1 and first["severity"] == "error"
+
+
+@pytest.mark.parametrize(("fault", "line"), [("slow", "rank 1 is a straggler"), ("leak", "rank 0's memory grew")])
+def test_the_console_warns_while_the_run_goes(runs, fault, line):
+    out = (runs[fault].parent / f"{fault}.out").read_text()
+    assert line in out and "chipset: warning" in out
+    assert "chipset: warning: rank" not in (runs["clean"].parent / "clean.out").read_text()
