@@ -222,3 +222,11 @@ def test_four_rank_all_reduce_with_a_hung_rank_ends_in_collective_timeout_error(
     assert hung["done"] == [0] and hung["error"] == "CollectiveError"
     assert "withheld collective #1 on purpose" in hung["message"]
     assert wall < timeout_s + 60
+
+
+def test_the_diagnose_faults_parse():
+    faults = parse_faults("slow:rank=1,ms=300;slow_link:rank=0,ms=50;leak:rank=1,mib=4,step=3;leak:rank=0,mib=2")
+    assert [(f.kind, f.rank, f.ms, f.mib, f.step) for f in faults] == [
+        ("slow", 1, 300, 0, None), ("slow_link", 0, 50, 0, None), ("leak", 1, 0, 4, 3), ("leak", 0, 0, 2, None)]
+    with pytest.raises(ConfigError, match="missing mib"):
+        parse_faults("leak:rank=1")

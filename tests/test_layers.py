@@ -25,7 +25,7 @@ LAYERS = [
     {"models"},                                   # model families and their configs
     {"planner"},                                  # formulas; reads run configs by attribute
     {"train"},                                    # run config, loop, launch, checkpoints
-    {"conformance", "report", "plugin_kit", "api"},  # tools and the library API
+    {"conformance", "report", "diagnose", "plugin_kit", "api"},  # tools and the library API
     {"cli"},                                      # the command line
 ]
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

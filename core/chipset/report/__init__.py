@@ -184,6 +184,20 @@ def _table(rows: list[tuple[str, Any]]) -> str:
     return f"<table>{body}</table>"
 
 
+def _findings(run: Run) -> str:
+    """The run doctor's ranked findings (chipset diagnose, docs/diagnose.md) as a table."""
+    from chipset.diagnose import diagnose_records
+
+    diag = diagnose_records(run.records, run.summary, str(run.path))
+    if not diag.findings:
+        return '<p class="muted">no findings: nothing in the recorded metrics stands out (chipset diagnose)</p>'
+    rows = "".join(
+        f"<tr><td>{escape(f.severity)}</td><td>{escape(f.title)}</td><td>{f.confidence:.2f}</td>"
+        f"<td>{escape(f.advice)}</td></tr>" for f in diag.findings)
+    return ("<table><tr><th>severity</th><th>finding</th><th>confidence</th><th>what to do</th></tr>"
+            f"{rows}</table>")
+
+
 def render_html(run: Run) -> str:
     """The report page for ``run`` as one HTML string."""
     s, recs = run.summary, run.records
@@ -229,6 +243,7 @@ def render_html(run: Run) -> str:
         f"<h1>chipset run report: {escape(run.path.name)}</h1>",
         '<p class="muted">Written by <code>chipset report</code> from metrics.jsonl, summary.json and config.toml. '
         "Definitions of every number: docs/observability.md.</p>",
+        "<h2>Findings</h2>", _findings(run),
         "<h2>Run</h2>", _table(facts),
         "<h2>Backend and devices</h2>", _table(dev_rows),
         "<h2>Restarts and resumes</h2>",

@@ -38,6 +38,7 @@ import torch
 
 from chipset.train.config import parse_profile_steps
 from chipset.train.sinks import SinkSet, open_sinks
+from chipset.train.watch import LiveWatch
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class StepMetrics:
         self._profile = parse_profile_steps(cfg.train.profile_steps)
         self._profiler = None
         self._last_step = cfg.train.steps
+        self._watch = LiveWatch() if rank == 0 else None
         if self._profile is not None and self._profile[0] > self._last_step and rank == 0:
             log.warning("no profiler trace: profile_steps %s starts after the run's last step (%d); "
                         "choose steps within 1:%d", cfg.train.profile_steps, self._last_step, self._last_step)
@@ -142,6 +144,9 @@ class StepMetrics:
             "slowest_rank": slowest,
             "comm": comm,
         })
+        if self._watch is not None:
+            for line in self._watch.step(rec):
+                print(line, file=self.out, flush=True)
         # The sinks get ``rec`` at the next begin_step or close(): the loop adds the step's evaluation
         # (eval_loss, ...) to this same dict after end_step returns it.
         self._pending = rec if self._sinks else None

@@ -62,6 +62,9 @@ class SimCollective(HostCollective):
         if self.faults:
             describe = f"{op} on {group.name} ({group.size} ranks)"
             self.faults.before_collective(self._global_rank(), index, describe, collective_timeout().total_seconds())
+            lag = self.faults.link_delay_s(self._global_rank())
+            if lag:  # a slow link: the extra time falls inside the op, so it is timed as communication
+                fn = _lagged(fn, lag)
         t0 = time.perf_counter()
         try:
             return super()._run(op, group, tensors, fn, async_op, raw)
@@ -70,3 +73,10 @@ class SimCollective(HostCollective):
             s.calls += 1
             s.bytes += sum(t.numel() * t.element_size() for t in tensors)
             s.seconds += time.perf_counter() - t0
+
+
+def _lagged(fn, seconds: float):
+    def run():
+        time.sleep(seconds)
+        return fn()
+    return run

@@ -10,6 +10,13 @@ Grammar: ``;``-separated entries ``kind:key=value,key=value``::
     delay:rank=0,ms=200         every collective of rank 0 starts 200 ms late
     hang:rank=2,collective=5    rank 2 never issues its collective #5: the other ranks get
                                 chipset.CollectiveTimeoutError after CHIPSET_COLLECTIVE_TIMEOUT
+    slow:rank=1,ms=300          a slow device: rank 1 spends 300 ms more computing in every step
+                                (slept before its first collective of the step, so it counts as
+                                compute time, not communication)
+    slow_link:rank=1,ms=50      a slow link: every collective rank 1 issues takes 50 ms longer,
+                                timed as communication (its peers wait inside the same collective)
+    leak:rank=1,mib=4,step=3    rank 1 holds 4 MiB more device memory per step from step 3 on
+                                (step optional, default 0), as a loop that keeps tensors alive
 
 Counting: ``step`` is what the engine passes to ``Collective.notify_step`` (0-based);
 ``collective`` counts every collective op this process issues, from 0, in call order
@@ -53,6 +60,9 @@ _SCHEMA: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "kill_node": ((), ("step",), ("rank",)),
     "delay": (("rank", "ms"), (), ()),
     "hang": (("rank",), ("collective",), ()),
+    "slow": (("rank", "ms"), (), ()),
+    "slow_link": (("rank", "ms"), (), ()),
+    "leak": (("rank", "mib"), (), ("step",)),
 }
 _EXAMPLE = "kill:rank=1,step=7;delay:rank=0,ms=200;hang:rank=2,collective=5"
 ANY_RANK = -1
@@ -69,6 +79,7 @@ class Fault:
     collective: int | None = None
     ms: int = 0
     spec: str = ""
+    mib: int = 0
 
     @property
     def marker_name(self) -> str:
@@ -81,7 +92,8 @@ def _bad(entry: str, why: str) -> ConfigError:
     return ConfigError(
         f"{FAULTS_ENV}: entry {entry!r} is invalid: {why}. Expected ';'-separated entries "
         f"'kind:key=value,...' with kind kill (rank, step|collective), kill_node (step, optional rank), "
-        f"delay (rank, ms) or hang (rank, collective), e.g. {_EXAMPLE!r}."
+        f"delay (rank, ms), hang (rank, collective), slow (rank, ms), slow_link (rank, ms) or leak (rank, mib, "
+        f"optional step), e.g. {_EXAMPLE!r}."
     )
 
 
@@ -126,7 +138,7 @@ def parse_faults(text: str | None) -> list[Fault]:
         if when and len(chosen) != 1:
             raise _bad(entry, f"give exactly one of {' or '.join(when)}")
         faults.append(Fault(kind, values.get("rank", ANY_RANK), values.get("step"), values.get("collective"),
-                            values.get("ms", 0), entry))
+                            values.get("ms", 0), entry, values.get("mib", 0)))
     return faults
 
 
@@ -163,6 +175,8 @@ class FaultPlan:
 
     def __init__(self, faults: list[Fault]):
         self.faults = faults
+        self._slow_due = 0.0  # seconds of injected compute still to spend in this step (``slow``)
+        self._held: list = []  # the tensors a ``leak`` keeps alive
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -173,13 +187,22 @@ class FaultPlan:
 
     def on_step(self, rank: int, step: int) -> None:
         for f in self.faults:
+            if f.kind == "slow" and f.rank == rank:
+                self._slow_due = f.ms / 1000.0
+            elif f.kind == "leak" and f.rank == rank and step >= (f.step or 0):
+                import torch  # charged by the simulator's memory accounting like any tensor of the run
+
+                self._held.append(torch.empty(f.mib * 1024 * 1024, dtype=torch.uint8))
             if f.kind == "kill" and f.rank == rank and f.step == step:
                 self._kill(f)
             elif f.kind == "kill_node" and f.rank in (rank, ANY_RANK) and f.step == step:
                 self._kill(f, node=True)
 
     def before_collective(self, rank: int, index: int, describe: str, timeout_s: float) -> None:
-        """Apply delay/kill/hang faults before this rank's collective number ``index``."""
+        """Apply slow/delay/kill/hang faults before this rank's collective number ``index``."""
+        if self._slow_due:
+            time.sleep(self._slow_due)
+            self._slow_due = 0.0
         for f in self.faults:
             if f.rank != rank:
                 continue
@@ -193,6 +216,10 @@ class FaultPlan:
                     f"{describe}: this rank withheld collective #{index} on purpose ({FAULTS_ENV} "
                     f"entry {f.spec!r}); its peers were left waiting and time out."
                 )
+
+    def link_delay_s(self, rank: int) -> float:
+        """Extra seconds inside each collective of ``rank`` (``slow_link``), timed as communication."""
+        return sum(f.ms for f in self.faults if f.kind == "slow_link" and f.rank == rank) / 1000.0
 
     def _kill(self, f: Fault, node: bool = False) -> None:
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:

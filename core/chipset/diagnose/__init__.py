@@ -1,0 +1,104 @@
+"""``chipset diagnose RUN_DIR``: the run doctor. Reads what ``chipset train`` wrote and names the bottleneck.
+
+Each finding is a :class:`Finding`: a kind, a severity (``error`` / ``warning`` / ``info``), a one-line
+title, the evidence (numbers, steps, ranks), a confidence in [0, 1] and what to do. Findings come
+ranked: severity first, then confidence. The rules read only ``metrics.jsonl`` records and
+``summary.json`` (see docs/diagnose.md for how each is computed); a field a run did not record
+makes its rule silent, and the diagnosis lists what was missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chipset.diagnose.rules import RULES
+
+__all__ = ["Diagnosis", "Finding", "SEVERITIES", "diagnose_records", "diagnose_run"]
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass
+class Finding:
+    """One thing the doctor found."""
+
+    kind: str
+    severity: str
+    title: str
+    evidence: dict[str, Any]
+    confidence: float
+    advice: str
+    rank: int | None = None
+    step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Diagnosis:
+    """The ranked findings of one run and what could not be read."""
+
+    run_dir: str
+    steps: int
+    findings: list[Finding] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def has_error(self) -> bool:
+        return any(f.severity == "error" for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_dir": self.run_dir, "steps": self.steps, "partial": bool(self.missing),
+                "missing": self.missing, "has_error": self.has_error,
+                "findings": [f.to_dict() for f in self.findings]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_text(self) -> str:
+        lines = [f"chipset diagnose: {self.run_dir} ({self.steps} steps recorded)"]
+        if not self.findings:
+            lines.append("  no findings: nothing in the recorded metrics stands out")
+        for i, f in enumerate(self.findings, 1):
+            lines.append(f"{i}. [{f.severity}] {f.title} (confidence {f.confidence:.2f})")
+            lines.append("   evidence: " + ", ".join(f"{k}={_short(v)}" for k, v in f.evidence.items()))
+            lines.append(f"   what to do: {f.advice}")
+        for m in self.missing:
+            lines.append(f"  partial: {m}")
+        return "\n".join(lines)
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list) and len(v) > 8:
+        return json.dumps(v[:8])[:-1] + ", ...]"
+    return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+
+
+def diagnose_records(records: list[dict[str, Any]], summary: dict[str, Any] | None = None,
+                     run_dir: str = "") -> Diagnosis:
+    """The diagnosis of ``records`` (parsed metrics.jsonl lines, in order) and ``summary``."""
+    summary = summary or {}
+    diag = Diagnosis(run_dir, len(records))
+    for rule in RULES:
+        found, missing = rule(records, summary)
+        diag.findings += [Finding(**f) for f in found]
+        diag.missing += missing
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    diag.findings.sort(key=lambda f: (order[f.severity], -f.confidence))
+    return diag
+
+
+def diagnose_run(run_dir: str | Path) -> Diagnosis:
+    """Read a run directory and diagnose it; UsageError (exit 2) only when nothing can be read."""
+    from chipset.diagnose.read import read_run
+
+    records, summary, missing = read_run(Path(run_dir))
+    diag = diagnose_records(records, summary, str(run_dir))
+    diag.missing = missing + diag.missing
+    return diag

@@ -1,0 +1,212 @@
+"""The doctor's rules. Each takes (records, summary) and returns (finding dicts, missing notes).
+
+Thresholds are ratios against the run's own peers or its own history (another rank in the same
+step, the median of the previous steps), so they hold on any device speed.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import median
+
+MIB = 1024 * 1024
+WARMUP = 1
+"""Steps skipped at the start: the first step compiles, allocates optimizer state and warms caches."""
+STRAGGLER_RATIO = 1.25
+"""A rank is slow in a step when its compute time exceeds its slowest peer's by this factor."""
+STRAGGLER_SHARE = 0.6
+"""... in at least this share of the steady steps."""
+LOSS_SPIKE = 1.5
+GRAD_EXPLOSION = 10.0
+COMM_BOUND = 0.5
+"""Exposed communication above this share of the step time marks the step communication-bound."""
+DATA_STALL = 0.2
+NEAR_CAPACITY = 0.9
+
+
+def _lists(recs, key):
+    return [r for r in recs if isinstance(r.get(key), list) and r[key]]
+
+
+def _steady(recs):
+    return recs[WARMUP:] if len(recs) > WARMUP + 1 else recs
+
+
+def straggler(recs, summary):
+    rows = _steady(_lists(recs, "compute_s"))
+    if not rows:
+        return [], ["compute_s per rank not recorded: no straggler check"]
+    world = len(rows[0]["compute_s"])
+    if world < 2:
+        return [], []
+    out = []
+    for r in range(world):
+        slow = [x for x in rows if len(x["compute_s"]) == world
+                and x["compute_s"][r] > STRAGGLER_RATIO * max(c for i, c in enumerate(x["compute_s"]) if i != r)]
+        share = len(slow) / len(rows)
+        if share < STRAGGLER_SHARE:
+            continue
+        mine = sum(x["compute_s"][r] for x in rows) / len(rows)
+        peers = sum(max(c for i, c in enumerate(x["compute_s"]) if i != r) for x in rows) / len(rows)
+        wait = [x["data_wait_s"][r] - max(w for i, w in enumerate(x["data_wait_s"]) if i != r)
+                for x in rows if isinstance(x.get("data_wait_s"), list) and len(x["data_wait_s"]) == world]
+        extra = mine - peers
+        cause = ("input pipeline" if wait and sum(wait) / len(wait) > 0.5 * extra else "device (compute)")
+        ratio = mine / peers if peers > 0 else math.inf
+        out.append(dict(
+            kind="straggler", severity="error" if ratio >= 1.5 else "warning", rank=r, step=slow[0]["step"],
+            title=f"rank {r} is a straggler: compute {ratio:.2f}x its slowest peer in {len(slow)} of "
+                  f"{len(rows)} steady steps ({cause})",
+            evidence={"rank": r, "cause": cause, "mean_compute_s": mine, "peer_compute_s": peers,
+                      "ratio": ratio, "slow_steps": [x["step"] for x in slow], "first_step": slow[0]["step"],
+                      "peer_idle_s": sum(sum(x["idle_s"]) for x in rows if "idle_s" in x) / len(rows)},
+            confidence=round(share, 3),
+            advice=(f"rank {r}'s input pipeline is slow: raise data workers / prefetch or move the data local"
+                    if cause == "input pipeline" else
+                    f"rank {r}'s device is slower than its peers (thermal throttling, a shared or faulty "
+                    "device, another process on it): check it and move the job off it")))
+    return out, []
+
+
+def memory(recs, summary):
+    rows = _steady(_lists(recs, "memory_bytes"))
+    out, missing = [], []
+    if len(rows) < 3:
+        missing.append("fewer than 3 steady steps with memory_bytes: no leak check")
+    else:
+        world = len(rows[0]["memory_bytes"])
+        n = len(rows)
+        for r in range(world):
+            mem = [x["memory_bytes"][r] for x in rows if len(x["memory_bytes"]) == world]
+            ups = sum(b > a for a, b in zip(mem, mem[1:], strict=False))
+            rate = (mem[-1] - mem[0]) / (len(mem) - 1)
+            if rate < 0.5 * MIB or ups < 0.8 * (len(mem) - 1):
+                continue
+            first = next(rows[i + 1]["step"] for i in range(len(mem) - 1) if mem[i + 1] > mem[i])
+            out.append(dict(
+                kind="memory_leak", severity="error", rank=r, step=first,
+                title=f"rank {r} leaks memory: +{rate / MIB:.2f} MiB/step from step {first}",
+                evidence={"rank": r, "mib_per_step": round(rate / MIB, 3), "first_step": first,
+                          "grew_in_steps": ups, "steps": n, "start_mib": round(mem[0] / MIB, 2),
+                          "end_mib": round(mem[-1] / MIB, 2)},
+                confidence=round(ups / (len(mem) - 1), 3),
+                advice="something keeps tensors alive across steps on this rank (a list of losses kept as "
+                       "tensors, a growing cache, hooks holding activations): keep .item() values, "
+                       "not tensors, and find the holder with a memory snapshot"))
+    cap = (summary.get("devices") or {}).get("total_memory_bytes")
+    peaks = _lists(recs, "peak_memory_bytes_per_rank")
+    if isinstance(cap, (int, float)) and cap > 0 and peaks:
+        near = [(x["step"], r, p) for x in peaks for r, p in enumerate(x["peak_memory_bytes_per_rank"])
+                if p >= NEAR_CAPACITY * cap]
+        if near:
+            step, r, p = max(near, key=lambda t: t[2])
+            out.append(dict(
+                kind="memory_near_capacity", severity="error" if p >= 0.98 * cap else "warning", rank=r,
+                step=step, title=f"{len(near)} rank-steps at >= {NEAR_CAPACITY:.0%} of device memory "
+                                 f"(max {p / cap:.1%} on rank {r}, step {step})",
+                evidence={"rank": r, "step": step, "peak_bytes": p, "capacity_bytes": cap,
+                          "rank_steps_near": len(near)},
+                confidence=1.0,
+                advice="one larger batch or longer sequence runs out of memory: turn on train.recompute, "
+                       "shard optimizer state (zero) or lower the micro-batch; 'chipset plan' shows the fit"))
+    elif peaks:
+        missing.append("device capacity not in summary.json: no near-capacity check")
+    return out, missing
+
+
+def data_loader(recs, summary):
+    rows = _steady([x for x in _lists(recs, "data_wait_s") if x.get("step_time_s")])
+    if not rows:
+        return [], []
+    share = [max(x["data_wait_s"]) / x["step_time_s"] for x in rows]
+    stalled = [x for x, s in zip(rows, share, strict=True) if s >= DATA_STALL]
+    if len(stalled) < 0.5 * len(rows):
+        return [], []
+    mean = sum(share) / len(share)
+    rank = max(range(len(rows[0]["data_wait_s"])), key=lambda r: sum(x["data_wait_s"][r] for x in rows))
+    return [dict(kind="data_loader_stall", severity="error" if mean >= 0.5 else "warning", rank=rank,
+                 step=stalled[0]["step"],
+                 title=f"data loader stalls: {mean:.0%} of step time waiting for batches (worst rank {rank})",
+                 evidence={"rank": rank, "mean_wait_share": mean, "stalled_steps": len(stalled),
+                           "steps": len(rows), "first_step": stalled[0]["step"]},
+                 confidence=round(len(stalled) / len(rows), 3),
+                 advice="the input pipeline cannot keep up: pre-tokenize (chipset data), add loader "
+                        "workers or prefetch, read from local disk")], []
+
+
+def _spikes(recs, key, factor):
+    hist, out = [], []
+    for x in recs:
+        v = x.get(key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        if not math.isfinite(v):
+            out.append((x["step"], v, None))
+        elif len(hist) >= 2 and v > factor * median(hist[-5:]):
+            out.append((x["step"], v, median(hist[-5:])))
+        if math.isfinite(v):
+            hist.append(v)
+    return out
+
+
+def health(recs, summary):
+    out = []
+    for key, factor, kind, what in (("loss", LOSS_SPIKE, "loss_spike", "loss"),
+                                    ("grad_norm", GRAD_EXPLOSION, "grad_norm_explosion", "gradient norm")):
+        sp = _spikes(recs, key, factor)
+        if not sp:
+            continue
+        step, v, base = sp[0]
+        ratio = (v / base) if base else math.inf
+        out.append(dict(
+            kind=kind, severity="error" if base is None or ratio >= 2 * factor else "warning", step=step,
+            title=f"{what} spike at step {step}: {v:.4g}"
+                  + (f" ({ratio:.1f}x the median of the 5 steps before)" if base else " (not finite)"),
+            evidence={"step": step, "value": v if math.isfinite(v) else str(v), "baseline": base,
+                      "ratio": ratio if math.isfinite(ratio) else None, "spike_steps": [s[0] for s in sp]},
+            confidence=1.0 if base is None else round(min(1.0, ratio / (2 * factor)), 3),
+            advice="look at the batch of that step (bad or repeated data), lower the learning rate or "
+                   "lengthen warmup, clip gradients (train.grad_clip), prefer bf16 over fp16"))
+    skipped = [x["step"] for x in recs if x.get("skipped") is True]
+    if skipped:
+        share = len(skipped) / len(recs)
+        out.append(dict(
+            kind="skipped_steps", severity="error" if share > 0.25 else "warning", step=skipped[0],
+            title=f"{len(skipped)} of {len(recs)} steps skipped (fp16 overflow), first at step {skipped[0]}",
+            evidence={"skipped_steps": skipped, "share": share}, confidence=1.0,
+            advice="fp16 overflows: a few at the start are the loss scaler finding its scale; many mean "
+                   "the model needs bf16, a lower learning rate or gradient clipping"))
+    return out, []
+
+
+def communication(recs, summary):
+    rows = _steady([x for x in _lists(recs, "comm_s") if x.get("step_time_s")])
+    if not rows:
+        return [], []
+    world = len(rows[0]["comm_s"])
+    share = [sum(x["comm_s"]) / world / x["step_time_s"] for x in rows]
+    bound = [x for x, s in zip(rows, share, strict=True) if s >= COMM_BOUND]
+    if len(bound) < 0.5 * len(rows):
+        return [], []
+    ops: dict[str, float] = {}
+    for x in rows:
+        for op, t in (x.get("comm") or {}).items():
+            ops[op] = ops.get(op, 0.0) + max(t.get("seconds") or [0.0])
+    op = max(ops, key=ops.get) if ops else "?"
+    per_rank = [sum(x["comm_s"][r] for x in rows) / len(rows) for r in range(world)]
+    mean = sum(share) / len(share)
+    layout = summary.get("layout") or {}
+    return [dict(
+        kind="communication_bound", severity="error" if mean >= 0.75 else "warning", step=bound[0]["step"],
+        rank=max(range(world), key=lambda r: per_rank[r]),
+        title=f"communication-bound: {mean:.0%} of step time is exposed communication, mostly {op}",
+        evidence={"mean_comm_share": mean, "bound_steps": len(bound), "steps": len(rows), "top_collective": op,
+                  "collective_seconds": ops, "comm_s_per_rank": per_rank,
+                  "layout": " ".join(f"{k}={v}" for k, v in layout.items()) or None},
+        confidence=round(len(bound) / len(rows), 3),
+        advice=f"the {op} traffic is not hidden behind compute: check the link (a slow or congested "
+               "group), overlap communication, raise the micro-batch count, or compare the layout with "
+               "'chipset plan', which ranks layouts by predicted step time")], []
+
+
+RULES = (straggler, memory, data_loader, health, communication)

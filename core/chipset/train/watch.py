@@ -1,0 +1,45 @@
+"""Live warnings during a run (rank 0): a straggler rank or a leaking rank, from the numbers
+StepMetrics already gathered, printed once each. The same rules, over the whole run, are
+``chipset diagnose`` (docs/diagnose.md); these use a short streak so they fire while it runs."""
+
+from __future__ import annotations
+
+STREAK = 3
+"""Consecutive steps a pattern must hold before the console says so."""
+RATIO = 1.25
+"""A straggler's compute time over its slowest peer's (as chipset diagnose)."""
+LEAK_BYTES = 512 * 1024
+"""Growth per step that counts towards a leak (as chipset diagnose: 0.5 MiB/step)."""
+
+
+class LiveWatch:
+    """Fed one gathered record per step on rank 0; returns the console lines to print (each once)."""
+
+    def __init__(self) -> None:
+        self._slow: dict[int, int] = {}
+        self._grow: dict[int, int] = {}
+        self._mem: list[int] | None = None
+        self._said: set[tuple[str, int]] = set()
+
+    def step(self, rec: dict) -> list[str]:
+        out = []
+        compute, mem, step = rec.get("compute_s") or [], rec.get("memory_bytes") or [], rec.get("step")
+        for r, c in enumerate(compute):
+            peers = [x for i, x in enumerate(compute) if i != r]
+            slow = bool(peers) and c > RATIO * max(peers)
+            self._slow[r] = self._slow.get(r, 0) + 1 if slow else 0
+            if self._slow[r] >= STREAK and ("straggler", r) not in self._said:
+                self._said.add(("straggler", r))
+                out.append(f"chipset: warning: rank {r} is a straggler: compute {c:.3g} s vs at most "
+                           f"{max(peers):.3g} s on its peers for {STREAK} steps (step {step}); "
+                           "run 'chipset diagnose RUN_DIR' after the run")
+        if self._mem is not None and len(self._mem) == len(mem):
+            for r, (a, b) in enumerate(zip(self._mem, mem, strict=True)):
+                self._grow[r] = self._grow.get(r, 0) + 1 if b - a >= LEAK_BYTES else 0
+                if self._grow[r] >= STREAK and ("leak", r) not in self._said:
+                    self._said.add(("leak", r))
+                    out.append(f"chipset: warning: rank {r}'s memory grew in each of the last {STREAK} steps "
+                               f"(+{(b - a) / 2**20:.2f} MiB at step {step}): a leak? "
+                               "run 'chipset diagnose RUN_DIR' after the run")
+        self._mem = list(mem)
+        return out

@@ -1,0 +1,148 @@
+"""chipset diagnose: the finding rules on synthetic metrics records, and the CLI on run folders."""
+
+from __future__ import annotations
+
+import json
+
+from chipset.cli.main import main
+from chipset.diagnose import diagnose_records
+
+MIB = 1024 * 1024
+
+
+def _recs(n=8, world=2, **over):
+    """Clean steady records; ``over[key](step, rank_or_None)`` changes one field."""
+    out = []
+    for s in range(1, n + 1):
+        rec = {"step": s, "loss": 5.0 - 0.1 * s, "grad_norm": 1.0, "skipped": False, "step_time_s": 1.0,
+               "compute_s": [0.8] * world, "comm_s": [0.1] * world, "idle_s": [0.1] * world,
+               "memory_bytes": [100 * MIB] * world, "peak_memory_bytes_per_rank": [200 * MIB] * world,
+               "comm": {"all_reduce": {"calls": [1] * world, "bytes": [4096] * world, "seconds": [0.1] * world}}}
+        for key, fn in over.items():
+            rec[key] = fn(s, rec.get(key))
+        out.append(rec)
+    return out
+
+
+SUMMARY = {"devices": {"total_memory_bytes": 1024 * MIB}, "layout": {"dp": 2}}
+
+
+def _first(recs):
+    d = diagnose_records(recs, SUMMARY)
+    return d, d.findings[0] if d.findings else None
+
+
+def test_clean_run_has_no_finding():
+    d, first = _first(_recs())
+    assert first is None and not d.has_error
+
+
+def test_straggler_names_the_rank_and_first_step():
+    d, f = _first(_recs(compute_s=lambda s, v: [0.8, 1.6] if s >= 3 else v))
+    assert (f.kind, f.rank, f.step, f.severity) == ("straggler", 1, 3, "error")
+    assert f.evidence["cause"] == "device (compute)"
+
+
+def test_straggler_blamed_on_input_when_its_data_wait_explains_it():
+    d, f = _first(_recs(compute_s=lambda s, v: [0.8, 1.6], data_wait_s=lambda s, v: [0.0, 0.7],
+                        **{"step_time_s": lambda s, v: 10.0}))
+    assert f.kind == "straggler" and f.evidence["cause"] == "input pipeline"
+
+
+def test_a_slightly_slower_rank_is_not_a_straggler():
+    d, _ = _first(_recs(compute_s=lambda s, v: [0.8, 0.9]))
+    assert not d.findings
+
+
+def test_leak_rate_rank_and_first_step():
+    d, f = _first(_recs(memory_bytes=lambda s, v: [100 * MIB, 100 * MIB + (max(0, s - 2) * 4 * MIB)]))
+    assert (f.kind, f.rank, f.step) == ("memory_leak", 1, 3)
+    assert f.evidence["mib_per_step"] == 4.0  # steady steps 2..8: 0 -> 24 MiB over 6 steps
+
+
+def test_near_capacity():
+    d, f = _first(_recs(peak_memory_bytes_per_rank=lambda s, v: [200 * MIB, 1010 * MIB] if s == 5 else v))
+    assert (f.kind, f.rank, f.step, f.severity) == ("memory_near_capacity", 1, 5, "error")
+
+
+def test_loss_spike_and_grad_explosion_and_skips():
+    d, f = _first(_recs(loss=lambda s, v: 40.0 if s == 6 else v))
+    assert (f.kind, f.step) == ("loss_spike", 6)
+    d, f = _first(_recs(grad_norm=lambda s, v: 500.0 if s == 4 else v))
+    assert (f.kind, f.step) == ("grad_norm_explosion", 4)
+    d, f = _first(_recs(skipped=lambda s, v: s in (2, 3, 4)))
+    assert (f.kind, f.step, f.severity) == ("skipped_steps", 2, "error")
+
+
+def test_data_loader_stall():
+    d, f = _first(_recs(data_wait_s=lambda s, v: [0.6, 0.6]))
+    assert f.kind == "data_loader_stall" and f.severity == "error"
+
+
+def test_communication_bound_names_the_collective():
+    d, f = _first(_recs(comm_s=lambda s, v: [0.8, 0.8], compute_s=lambda s, v: [0.1, 0.1]))
+    assert f.kind == "communication_bound" and f.evidence["top_collective"] == "all_reduce"
+
+
+def test_findings_are_ranked_errors_first():
+    d, f = _first(_recs(loss=lambda s, v: 8.0 if s == 6 else v,  # a mild spike (1.8x): warning
+                        memory_bytes=lambda s, v: [100 * MIB + s * 2 * MIB, 100 * MIB]))
+    assert [x.kind for x in d.findings] == ["memory_leak", "loss_spike"]
+
+
+# --- the command ---------------------------------------------------------------------
+def _write(tmp_path, recs, summary=SUMMARY, torn=False):
+    lines = [json.dumps(r) for r in recs] + (['{"step": 9, "lo'] if torn else [])
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if summary is not None:
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+    return tmp_path
+
+
+def test_cli_json_and_exit_status(tmp_path, capsys):
+    run = _write(tmp_path, _recs(compute_s=lambda s, v: [2.0, 0.8]))
+    assert main(["diagnose", str(run), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["findings"][0]["kind"] == "straggler" and out["findings"][0]["rank"] == 0
+    assert out["has_error"] and not out["partial"]
+
+
+def test_cli_clean_run_exits_0(tmp_path, capsys):
+    assert main(["diagnose", str(_write(tmp_path, _recs()))]) == 0
+    assert "no findings" in capsys.readouterr().out
+
+
+def test_partial_run_dir_says_what_was_missing(tmp_path, capsys):
+    run = _write(tmp_path, _recs(), summary=None, torn=True)
+    assert main(["diagnose", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["partial"] and any("summary.json not found" in m for m in out["missing"])
+    assert any("line 9 is not JSON" in m for m in out["missing"])
+
+
+def test_unreadable_run_dir_exits_2(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("garbage\n")
+    (tmp_path / "summary.json").write_text("{cut")
+    assert main(["diagnose", str(tmp_path)]) == 2
+    assert "nothing to diagnose" in capsys.readouterr().err
+    assert main(["diagnose", str(tmp_path / "nope")]) == 2
+
+
+def test_report_page_starts_with_the_findings(tmp_path):
+    from chipset.report import load_run, render_html
+
+    html = render_html(load_run(_write(tmp_path, _recs(compute_s=lambda s, v: [2.0, 0.8]))))
+    assert html.index("<h2>Findings</h2>") < html.index("<h2>Run</h2>")
+    assert "rank 0 is a straggler" in html
+
+
+def test_live_watch_warns_once_per_straggler_and_leak():
+    from chipset.train.watch import LiveWatch
+
+    watch, lines = LiveWatch(), []
+    for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], memory_bytes=lambda s, v: [100 * MIB, s * MIB]):
+        lines += watch.step(rec)
+    assert len(lines) == 2 and "rank 1 is a straggler" in lines[0] and "rank 1's memory grew" in lines[1]
+    assert "(step 3)" in lines[0] and "at step 4" in lines[1]
+    watch = LiveWatch()
+    assert not [x for rec in _recs() for x in watch.step(rec)]

@@ -1,0 +1,77 @@
+"""chipset diagnose on real 2-rank cpu_sim runs with each injected fault (CHIPSET_SIM_FAULTS).
+
+One clean job and one job per fault, 6 steps of the tiny default model, side by side; each test
+reads its job's run directory through ``chipset diagnose --json`` and checks the first finding
+names the injected fault's kind, rank and step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import testenv
+from chipset.cli.main import main
+from testenv import SideBySide
+
+pytestmark = pytest.mark.multirank
+
+FAULTS = {
+    "clean": "",
+    "slow": "slow:rank=1,ms=300",
+    "slow_link": "slow_link:rank=1,ms=100",
+    "leak": "leak:rank=0,mib=4,step=2",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("diagnose")
+
+    def job(name):
+        def start():
+            env = testenv.clean_env()
+            env["OMP_NUM_THREADS"] = "1"
+            if FAULTS[name]:
+                env["CHIPSET_SIM_FAULTS"] = FAULTS[name]
+            r = testenv.chipset_train(base / name, 2, ["train.steps=6", "train.global_batch=2"], env=env, timeout=300)
+            assert r.returncode == 0, r.stdout + r.stderr
+            (base / f"{name}.out").write_text(r.stdout + r.stderr)
+            return base / name
+        return start
+
+    started = SideBySide({name: job(name) for name in FAULTS})
+    yield started
+    started.close()
+
+
+def _diagnose(run_dir, capsys) -> tuple[int, dict]:
+    capsys.readouterr()
+    code = main(["diagnose", str(run_dir), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_clean_run_has_no_error_finding(runs, capsys):
+    code, out = _diagnose(runs["clean"], capsys)
+    assert code == 0 and not out["has_error"], out["findings"]
+
+
+@pytest.mark.parametrize(("fault", "kind", "rank", "step"), [
+    ("slow", "straggler", 1, 2),                 # the first steady step (step 1 is warm-up)
+    ("slow_link", "communication_bound", None, 2),
+    ("leak", "memory_leak", 0, 3),               # leaking from 0-based step 2 = record step 3
+])
+def test_the_injected_fault_is_ranked_first(runs, capsys, fault, kind, rank, step):
+    code, out = _diagnose(runs[fault], capsys)
+    first = out["findings"][0]
+    assert (first["kind"], first["step"]) == (kind, step), out["findings"]
+    if rank is not None:
+        assert first["rank"] == rank
+    assert code == 1 and first["severity"] == "error"
+
+
+@pytest.mark.parametrize(("fault", "line"), [("slow", "rank 1 is a straggler"), ("leak", "rank 0's memory grew")])
+def test_the_console_warns_while_the_run_goes(runs, fault, line):
+    out = (runs[fault].parent / f"{fault}.out").read_text()
+    assert line in out and "chipset: warning" in out
+    assert "chipset: warning: rank" not in (runs["clean"].parent / "clean.out").read_text()
