@@ -107,6 +107,7 @@ def test_every_step_record_has_every_ranks_time_memory_and_communication(two_ran
             assert parts == pytest.approx(r["step_time_s_per_rank"][i], rel=1e-9)
             assert min(r["compute_s"][i], r["comm_s"][i], r["idle_s"][i]) >= 0
         assert r["slowest_rank"] in (0, 1) and r["idle_s"][r["slowest_rank"]] == 0
+        assert all(0 < w < c for w, c in zip(r["data_wait_s"], r["compute_s"], strict=True)), "batches: part of compute"
         # ZeRO-2: gradients reduce-scattered, parameters all-gathered, grad norm + loss all-reduced
         assert {"reduce_scatter", "all_gather", "all_reduce"} <= set(r["comm"])
         assert r["comm"]["all_reduce"]["calls"] == [2, 2]

@@ -270,7 +270,9 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             obs.begin_step(step)
             t0 = time.perf_counter()
             lr = lr_at(cfg, step)
-            loss, stats = train_step(engine, rank_batches(data, step, engine, par.micro_batches), lr)
+            batches = rank_batches(data, step, engine, par.micro_batches)
+            obs.data_wait(time.perf_counter() - t0)  # this rank's wait for its batches (diagnose: slow loader)
+            loss, stats = train_step(engine, batches, lr)
             backend.device.synchronize()
             dt = time.perf_counter() - t0
             times.append(dt)

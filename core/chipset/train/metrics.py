@@ -12,6 +12,8 @@ which adds them to the step's ``metrics.jsonl`` record (see docs/observability.m
 - ``comm_s``: the rest of the blocked time (moving bytes);
   so ``compute_s + comm_s + idle_s`` is the rank's step time;
 - ``slowest_rank``: the rank with the most compute time (the one the others waited for);
+- ``data_wait_s``: per rank, the time spent getting its batches (inside ``compute_s``): a
+  slow input pipeline shows here (``chipset diagnose``);
 - ``mfu``: PaLM model FLOPs utilisation, tokens/s x (6N + 12LHQT) / (peak x ranks), with
   the planner's FLOPs count and the device's declared peak for the run dtype (None when
   the backend declares no peak for it); for another model family, samples/s x the family's
@@ -48,7 +50,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", 
        "batch_p2p", "barrier", "other")
 """Collective types reported per step; ops of any other name are summed under ``other``."""
 
-_FIXED = 4  # step time, blocked seconds, memory allocated, memory peak
+_FIXED = 5  # step time, blocked seconds, memory allocated, memory peak, data wait
 
 
 class StepMetrics:
@@ -64,6 +66,7 @@ class StepMetrics:
         self.out = out
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self.model_flops_per_token, self.peak_flops = _flops(cfg, backend)
+        self._data_wait = 0.0
         self._mfu_sum = 0.0
         self._mfu_n = 0
         self._comm_totals: dict[str, list[float]] = {}
@@ -89,6 +92,10 @@ class StepMetrics:
             self._profiler.__enter__()
         self._snap = self.col.comm_stats.snapshot()
 
+    def data_wait(self, seconds: float) -> None:
+        """This step's time spent getting this rank's batches (part of its compute_s)."""
+        self._data_wait += seconds
+
     def end_step(self, rec: dict[str, Any]) -> dict[str, Any]:
         """Add every rank's numbers to ``rec`` (the step's record, ``step_time_s`` set). Collective."""
         now = self.col.comm_stats.snapshot()
@@ -101,7 +108,8 @@ class StepMetrics:
             d[2] += secs - s0
         mem = self.backend.memory.stats()
         blocked = sum(d[2] for d in delta.values())
-        local = [rec["step_time_s"], blocked, float(mem.allocated), float(mem.peak_allocated)]
+        local = [rec["step_time_s"], blocked, float(mem.allocated), float(mem.peak_allocated), self._data_wait]
+        self._data_wait = 0.0
         for op in OPS:
             local += delta[op]
         self._finish_profile_step(int(rec["step"]))  # before the gather below, which is not the step's
@@ -138,6 +146,7 @@ class StepMetrics:
             "memory_bytes": [int(r[2]) for r in rows],
             "peak_memory_bytes_per_rank": [int(r[3]) for r in rows],
             "step_time_s_per_rank": step_t,
+            "data_wait_s": [r[4] for r in rows],
             "compute_s": compute,
             "comm_s": [b - i for b, i in zip(blocked_t, idle, strict=True)],
             "idle_s": idle,
