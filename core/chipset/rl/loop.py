@@ -190,9 +190,9 @@ def _step(cfg, engine, ref, rollout, params, source, rewards, step: int, prompt_
     # 1. rollouts and rewards
     prompts = [source.prompt(i) for i in prompt_ids]
     rows, masks, texts, completions = [], [], [], []
-    for i, p in zip(prompt_ids, prompts, strict=True):
-        ids = torch.tensor(encode(p.text), dtype=torch.long)
-        toks, mask = rollout.generate(ids, G, params, rollout_seed(tr.seed, step, i))
+    encoded = [torch.tensor(encode(p.text), dtype=torch.long) for p in prompts]
+    drawn = rollout.generate(encoded, G, params, [rollout_seed(tr.seed, step, i) for i in prompt_ids])
+    for ids, p, (toks, mask) in zip(encoded, prompts, drawn, strict=True):
         toks, mask = toks.cpu(), mask.cpu()
         for g in range(G):
             n = int(mask[g].sum())

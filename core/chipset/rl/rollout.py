@@ -39,11 +39,11 @@ class RolloutEngine(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take the policy's full weights, by Hugging Face name (:func:`stream_weights`)."""
 
-    def generate(self, prompt: torch.Tensor, n: int, params: SamplingParams, seed: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``n`` completions of ``prompt`` (a 1-D tensor of token ids): ``[n, max_new_tokens]``
-        ids and their 0/1 completion mask (tokens up to and including the first stop id). The
-        same ``seed`` gives the same completions."""
+    def generate(self, prompts: list[torch.Tensor], n: int, params: SamplingParams, seeds: list[int]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` completions of each prompt (1-D tensors of token ids): per prompt, ``[n,
+        max_new_tokens]`` ids and their 0/1 completion mask (tokens up to and including the first
+        stop id). The same seed gives the same completions of a prompt, whatever else is in the call."""
 
 
 def hf_namer(cfg):
@@ -106,9 +106,19 @@ class LocalRollout:
         if missing:
             raise KeyError(f"LocalRollout: the weight stream had no {missing[:3]}")
 
-    def generate(self, prompt: torch.Tensor, n: int, params: SamplingParams, seed: int):
+    def generate(self, prompts: list[torch.Tensor], n: int, params: SamplingParams, seeds: list[int]):
+        """Prompts of equal length are sampled in one batch, each group from its own seed."""
         dev = next(self.model.parameters()).device
-        g = torch.Generator().manual_seed(int(seed))
-        batch = prompt.to(dev).unsqueeze(0).expand(n, -1).contiguous()
-        return sample(self.model, batch, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                      top_p=params.top_p, stop_ids=params.stop_ids, generator=g, vocab_size=self.vocab_size)
+        out: list = [None] * len(prompts)
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_len.setdefault(p.numel(), []).append(i)
+        for idx in by_len.values():
+            batch = torch.stack([prompts[i] for i in idx]).to(dev).repeat_interleave(n, dim=0)
+            gens = [torch.Generator().manual_seed(int(seeds[i])) for i in idx]
+            toks, mask = sample(self.model, batch, max_new_tokens=params.max_new_tokens,
+                                temperature=params.temperature, top_p=params.top_p, stop_ids=params.stop_ids,
+                                generator=gens, vocab_size=self.vocab_size)
+            for k, i in enumerate(idx):
+                out[i] = (toks[k * n:(k + 1) * n], mask[k * n:(k + 1) * n])
+        return out

@@ -114,11 +114,14 @@ def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
 
 
-def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+def _draw(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]
+          ) -> torch.Tensor:
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     probs = filter_top_p(probs, top_p)
-    # Inverse CDF with uniforms from the generator on the host: the same draw on any device.
-    u = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64).to(probs.device)
+    # Inverse CDF with uniforms from the generators on the host: the same draw on any device,
+    # each block of rows from its own generator (a group samples alike in any batch).
+    per = probs.shape[0] // len(generators)
+    u = torch.cat([torch.rand(per, generator=g, dtype=torch.float64) for g in generators]).to(probs.device)
     cdf = probs.double().cumsum(-1)
     cdf = cdf / cdf[:, -1:]
     return torch.searchsorted(cdf, u.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
@@ -126,13 +129,19 @@ def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 
 @torch.no_grad()
 def sample(model: nn.Module, prompt: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0,
-           top_p: float = 1.0, stop_ids: tuple[int, ...] = (), generator: torch.Generator,
+           top_p: float = 1.0, stop_ids: tuple[int, ...] = (),
+           generator: torch.Generator | list[torch.Generator],
            vocab_size: int | None = None, use_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Completions of ``prompt`` (``[batch, prompt_len]`` token ids, on the model's device).
 
     Returns ``(tokens, mask)``: ``[batch, max_new_tokens]`` sampled ids (0 after a row stopped) and
     the 0/1 mask of the tokens that belong to each completion (up to and including its first stop
-    id). ``vocab_size``: logits beyond it (a padded vocabulary) are never drawn."""
+    id). ``vocab_size``: logits beyond it (a padded vocabulary) are never drawn. ``generator``: one,
+    or a list of k that each draw for ``batch / k`` consecutive rows (several groups in one batch,
+    each sampling as it would alone)."""
+    generators = list(generator) if isinstance(generator, (list, tuple)) else [generator]
+    if prompt.shape[0] % len(generators):
+        raise ValueError(f"{prompt.shape[0]} rows do not split evenly over {len(generators)} generators")
     if not math.isfinite(temperature) or temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     b = prompt.shape[0]
@@ -147,7 +156,7 @@ def sample(model: nn.Module, prompt: torch.Tensor, *, max_new_tokens: int, tempe
     for t in range(max_new_tokens):
         if vocab_size is not None:
             logits = logits[:, :vocab_size]
-        nxt = _draw(logits, temperature, top_p, generator)
+        nxt = _draw(logits, temperature, top_p, generators)
         nxt = torch.where(alive, nxt, torch.zeros_like(nxt))
         out[:, t] = nxt
         mask[:, t] = alive.long()
