@@ -207,12 +207,12 @@ def _step(cfg, engine, ref, rollout, params, source, rewards, step: int, prompt_
     except RewardError as exc:
         error, total, each = exc, [], {}
     _all_or_none(col, error is None, error)
-    r = torch.tensor(total, dtype=torch.float32).view(-1, G)
+    r = torch.tensor(total, dtype=torch.float64).view(-1, G)  # sums of float64 rewards: exact on any layout
     adv = group_advantages(r, rl.advantage, rl.scale_rewards).view(-1)
     # 2. global sums over dp (one all-reduce): rewards, per-reward, lengths, tokens, advantage moments
     lens = torch.tensor([n for _, n in masks], dtype=torch.float64)
     names = [x.name for x in rewards]
-    sums = [r.sum(), (r.double() ** 2).sum(), float(r.numel()), lens.sum(), adv.double().sum(),
+    sums = [r.sum(), (r ** 2).sum(), float(r.numel()), lens.sum(), adv.double().sum(),
             (adv.double() ** 2).sum()]
     for n in names:
         v = torch.tensor(each[n], dtype=torch.float64)
