@@ -17,10 +17,25 @@ from collections.abc import Callable, Iterator
 import torch
 
 from chipset.errors import ConfigError
-from chipset.parallel.tensor import all_gather_along
+from chipset.parallel.tensor import gather_along
 from chipset.runtime.precision import compute_input
 
 __all__ = ["token_logprobs", "forward_logprobs", "per_token_loss"]
+
+
+class _GatherVocabKeepSlice(torch.autograd.Function):
+    """All-gather the vocabulary slices of the logits; backward keeps this rank's slice of a
+    gradient every tp rank holds whole (the log-softmax and the loss after it run replicated,
+    so summing the ranks' gradients, as a plain all-gather's backward would, counts it tp times)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp, ctx.n = tp, x.shape[-1]
+        return gather_along(x, x.dim() - 1, tp.collective, tp.group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.narrow(-1, ctx.tp.rank * ctx.n, ctx.n).contiguous(), None
 
 
 def _full_logits(model, logits: torch.Tensor) -> torch.Tensor:
@@ -29,7 +44,7 @@ def _full_logits(model, logits: torch.Tensor) -> torch.Tensor:
     split = getattr(model, "loss_fn", None)
     tp = getattr(split, "tp", None)
     if tp is not None:
-        logits = all_gather_along(logits, -1, tp.collective, tp.group)
+        logits = _GatherVocabKeepSlice.apply(logits, tp)
         logits = logits[..., :split.vocab_size]
     return logits
 

@@ -226,7 +226,7 @@ class RLConfig:
     loss_averaging: str = "token"
     """token: the mean over every completion token of the batch; sequence: the mean over completions of each completion's token mean."""
     updates_per_batch: int = 1
-    """Optimizer steps on each batch of rollouts (> 1: the ratio to the sampling policy moves and clipping acts); each counts as a train step."""
+    """Optimizer updates on each step's rollouts (> 1: the ratio to the sampling policy moves and clipping acts)."""
 
 
 @dataclass
