@@ -32,7 +32,19 @@ RUNNABLE = {
 def test_examples_exist():
     names = {p.name for p in CONFIGS}
     assert {"tiny.toml", "moe-tiny.toml", "long-context.toml", "llama-1b.toml", "resnet-tiny.toml",
-            "gpt2-tiny.toml"} <= names
+            "gpt2-tiny.toml", "rl-addition.toml"} <= names
+
+
+def test_rl_example_runs(tmp_path):
+    """examples/rl-addition.toml with ``chipset rl``, two steps in one process (docs/rl.md)."""
+    env = clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "rl", str(EXAMPLES / "rl-addition.toml"),
+                        "--run-dir", str(tmp_path / "run"), "--set", "train.steps=2", "--set", "train.global_batch=16"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2] and "reward/addition_mean" in recs[0]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -25,6 +25,7 @@ LAYERS = [
     {"models"},                                   # model families and their configs
     {"planner"},                                  # formulas; reads run configs by attribute
     {"train"},                                    # run config, loop, launch, checkpoints
+    {"rl"},                                       # RL post-training on the engine (GRPO)
     {"conformance", "report", "diagnose", "plugin_kit", "api"},  # tools and the library API
     {"cli"},                                      # the command line
 ]

@@ -9,6 +9,11 @@ A script launched with ``torchrun`` (or run as one process) calls, in order::
     loss, stats = api.step(engine, batches, lr)   # per step: forward, backward, reduce, update
     ckpt.save(step); ckpt.finish(); api.finish_rank(backend)
 
+For objectives other than cross-entropy (DPO, KTO, a policy gradient), :func:`per_token_loss`
+scores each micro-batch by a function of its per-token log-probabilities; :func:`logprobs` is
+the forward-only pass, :func:`stream_weights` the full weights by Hugging Face name for an
+external rollout engine (docs/rl.md).
+
 These are the functions ``chipset train`` itself runs (train/worker.py and train/loop.py
 call the same pieces), so a custom loop gets the same gradient reduction, ZeRO sharding, tensor
 parallelism and checkpoints, and the same numbers as the CLI.
@@ -26,6 +31,8 @@ from torch import nn
 from chipset.errors import ConfigError, UsageError
 from chipset.models.family import ModelFamily, family_data
 from chipset.models.registry import resolve_family
+from chipset.rl.logprobs import forward_logprobs, per_token_loss
+from chipset.rl.rollout import stream_weights as _stream_weights
 from chipset.train import lr as lr_schedule
 from chipset.train.config import (
     RunConfig,
@@ -53,12 +60,15 @@ __all__ = [
     "config",
     "dataset",
     "init",
+    "logprobs",
     "lr_at",
+    "per_token_loss",
     "params_digest",
     "parallelize",
     "shutdown",
     "finish_rank",
     "step",
+    "stream_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -186,6 +196,20 @@ def step(engine, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) ->
     Returns the global batch's loss (the same on every rank) and ``{"grad_norm", "skipped",
     "loss_scale"}``."""
     return train_step(engine, batches, lr)
+
+
+def logprobs(engine, tokens: torch.Tensor, with_entropy: bool = False):
+    """``[b, s-1]`` log-probabilities of ``tokens[:, 1:]`` under the engine's model, forward only,
+    on any dp/ZeRO/tp layout (every tp rank passes the same tokens); with ``with_entropy`` also
+    each position's entropy. For evaluation, distillation and the reference terms of a loss."""
+    return forward_logprobs(engine, tokens, with_entropy)
+
+
+def stream_weights(engine, cfg: RunConfig | None = None):
+    """``(name, tensor)`` for every parameter, unsharded, float32 on the host, one at a time, in
+    memory (collective: every rank iterates to the end). With ``cfg`` of the built-in transformer
+    the names are Hugging Face's, as an external rollout engine (vLLM's ``load_weights``) takes them."""
+    return _stream_weights(engine, cfg)
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:

@@ -10,7 +10,8 @@ import traceback
 from chipset._version import __version__
 from chipset.errors import ChipsetError
 
-COMMANDS = ("backends", "models", "info", "train", "plugin", "conformance", "plan", "report", "diagnose", "data", "export")
+COMMANDS = ("backends", "models", "info", "train", "rl", "plugin", "conformance", "plan", "report", "diagnose", "data",
+            "export")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -35,6 +35,7 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "DataConfig",
+    "RLConfig",
     "RunConfig",
     "load_config",
     "resolve_config",
@@ -196,6 +197,44 @@ class DataConfig:
     """Packed windows keep their document boundaries: a token attends only within its document (ended by the end-of-document id: data.eos_id, else the one a tokens folder records) and rotary positions restart at each document's first token. Built-in transformer, pp = 1; works with cp."""
 
 
+ADVANTAGES = ("grpo", "rloo", "reinforce++")
+LOSS_AVERAGING = ("token", "sequence")
+
+
+@dataclass
+class RLConfig:
+    """Reinforcement learning with verifiable rewards (`chipset rl`, docs/rl.md): where prompts come from, how completions are sampled and scored, and the GRPO loss. train.global_batch counts completions per step (prompts x rl.group_size)."""
+
+    task: str = "addition"
+    """A built-in verifiable task giving prompts and its reward: addition, sort or target_sum (docs/rl.md); empty = prompts from rl.prompts."""
+    prompts: str = ""
+    """A JSONL file of prompts, one object per line with a "prompt" string; its other fields reach the rewards as keyword arguments. Used when rl.task is empty; relative paths are resolved against the config file's folder."""
+    rewards: str = ""
+    """Reward functions, comma-separated, each "[WEIGHT*]module:function" or the name of a chipset.rewards entry point, called as f(prompts, completions, **metadata) -> list[float]; the reward is their weighted sum. Empty = the task's own reward."""
+    group_size: int = 4
+    """Completions sampled per prompt (G); advantages compare the completions of one prompt."""
+    max_new_tokens: int = 8
+    """At most this many tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = all)."""
+    stop_ids: str = "10"
+    """Token ids that end a completion (kept in it), comma-separated; the default 10 is a newline in the byte vocabulary of the built-in tasks."""
+    advantage: str = "grpo"
+    """grpo (reward minus the group mean, over the group standard deviation), rloo (reward minus the mean of the other completions of the prompt) or reinforce++ (reward minus the group mean, normalised over the whole batch); formulas in docs/rl.md."""
+    scale_rewards: bool = True
+    """grpo: divide by the group's standard deviation (false: reward minus the group mean only)."""
+    clip_eps: float = 0.2
+    """The policy ratio is clipped to [1 - clip_eps, 1 + clip_eps]."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference model (the starting weights); 0 = no reference model is built."""
+    loss_averaging: str = "token"
+    """token: the mean over every completion token of the batch; sequence: the mean over completions of each completion's token mean."""
+    updates_per_batch: int = 1
+    """Optimizer updates on each step's rollouts (> 1: the ratio to the sampling policy moves and clipping acts)."""
+
+
 @dataclass
 class RunConfig:
     """One training run: every section plus where it writes."""
@@ -204,6 +243,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Section -> keys; a model family's own keys (``model.family_options``) sit in
@@ -486,6 +526,9 @@ def _absolute_data_paths(cfg: RunConfig, base: Path) -> None:
         value = getattr(cfg.data, key)
         if isinstance(value, str) and value and value.isprintable() and not Path(value).is_absolute():
             setattr(cfg.data, key, str((base / value).resolve()))
+    value = cfg.rl.prompts
+    if isinstance(value, str) and value and value.isprintable() and not Path(value).is_absolute():
+        cfg.rl.prompts = str((base / value).resolve())
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:
@@ -628,6 +671,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
                 f"train.global_batch ({tr.global_batch}) must be divisible by dp*micro_batches "
                 f"({dp}*{par.micro_batches} = {dp * par.micro_batches})"
             )
+    problems += _rl_problems(cfg.rl)
     # The family's own rules on the [model] keys and their combination with the layout
     # (the built-in transformer's: heads, kv heads, rotary, tp/cp/sp divisibility, MoE, HF).
     if family is not None and callable(getattr(family, "config_problems", None)):
@@ -657,6 +701,36 @@ def _long_context_problems(cfg: RunConfig) -> list[str]:
     if da.document_mask and da.eos_id < 0 and da.source != "tokens":
         problems.append(f"data.document_mask needs the end-of-document id: set data.eos_id (data.source = "
                         f"{da.source!r} records none)")
+    return problems
+
+
+def _rl_problems(rl: RLConfig) -> list[str]:
+    """Range rules of the [rl] keys (the rules tied to the layout: chipset.rl.loop.check)."""
+    problems = []
+    for name in ("group_size", "max_new_tokens", "updates_per_batch"):
+        if getattr(rl, name) < 1:
+            problems.append(f"rl.{name} = {getattr(rl, name)!r}: expected an integer >= 1")
+    if not rl.temperature > 0:
+        problems.append(f"rl.temperature = {rl.temperature!r}: expected a number > 0")
+    if not 0 < rl.top_p <= 1:
+        problems.append(f"rl.top_p = {rl.top_p!r}: expected a number in (0, 1]")
+    if not rl.clip_eps > 0:
+        problems.append(f"rl.clip_eps = {rl.clip_eps!r}: expected a number > 0")
+    if not rl.kl_coef >= 0:
+        problems.append(f"rl.kl_coef = {rl.kl_coef!r}: expected a number >= 0")
+    if rl.advantage not in ADVANTAGES:
+        problems.append(f"rl.advantage = {rl.advantage!r}: expected one of {', '.join(ADVANTAGES)}")
+    if rl.loss_averaging not in LOSS_AVERAGING:
+        problems.append(f"rl.loss_averaging = {rl.loss_averaging!r}: expected one of {', '.join(LOSS_AVERAGING)}")
+    try:
+        ids = [int(x) for x in rl.stop_ids.split(",") if x.strip()]
+        if any(i < 0 for i in ids):
+            raise ValueError
+    except ValueError:
+        problems.append(f"rl.stop_ids = {rl.stop_ids!r}: expected comma-separated token ids >= 0, e.g. \"10\"")
+    if not rl.task and not rl.prompts:
+        problems.append("rl.task and rl.prompts are both empty: name a built-in task (addition, sort, target_sum) "
+                        "or a JSONL prompt file")
     return problems
 
 

@@ -33,14 +33,15 @@ def default_run_dir(root: str | Path = "runs") -> Path:
 def torchrun_command(config_path: Path, run_dir: Path, *, nproc: int, nnodes: int | str = 1, node_rank: int = 0,
                      rdzv_endpoint: str | None = None, rdzv_id: str | None = None, rdzv_conf: str = "",
                      local_addr: str | None = None,
-                     max_restarts: int = 0, resume: str = "none") -> list[str]:
+                     max_restarts: int = 0, resume: str = "none",
+                     module: str = "chipset.train.worker") -> list[str]:
     """The ``python -m torch.distributed.run ...`` command line that starts the ranks.
 
     ``nnodes`` may be an elastic range ``"MIN:MAX"``; ``max_restarts`` is torch's elastic
     agent's restart budget; ``resume`` is handed to every rank (``--resume``). Multi-node
     jobs use the c10d rendezvous at ``rdzv_endpoint`` under the job id ``rdzv_id``, with
     ``rdzv_conf`` (see :func:`rendezvous_conf`); ``local_addr`` is the address the other
-    nodes reach this one at.
+    nodes reach this one at. ``module``: the per-rank entry point (``chipset rl``: chipset.rl.worker).
     """
     cmd = [sys.executable, "-m", "chipset.train.agent", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}"]
@@ -56,7 +57,7 @@ def torchrun_command(config_path: Path, run_dir: Path, *, nproc: int, nnodes: in
             cmd.append(f"--rdzv-conf={rdzv_conf}")
         if local_addr:
             cmd.append(f"--local-addr={local_addr}")
-    cmd += ["-m", "chipset.train.worker", "--config", str(config_path), "--run-dir", str(run_dir),
+    cmd += ["-m", module, "--config", str(config_path), "--run-dir", str(run_dir),
             "--resume", resume]
     return cmd
 

@@ -1,0 +1,124 @@
+"""Rollout engines and the weight stream that keeps one in step with the trained policy.
+
+A rollout engine generates completions; it implements :class:`RolloutEngine`. The built-in one,
+:class:`LocalRollout`, samples in this process from an unsharded replica of the policy with a
+KV cache (rl/sampling.py). An adapter for vLLM or SGLang implements the same two methods:
+``load_weights`` takes the ``(hf_name, tensor)`` pairs of :func:`stream_weights` (in memory,
+no files; vLLM's ``model.load_weights(weights=...)`` takes exactly such an iterable) after each
+update, and ``generate`` returns token ids and masks. docs/rl.md shows one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from chipset.models.family import build_for
+from chipset.models.hf.config import SUPPORTED_ARCHITECTURES, _family_of
+from chipset.models.hf.names import expert_names, from_hf, to_hf
+from chipset.rl.sampling import sample
+
+__all__ = ["SamplingParams", "RolloutEngine", "LocalRollout", "stream_weights", "hf_namer"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What generates completions for the RL loop."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take the policy's full weights, by Hugging Face name (:func:`stream_weights`)."""
+
+    def generate(self, prompts: list[torch.Tensor], n: int, params: SamplingParams, seeds: list[int]
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` completions of each prompt (1-D tensors of token ids): per prompt, ``[n,
+        max_new_tokens]`` ids and their 0/1 completion mask (tokens up to and including the first
+        stop id). The same seed gives the same completions of a prompt, whatever else is in the call."""
+
+
+def hf_namer(cfg):
+    """``chipset name -> [hf names], split`` for the model of ``cfg`` (the names export writes)."""
+    family = SUPPORTED_ARCHITECTURES.get(cfg.model.architecture) if cfg.model.architecture else None
+    if family is None:
+        try:
+            family = _family_of(cfg.model)[1]
+        except KeyError:
+            family = "llama"
+
+    def names(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        experts = expert_names(name, family, t.shape[0]) if t.dim() else None
+        if experts is None:
+            return [(to_hf(name, family), t)]
+        return [(e, t[i]) for i, e in enumerate(experts)]
+
+    return names, family
+
+
+def stream_weights(engine, cfg=None, hf_names: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's full tensors after an update, one at a time, on every rank (collective:
+    every rank of the job iterates to the end). Names are Hugging Face's (``model.layers.0...``)
+    for the built-in transformer with ``cfg`` given, else chipset's own. Tensors are float32 on
+    the host and the caller's to keep; nothing is written to disk."""
+    if not hf_names or cfg is None or cfg.model.family not in ("transformer", ""):
+        yield from engine.iter_full_parameters()
+        return
+    names, _ = hf_namer(cfg)
+    for name, t in engine.iter_full_parameters():
+        yield from names(name, t)
+
+
+class LocalRollout:
+    """Sampling in this process from an unsharded replica of the policy (the family's model,
+    built once, weights from :meth:`load_weights`), with a KV cache where the family has one."""
+
+    def __init__(self, family, cfg, device: torch.device, kernels=None):
+        with torch.device("meta"):
+            model = build_for(family, cfg, kernels)
+        self.model = model.to_empty(device=device).eval()
+        self.cfg = cfg
+        self.vocab_size = cfg.model.vocab_size
+        self._family = hf_namer(cfg)[1] if cfg.model.family in ("transformer", "") else None
+        own = dict(self.model.named_parameters())
+        for name, buf in self.model.named_buffers():  # non-persistent tables stay as built
+            own.setdefault(name, buf)
+        self._own = own
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        seen = set()
+        for name, t in weights:
+            local = from_hf(name) if self._family is not None and name not in self._own else name
+            if local not in self._own:
+                raise KeyError(f"LocalRollout: no parameter {name!r} ({local!r}) in the replica")
+            self._own[local].copy_(t)
+            seen.add(local)
+        missing = [n for n, p in self.model.named_parameters() if n not in seen]
+        if missing:
+            raise KeyError(f"LocalRollout: the weight stream had no {missing[:3]}")
+
+    def generate(self, prompts: list[torch.Tensor], n: int, params: SamplingParams, seeds: list[int]):
+        """Prompts of equal length are sampled in one batch, each group from its own seed."""
+        dev = next(self.model.parameters()).device
+        out: list = [None] * len(prompts)
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_len.setdefault(p.numel(), []).append(i)
+        for idx in by_len.values():
+            batch = torch.stack([prompts[i] for i in idx]).to(dev).repeat_interleave(n, dim=0)
+            gens = [torch.Generator().manual_seed(int(seeds[i])) for i in idx]
+            toks, mask = sample(self.model, batch, max_new_tokens=params.max_new_tokens,
+                                temperature=params.temperature, top_p=params.top_p, stop_ids=params.stop_ids,
+                                generator=gens, vocab_size=self.vocab_size)
+            for k, i in enumerate(idx):
+                out[i] = (toks[k * n:(k + 1) * n], mask[k * n:(k + 1) * n])
+        return out
