@@ -36,7 +36,7 @@ def _models():
 
 @pytest.mark.parametrize("name", ["transformer", "gpt2"])
 def test_kv_cache_logits_equal_the_full_forward(name):
-    from chipset.rl.sampling import KVCache, decoder_step
+    from chipset.models.sampling import KVCache, decoder_step
 
     torch.manual_seed(0)
     model = _models()[name].eval()
@@ -55,7 +55,7 @@ def test_kv_cache_logits_equal_the_full_forward(name):
 
 
 def test_sampling_is_seeded_per_group_and_stops():
-    from chipset.rl.sampling import filter_top_p, sample
+    from chipset.models.sampling import filter_top_p, sample
 
     model = _models()["transformer"].eval()
     prompt = torch.tensor([[51, 43, 52, 61]])

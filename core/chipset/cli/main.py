@@ -11,7 +11,7 @@ from chipset._version import __version__
 from chipset.errors import ChipsetError
 
 COMMANDS = ("backends", "models", "info", "train", "rl", "plugin", "conformance", "plan", "report", "diagnose", "data",
-            "export")
+            "export", "generate")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -2,7 +2,7 @@
 
 A rollout engine generates completions; it implements :class:`RolloutEngine`. The built-in one,
 :class:`LocalRollout`, samples in this process from an unsharded replica of the policy with a
-KV cache (rl/sampling.py). An adapter for vLLM or SGLang implements the same two methods:
+KV cache (models/sampling.py). An adapter for vLLM or SGLang implements the same two methods:
 ``load_weights`` takes the ``(hf_name, tensor)`` pairs of :func:`stream_weights` (in memory,
 no files; vLLM's ``model.load_weights(weights=...)`` takes exactly such an iterable) after each
 update, and ``generate`` returns token ids and masks. docs/rl.md shows one.
@@ -19,7 +19,7 @@ import torch
 from chipset.models.family import build_for
 from chipset.models.hf.config import SUPPORTED_ARCHITECTURES, _family_of
 from chipset.models.hf.names import expert_names, from_hf, to_hf
-from chipset.rl.sampling import sample
+from chipset.models.sampling import sample
 
 __all__ = ["SamplingParams", "RolloutEngine", "LocalRollout", "stream_weights", "hf_namer"]
 

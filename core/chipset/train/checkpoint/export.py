@@ -174,6 +174,41 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, fmt
     return Exported(ckpt, carried.notes)
 
 
+def load_weights(run_dir: str | Path, step: int | None = None) -> tuple[RunConfig, dict[str, torch.Tensor], Path]:
+    """``(config, state dict, checkpoint)`` of checkpoint ``step`` of ``run_dir`` (None: the newest):
+    the whole model's float32 weights under the family module's own names (tied weights under
+    each name; LoRA adapters merged in, and the config's LoRA turned off to match), read in this
+    process from any layout's shards. For ``chipset generate`` and
+    scripts; :func:`export` writes the same to files."""
+    from chipset.models.family import meta_model
+    from chipset.models.registry import resolve_family
+    from chipset.train.checkpoint import store
+
+    ckpt = find_checkpoint(Path(run_dir), step)
+    state = json.loads((ckpt / store.STATE).read_text())
+    cfg = RunConfig.from_dict(state["config"], where=str(ckpt / store.STATE))
+    shapes = {n: list(s) for n, s in state["shapes"].items()}
+    reader = store.safe_reader(ckpt)
+    md = reader.read_metadata().state_dict_metadata
+    kinds = {n: "optim.master" if f"optim.master.{n}" in md else "model" for n in shapes}
+    weights = _Weights(reader, kinds, shapes, cfg)
+    sd = weights.read(weights.shapes)  # LoRA adapters merged in
+    plain = RunConfig.from_dict(state["config"], where=str(ckpt / store.STATE))
+    plain.model.lora_rank, plain.model.lora_targets = 0, ""  # the model the weights fit
+    _tie(sd, meta_model(resolve_family(plain.model.family), plain))
+    return plain, sd, ckpt
+
+
+def _tie(sd: dict[str, torch.Tensor], model) -> None:
+    """A module's state_dict lists a shared (tied) weight under each of its names; the
+    checkpoint holds it once, under the first: add the other names."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first and name not in sd:
+            sd[name] = sd[first[id(p)]]
+        first.setdefault(id(p), name)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -380,11 +415,7 @@ def _write_torch(weights: _Weights, cfg: RunConfig, tmp: Path, dtype) -> None:
     sd = {n: t.to(dtype) for n, t in weights.read(weights.shapes).items()}
     # A module's state_dict lists a shared (tied) weight under each of its names; the
     # checkpoint holds it once, under the first.
-    first: dict[int, str] = {}
-    for name, p in meta_model(resolve_family(cfg.model.family), cfg).named_parameters(remove_duplicate=False):
-        if id(p) in first and name not in sd:
-            sd[name] = sd[first[id(p)]]
-        first.setdefault(id(p), name)
+    _tie(sd, meta_model(resolve_family(cfg.model.family), cfg))
     torch.save(sd, tmp / "model.pt")
     plain = dataclasses.replace(cfg.model, lora_rank=0, lora_targets="")  # the adapters are merged in
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(plain), indent=2) + "\n")
