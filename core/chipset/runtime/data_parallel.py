@@ -132,7 +132,8 @@ class Bucket:
                 self.master = src  # fp32 compute: the parameters are their own master weights
             else:
                 self.master = e.place_host(src.detach().float().to(opt_dev).clone())
-            self.state = {n: e.place_host(torch.zeros_like(self.master)) for n in e.optimizer.state_names}
+            sd = getattr(e.optimizer, "state_dtype", torch.float32)
+            self.state = {n: e.place_host(torch.zeros_like(self.master, dtype=sd)) for n in e.optimizer.state_names}
         self.matrices = BucketMatrices(self, e.matrix_names) if e.matrix_names is not None else None
 
     def _norm_segments(self) -> list[tuple[int, int, float]]:
@@ -281,10 +282,15 @@ class Bucket:
             # float32 gradient on the optimizer's device needs no copy (it took one per step).
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
+            # A lighter state (train.optimizer_state_dtype) is updated as float32 and rounded back.
+            state = {n: t.float() for n, t in self.state.items()}
             if self.matrices is not None:
-                e.optimizer.update(self.master, g, self.state, step, lr, e.kernels, matrices=self.matrices)
+                e.optimizer.update(self.master, g, state, step, lr, e.kernels, matrices=self.matrices)
             else:
-                e.optimizer.update(self.master, g, self.state, step, lr, e.kernels)
+                e.optimizer.update(self.master, g, state, step, lr, e.kernels)
+            for n, t in self.state.items():
+                if t is not state[n]:
+                    t.copy_(state[n])
             del g
         if self.master_aliases_params:
             pass

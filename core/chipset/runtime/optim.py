@@ -4,8 +4,9 @@ An optimizer updates one flat float32 master tensor from its gradient, keeping p
 state tensors of the same shape. It declares their names (``state_names``): the engine
 allocates one zero tensor per name for what each rank owns (ZeRO shards it like the master),
 checkpoints store each as ``optim.<name>.<parameter>`` (train/checkpoint/layout.py derives the
-kinds from these names), and the planner's memory estimate of a run counts ``len(state_names)``
-float32 values per parameter (planner/run.py, ``optimizer_bytes``). An optimizer never communicates: the engine hands it the reduced, clipped and
+kinds from these names), stores them in ``state_dtype`` (``train.optimizer_state_dtype``: the
+update sees float32 copies, written back rounded), and the planner's memory estimate of a run counts ``len(state_names)``
+values of that dtype per parameter (planner/run.py, ``optimizer_bytes``). An optimizer never communicates: the engine hands it the reduced, clipped and
 unscaled gradient of the slice this rank owns. One that updates whole matrices (Muon) sets
 ``uses_matrices``: the engine then also passes ``matrices``, a
 :class:`chipset.runtime.matrices.BucketMatrices` that assembles a matrix's full value from
@@ -22,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["OPTIMIZERS", "AdamW", "Muon", "Optimizer", "SGD", "make_optimizer", "newton_schulz"]
+__all__ = ["OPTIMIZERS", "STATE_DTYPES", "AdamW", "Muon", "Optimizer", "SGD", "make_optimizer", "newton_schulz"]
 
 
 class Optimizer(Protocol):
@@ -47,6 +48,7 @@ class AdamW:
     weight_decay: float = 0.0
     name: str = "adamw"
     state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    state_dtype: torch.dtype = torch.float32
 
     def update(self, master, grad, state, step, lr, kernels) -> None:
         kernels.fused_adamw([master], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], step, lr=lr,
@@ -63,6 +65,7 @@ class SGD:
     nesterov: bool = False
     weight_decay: float = 0.0
     name: str = "sgd"
+    state_dtype: torch.dtype = torch.float32
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -126,6 +129,7 @@ class Muon:
     name: str = "muon"
     state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     uses_matrices: bool = True
+    state_dtype: torch.dtype = torch.float32
 
     def update(self, master, grad, state, step, lr, kernels, matrices=None) -> None:
         m, v = state["exp_avg"], state["exp_avg_sq"]
@@ -149,11 +153,17 @@ OPTIMIZERS = {"adamw": AdamW, "sgd": SGD, "muon": Muon}
 """``train.optimizer`` name -> optimizer class (declared once: the config validates against it)."""
 
 
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``train.optimizer_state_dtype`` -> the dtype the engine stores optimizer state in. A lighter
+state is widened to float32 for the update (one bucket at a time) and rounded back to nearest."""
+
+
 def make_optimizer(train) -> Optimizer:
     """The optimizer a run's ``[train]`` table asks for (``train.optimizer`` and its hyperparameters)."""
+    sd = STATE_DTYPES[getattr(train, "optimizer_state_dtype", "float32")]
     if train.optimizer == "muon":
-        return Muon(momentum=train.muon_momentum, nesterov=train.muon_nesterov, ns_steps=train.muon_ns_steps,
+        return Muon(state_dtype=sd, momentum=train.muon_momentum, nesterov=train.muon_nesterov, ns_steps=train.muon_ns_steps,
                     beta1=train.beta1, beta2=train.beta2, eps=train.eps, weight_decay=train.weight_decay)
     if train.optimizer == "sgd":
-        return SGD(momentum=train.momentum, nesterov=train.nesterov, weight_decay=train.weight_decay)
-    return AdamW(beta1=train.beta1, beta2=train.beta2, eps=train.eps, weight_decay=train.weight_decay)
+        return SGD(state_dtype=sd, momentum=train.momentum, nesterov=train.nesterov, weight_decay=train.weight_decay)
+    return AdamW(state_dtype=sd, beta1=train.beta1, beta2=train.beta2, eps=train.eps, weight_decay=train.weight_decay)

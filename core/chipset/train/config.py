@@ -25,7 +25,7 @@ from chipset.models.registry import resolve_family
 from chipset.parallel.context import CP_ATTENTION
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
-from chipset.runtime.optim import OPTIMIZERS
+from chipset.runtime.optim import OPTIMIZERS, STATE_DTYPES
 from chipset.runtime.precision import DTYPE_BY_NAME
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ class TrainConfig:
     """SGD momentum (0: plain SGD, which keeps no optimizer state)."""
     nesterov: bool = False
     """SGD: Nesterov momentum."""
+    optimizer_state_dtype: str = "float32"
+    """The dtype optimizer state (Adam moments, momentum) is stored in: float32 or bfloat16 (half the bytes; updated in float32, rounded to nearest)."""
     muon_momentum: float = 0.95
     """Muon: momentum of the hidden matrices' update (their AdamW half uses beta1/beta2)."""
     muon_nesterov: bool = True
@@ -496,6 +498,8 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"train.optimizer = {tr.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     if not (math.isfinite(tr.momentum) and 0 <= tr.momentum < 1):
         problems.append(f"train.momentum = {tr.momentum!r}: expected a value in [0, 1)")
+    if tr.optimizer_state_dtype not in STATE_DTYPES:
+        problems.append(f"train.optimizer_state_dtype = {tr.optimizer_state_dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
     if not (math.isfinite(tr.muon_momentum) and 0 <= tr.muon_momentum < 1):
         problems.append(f"train.muon_momentum = {tr.muon_momentum!r}: expected a value in [0, 1)")
     if not (isinstance(tr.muon_ns_steps, int) and 1 <= tr.muon_ns_steps <= 20):
