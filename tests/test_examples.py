@@ -26,6 +26,7 @@ RUNNABLE = {
     "long-context.toml": ["train.steps=2", "train.seq_len=256"],
     "resnet-tiny.toml": ["train.steps=3"],
     "gpt2-tiny.toml": ["train.steps=3"],
+    "muon.toml": ["train.steps=3"],
 }
 
 

@@ -29,10 +29,10 @@ DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPE_BY_NAME.items()}
 
 
 def optimizer_bytes(train: Any, masters_are_params: bool) -> int:
-    """ZeRO's K for the run's optimizer: 4 bytes per declared state tensor, plus 4 for the float32
-    master unless the parameters are their own masters."""
-    states = len(make_optimizer(train).state_names)
-    return 4 * states + (0 if masters_are_params else 4)
+    """ZeRO's K for the run's optimizer: the state dtype's bytes (``train.optimizer_state_dtype``) per
+    declared state tensor, plus 4 for the float32 master unless the parameters are their own masters."""
+    opt = make_optimizer(train)
+    return opt.state_dtype.itemsize * len(opt.state_names) + (0 if masters_are_params else 4)
 
 
 def from_run_config(cfg: Any, world_size: int | None = None,

@@ -50,6 +50,7 @@ from chipset.interfaces import Group, Handle
 from chipset.parallel.dims import ParallelDims
 from chipset.parallel.tensor import is_tp_sharded
 from chipset.runtime.digest import combine, param_hash
+from chipset.runtime.matrices import BucketMatrices, hidden_matrix_names
 from chipset.runtime.optim import AdamW, Optimizer
 from chipset.runtime.precision import LossScaler, compute_input
 from chipset.runtime.trace import trace_range
@@ -131,7 +132,9 @@ class Bucket:
                 self.master = src  # fp32 compute: the parameters are their own master weights
             else:
                 self.master = e.place_host(src.detach().float().to(opt_dev).clone())
-            self.state = {n: e.place_host(torch.zeros_like(self.master)) for n in e.optimizer.state_names}
+            sd = getattr(e.optimizer, "state_dtype", torch.float32)
+            self.state = {n: e.place_host(torch.zeros_like(self.master, dtype=sd)) for n in e.optimizer.state_names}
+        self.matrices = BucketMatrices(self, e.matrix_names) if e.matrix_names is not None else None
 
     def _norm_segments(self) -> list[tuple[int, int, float]]:
         """(start, end, weight) over the owned gradient for the global-norm sum under tp:
@@ -279,7 +282,15 @@ class Bucket:
             # float32 gradient on the optimizer's device needs no copy (it took one per step).
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
-            e.optimizer.update(self.master, g, self.state, step, lr, e.kernels)
+            # A lighter state (train.optimizer_state_dtype) is updated as float32 and rounded back.
+            state = {n: t.float() for n, t in self.state.items()}
+            if self.matrices is not None:
+                e.optimizer.update(self.master, g, state, step, lr, e.kernels, matrices=self.matrices)
+            else:
+                e.optimizer.update(self.master, g, state, step, lr, e.kernels)
+            for n, t in self.state.items():
+                if t is not state[n]:
+                    t.copy_(state[n])
             del g
         if self.master_aliases_params:
             pass
@@ -364,6 +375,8 @@ class DataParallel:
         self.micro_batches = micro_batches
         self.grad_clip = grad_clip
         self.optimizer: Optimizer = optimizer if optimizer is not None else AdamW()
+        # Optimizers that update whole matrices (Muon) get each bucket's matrices (runtime/matrices.py).
+        self.matrix_names = hidden_matrix_names(model) if getattr(self.optimizer, "uses_matrices", False) else None
         self.scaler = scaler or LossScaler(scale=1.0, dynamic=False)
         self.sync = True
         """Whether a bucket whose gradients are complete launches its reduction (the last

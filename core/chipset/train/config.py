@@ -25,7 +25,7 @@ from chipset.models.registry import resolve_family
 from chipset.parallel.context import CP_ATTENTION
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
-from chipset.runtime.optim import OPTIMIZERS
+from chipset.runtime.optim import OPTIMIZERS, STATE_DTYPES
 from chipset.runtime.precision import DTYPE_BY_NAME
 
 log = logging.getLogger(__name__)
@@ -114,11 +114,19 @@ class TrainConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     optimizer: str = "adamw"
-    """adamw, or sgd (SGD with momentum; train.momentum, train.nesterov, train.weight_decay): docs/engine.md, "Optimizers"."""
+    """adamw, sgd (SGD with momentum; train.momentum, train.nesterov, train.weight_decay) or muon (Muon on hidden matrices, AdamW elsewhere; train.muon_*): docs/engine.md, "Optimizers"."""
     momentum: float = 0.9
     """SGD momentum (0: plain SGD, which keeps no optimizer state)."""
     nesterov: bool = False
     """SGD: Nesterov momentum."""
+    optimizer_state_dtype: str = "float32"
+    """The dtype optimizer state (Adam moments, momentum) is stored in: float32 or bfloat16 (half the bytes; updated in float32, rounded to nearest)."""
+    muon_momentum: float = 0.95
+    """Muon: momentum of the hidden matrices' update (their AdamW half uses beta1/beta2)."""
+    muon_nesterov: bool = True
+    """Muon: Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations orthogonalising each matrix's update."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 1234
@@ -609,6 +617,12 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"train.optimizer = {tr.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     if not (math.isfinite(tr.momentum) and 0 <= tr.momentum < 1):
         problems.append(f"train.momentum = {tr.momentum!r}: expected a value in [0, 1)")
+    if tr.optimizer_state_dtype not in STATE_DTYPES:
+        problems.append(f"train.optimizer_state_dtype = {tr.optimizer_state_dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
+    if not (math.isfinite(tr.muon_momentum) and 0 <= tr.muon_momentum < 1):
+        problems.append(f"train.muon_momentum = {tr.muon_momentum!r}: expected a value in [0, 1)")
+    if not (isinstance(tr.muon_ns_steps, int) and 1 <= tr.muon_ns_steps <= 20):
+        problems.append(f"train.muon_ns_steps = {tr.muon_ns_steps!r}: expected an integer in [1, 20] (5 is usual)")
     if tr.lr_schedule not in LR_SCHEDULES:
         problems.append(f"train.lr_schedule = {tr.lr_schedule!r}: expected one of {', '.join(LR_SCHEDULES)}")
     if not (math.isfinite(tr.min_lr) and 0 <= tr.min_lr <= tr.lr):
