@@ -27,6 +27,7 @@ NOT_A_MODULE = {
     ("cli/plan_config.py", "mlp"): "the planner's ModelSpec.mlp field (a kind of MLP)",
     ("cli/plan_config.py", "norm"): "the planner's ModelSpec.norm field (a kind of norm)",
     ("report/__init__.py", "stem"): "pathlib.Path.stem",
+    ("runtime/optim.py", "norm"): "torch.Tensor.norm (Muon's Newton-Schulz scales a matrix by its norm)",
 }
 
 
