@@ -23,6 +23,7 @@ product in the input dtype), beyond the conformance tolerances for those dtypes.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -138,8 +139,24 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
     return F.cross_entropy(lf, target, ignore_index=ignore_index, reduction="sum") / count
 
 
+@functools.cache
+def _cpu_grouped_mm() -> bool:
+    """Whether this torch runs ``torch._grouped_mm`` on the CPU, forward and backward (torch 2.8 has
+    the op for CUDA only; a later release added the CPU kernel)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(4, 4, requires_grad=True)
+        y = torch._grouped_mm(x, torch.ones(1, 4, 4), offs=torch.tensor([4], dtype=torch.int32))
+        y.backward(torch.ones_like(y))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
 def grouped_mm_available(x, w, offs) -> bool:
-    return (hasattr(torch, "_grouped_mm") and _cpu(x, w, offs) and x.dtype in _FLOATS and w.dtype == x.dtype
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1], w.shape[-2]))  # its strides
+    return (_cpu(x, w, offs) and aligned and _cpu_grouped_mm() and x.dtype in _FLOATS and w.dtype == x.dtype
             and x.dim() == 2 and w.dim() == 3 and offs.dtype == torch.int32 and offs.dim() == 1
             and offs.shape[0] == w.shape[0] and x.shape[1] == w.shape[1])
 
