@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import testenv
 from chipset.discovery import records
@@ -44,8 +45,14 @@ def _clean_env(monkeypatch):
     for var, value in testenv.selection_env().items():
         monkeypatch.setenv(var, value)
     records.clear_cache()
+    modes = torch._C._len_torch_dispatch_stack()
     yield
     records.clear_cache()
+    # A test that leaves a dispatch mode on (a device bound in this process and never released)
+    # changes every later test in this worker: fail it here, not a stranger later.
+    assert torch._C._len_torch_dispatch_stack() == modes, (
+        "this test left a torch dispatch mode active (a backend device set in the pytest process "
+        "and never released: call backend.device.release() or chipset.train.rank.stop)")
 
 
 def run_cli(*args: str, env: dict | None = None, site: Path | None = None, timeout: float = 120):

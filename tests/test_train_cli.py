@@ -109,3 +109,23 @@ def test_train_nproc_2_end_to_end_through_torchrun(tmp_path):
     assert s4["layout"]["dp"] == 4 and len(s4["peak_memory_bytes"]) == 4
     got = [json.loads(x)["loss"] for x in (four / "metrics.jsonl").read_text().splitlines()]
     assert got == pytest.approx(single, rel=1e-5)
+
+
+def test_a_one_rank_run_leaves_the_callers_process_as_it_found_it(tmp_path, capsys):
+    """``chipset train`` with one rank trains inside the calling process (a notebook, a test):
+    afterwards its environment, its Ctrl-C handler and torch's dispatch-mode stack are the
+    caller's again (cpu_sim's memory accounting is a process-wide dispatch mode; left on, it slows
+    every later op and breaks torch's own tensor subclasses such as causal_lower_right)."""
+    import os
+    import signal
+
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+
+    env, handler = dict(os.environ), signal.getsignal(signal.SIGINT)
+    modes = torch._C._len_torch_dispatch_stack()
+    assert main(["train", *SMALL, "--run-dir", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    assert dict(os.environ) == env
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert torch._C._len_torch_dispatch_stack() == modes
+    causal_lower_right(3, 7)  # raises under a leftover dispatch mode

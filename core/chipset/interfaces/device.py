@@ -167,6 +167,13 @@ class Device(ABC):
         """Index of the current device."""
         return self._current_device()
 
+    def release(self) -> None:
+        """This process is done with its device: a run that trained inside the caller's
+        process (``chipset train`` with one rank, a notebook) has ended. A backend that
+        installed process-wide state when a device was set (a dispatch mode, a patched torch
+        function) removes it here; :meth:`set_device` installs it again. Default: nothing."""
+        return None
+
     def torch_device(self, index: int | None = None) -> torch.device:
         """The ``torch.device`` tensors on device ``index`` (default: current) use."""
         i = self._check_index(self.current_device() if index is None else index)

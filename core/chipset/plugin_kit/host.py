@@ -114,12 +114,21 @@ class HostDevice(Device):
         self._current = 0
         self._rng: dict[int, torch.Tensor] = {}
         self._listeners: list[Callable[[int], None]] = []
+        self._release_listeners: list[Callable[[], None]] = []
         self._streams: dict[int, HostStream] = {}
         self._default_streams: dict[int, HostStream] = {}
 
     def on_set_device(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(index)`` whenever a device becomes current (per-device memory accounting hooks in here)."""
         self._listeners.append(fn)
+
+    def on_release(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the process releases its device (:meth:`Device.release`)."""
+        self._release_listeners.append(fn)
+
+    def release(self) -> None:
+        for fn in self._release_listeners:
+            fn()
 
     def _set_device(self, index: int) -> None:
         if index != self._current:

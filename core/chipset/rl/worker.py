@@ -18,12 +18,19 @@ __all__ = ["run_rank", "main"]
 
 
 def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int:
-    from chipset.rl.loop import run
+    """One RL rank; like chipset.train.worker.run_rank, leaves the caller's process as it found it."""
     from chipset.train import signals
+    from chipset.train.rank import restored_environ
+
+    with signals.installed(), restored_environ():
+        return _run_rank(config_path, run_dir, resume)
+
+
+def _run_rank(config_path: str, run_dir: str | None, resume: str) -> int:
+    from chipset.rl.loop import run
     from chipset.train.config import load_config
     from chipset.train.rank import start, stop
 
-    signals.install()
     cfg = load_config(config_path)
     b = start()
     try:

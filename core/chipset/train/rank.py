@@ -6,10 +6,12 @@ What every rank does before it builds a model, whether torchrun started it for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
-__all__ = ["start", "stop"]
+__all__ = ["start", "stop", "restored_environ"]
 
 log = logging.getLogger(__name__)
 
@@ -33,5 +35,21 @@ def start(name: str | None = None):
 
 
 def stop(b) -> None:
-    """Leave the process group (idempotent)."""
-    b.collective.destroy()
+    """Leave the process group and release the device (both idempotent)."""
+    try:
+        b.collective.destroy()
+    finally:
+        b.device.release()
+
+
+@contextlib.contextmanager
+def restored_environ() -> Iterator[None]:
+    """The block may set environment variables (the backend's launch environment, the flight
+    recorder's folder); afterwards the process has the environment it had before. A run inside
+    the caller's process must not point the next run's hang dumps at this run's directory."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

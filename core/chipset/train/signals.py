@@ -17,6 +17,7 @@ its own, out of reach of the terminal).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -26,11 +27,12 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from chipset.errors import ChipsetError
 
-__all__ = ["Interrupted", "install", "stop_point", "write_stop", "take_stop", "run_forwarding",
+__all__ = ["Interrupted", "install", "installed", "stop_point", "write_stop", "take_stop", "run_forwarding",
            "die_with_parent", "resume_hint"]
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,23 @@ def install() -> None:
     if threading.current_thread() is threading.main_thread():
         for s in _SIGNALS:
             signal.signal(s, _note)
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """:func:`install` for the block, then the caller's handlers and a clear stop flag again:
+    a run inside the caller's process (one rank, a notebook) must leave Ctrl-C as it found it."""
+    global _received
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.getsignal(s) for s in _SIGNALS} if main else {}
+    install()
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        _received = 0
+        _agreed.clear()
 
 
 def requested() -> int:

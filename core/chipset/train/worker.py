@@ -27,13 +27,22 @@ __all__ = ["run_rank", "main"]
 
 
 def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int:
+    """Train this rank. Also how ``chipset train`` runs a one-rank job inside its own process:
+    signal handlers, environment and device state are the caller's again afterwards."""
     from chipset.train import signals
+    from chipset.train.rank import restored_environ
+
+    # SIGINT/SIGTERM: stop at the end of a step on every rank (train/signals.py)
+    with signals.installed(), restored_environ():
+        return _run_rank(config_path, run_dir, resume)
+
+
+def _run_rank(config_path: str, run_dir: str | None, resume: str) -> int:
     from chipset.train.config import load_config, resolve_dtype
     from chipset.train.elastic import fit_world
     from chipset.train.loop import train
     from chipset.train.rank import start, stop
 
-    signals.install()  # SIGINT/SIGTERM: stop at the end of a step on every rank (train/signals.py)
     cfg = load_config(config_path)
     if run_dir is not None:  # a backend's native flight recorder dumps here on a timeout (hangs.py)
         from chipset.interfaces.collective import FLIGHT_RECORDER_ENV

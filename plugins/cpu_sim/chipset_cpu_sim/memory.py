@@ -12,7 +12,8 @@ Allocator model (documented, like a caching allocator): blocks are rounded up to
 ``empty_cache``; an allocation that would take ``active`` past the profile capacity
 flushes the cache and, if it still does not fit, raises chipset's OutOfMemoryError
 ("Tried to allocate N bytes"). The failed output is dropped, so the device stays
-usable. Tensors created before the process bound to a device are not counted.
+usable. Tensors created before the process bound to a device are not counted; the mode
+is removed when the process releases its device (``Device.release``, at the end of a run).
 
 Factory ops (``empty``, ``zeros``, ``full``, ``rand`` ... anything with a ``size``
 argument and no tensor input) are checked against the capacity *before* they run, so
@@ -41,7 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
 from chipset.errors import OutOfMemoryError
@@ -189,17 +190,30 @@ class SimMemory(Memory):
         self._current = 0  # the device set_device bound this process to
         self._host = threading.local()  # depth of host_allocations blocks on this thread
         device.on_set_device(self._bind)
+        device.on_release(self._unbind)
 
     # --- accounting ----------------------------------------------------------
     def _bind(self, index: int) -> None:
         self._current = index
         if self._mode is None:
             self._mode = _Tracker(self)
-            self._mode.__enter__()  # stays active for the life of the process
+            self._mode.__enter__()  # active until the process releases its device
             self._wrap_storage_resize()
+
+    def _unbind(self) -> None:
+        """The process released its device: stop seeing every aten op (a run that trained in
+        the caller's process must not leave a dispatch mode behind: it slows everything after
+        it and breaks torch's own tensor subclasses, e.g. ``causal_lower_right``). Storages
+        already charged are still credited back when torch frees them."""
+        if self._mode is None or _get_current_dispatch_mode() is not self._mode:
+            return  # not installed, or a mode entered after it is still on top: leave the stack alone
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+        torch.UntypedStorage.resize_ = self._unwrapped_resize
 
     def _wrap_storage_resize(self) -> None:
         previous = torch.UntypedStorage.resize_
+        self._unwrapped_resize = previous
         memory = self
 
         def resize_(storage, size):
