@@ -79,7 +79,7 @@ def test_activations_reproduce_korthikanti_section_4():
     m = _gpt()  # dropout, no flash attention, GeLU f=4h, MHA: the paper's setting
     s, b, h, a, t = m.seq_len, 2, m.hidden, m.heads, 8
     sbh = s * b * h
-    L = lambda **kw: Layout(micro_batch=b, **kw)  # noqa: E731
+    L = lambda **kw: Layout(micro_batch=b, **{"sequence_parallel": True, **kw})  # noqa: E731  (the paper's Sec. 4.2.2)
     assert block_activation_bytes(m, L(), s) == sbh * (34 + 5 * a * s / h)
     assert math.isclose(block_activation_bytes(m, L(tp=t, sequence_parallel=False), s),
                         sbh * (10 + 24 / t + 5 * a * s / (h * t)))
@@ -197,7 +197,7 @@ def test_dp_overlap_hides_communication_and_never_costs_time():
 
 def test_bytes_by_collective_sums_per_dimension_and_op():
     m = PRESETS["llama2-7b"]
-    items = _items(m, Layout(dp=2, tp=4, zero=3, micro_batch=1), TrainSpec(global_batch=4))
+    items = _items(m, Layout(dp=2, tp=4, zero=3, micro_batch=1, sequence_parallel=True), TrainSpec(global_batch=4))
     by = bytes_by_collective(items)
     assert set(by) == {("dp", "all_gather"), ("dp", "reduce_scatter"), ("tp", "all_gather"), ("tp", "reduce_scatter")}
     assert math.isclose(by[("dp", "all_gather")], 2 * by[("dp", "reduce_scatter")])  # forward + backward gathers

@@ -76,7 +76,9 @@ def test_fix_fully_specifying_a_layout_evaluates_just_that_layout():
                      "parallel.micro_batch=2,parallel.schedule=1f1b,parallel.recompute=selective"])
     res = search(TINY, TrainSpec(global_batch=16), Cluster(1, 8, DEV), fix=fix)
     assert len(res.candidates) == 1 and res.configurations_evaluated == 1
-    assert res.candidates[0].layout == Layout(dp=2, tp=2, pp=2, zero=1, micro_batch=2, recompute="selective")
+    # sequence parallelism is not fixed: the search's recommendation with tp > 1 (on) is taken
+    assert res.candidates[0].layout == Layout(dp=2, tp=2, pp=2, zero=1, micro_batch=2, recompute="selective",
+                                              sequence_parallel=True)
 
 
 def test_parse_fix_reads_interleaved_chunks_and_rejects_unknown_keys():

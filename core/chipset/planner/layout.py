@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 from chipset.errors import ConfigError
 from chipset.parallel.context import CP_ATTENTION
+from chipset.parallel.defaults import DEFAULT_CP_ATTENTION, DEFAULT_SEQUENCE_PARALLEL
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.parallel.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
@@ -51,11 +52,11 @@ class Layout:
     """Model chunks per pipeline rank (v); > 1 only for the interleaved schedule."""
     recompute: str = "none"
     """Activation recomputation: "none", "selective" (attention core) or "full" (whole block)."""
-    sequence_parallel: bool = True
+    sequence_parallel: bool = DEFAULT_SEQUENCE_PARALLEL
     """With tp > 1, norms and dropout run sequence-parallel (Korthikanti et al. 2022)."""
-    cp_attention: str = "ring"
-    """With cp > 1: "ring" (K/V blocks passed round the ring, Liu et al. 2023: what the communication
-    model counts), "allgather" (K/V gathered whole: chipset's engine's default) or "ulysses"
+    cp_attention: str = DEFAULT_CP_ATTENTION
+    """With cp > 1: "ring" (K/V blocks passed round the ring, Liu et al. 2023), "allgather" (K/V
+    gathered whole: the default, as in ``parallel.cp_attention``) or "ulysses"
     (all-to-all to a head split and back, Jacobs et al. 2023)."""
     offload_activations: bool = False
     """Each block's saved activations wait in host memory (``train.offload_activations``): one

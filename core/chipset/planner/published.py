@@ -244,6 +244,12 @@ RUNS += [
 ]
 
 
+# What a published run that does not say otherwise is taken to use: sequence parallelism with
+# tensor parallelism (Megatron-LM's and torchtitan's large runs) and ring context parallelism.
+# chipset train's own defaults (chipset.parallel.defaults) are off and allgather.
+_PUBLISHED_DEFAULTS = {"sequence_parallel": True, "cp_attention": "ring"}
+
+
 def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assumptions | None = None
             ) -> Prediction | None:
     """The fastest completion of the run's stated layout that fits (else the fastest, with
@@ -272,8 +278,8 @@ def predict(run: PublishedRun, profiles: dict | None = None, assumptions: Assump
     best: Prediction | None = None
     for b in mbs:
         for sched, v in options:
-            lay = Layout(**{k: v_ for k, v_ in fixed.items() if k != "micro_batch"}, micro_batch=b,
-                         schedule=sched, virtual_stages=v)
+            lay = Layout(**{**_PUBLISHED_DEFAULTS, **{k: v_ for k, v_ in fixed.items() if k != "micro_batch"}},
+                         micro_batch=b, schedule=sched, virtual_stages=v)
             p = evaluate(run.model, lay, train, cl, a)
             if best is None or (p.fits, -p.step_time_s) > (best.fits, -best.step_time_s):
                 best = p

@@ -219,7 +219,7 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
             for zero in _options(fix, "zero", zeros):
                 for rc in _options(fix, "recompute", list(RECOMPUTE)):
                     lay = Layout(**deg, zero=zero, micro_batch=b, schedule=sched, virtual_stages=v, recompute=rc,
-                                 sequence_parallel=fix.get("sequence_parallel", True))
+                                 sequence_parallel=fix.get("sequence_parallel", True))  # recommended on with tp
                     res.configurations_evaluated += 1
                     mem = memory_per_device(m, lay, train, s)
                     limit = cl.device.total_memory * a.memory_usable_fraction

@@ -23,6 +23,7 @@ from chipset.models.config import ModelConfig
 from chipset.models.family import family_pipeline_units
 from chipset.models.registry import resolve_family
 from chipset.parallel.context import CP_ATTENTION
+from chipset.parallel.defaults import DEFAULT_CP_ATTENTION, DEFAULT_SEQUENCE_PARALLEL
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
 from chipset.runtime.optim import OPTIMIZERS, STATE_DTYPES
@@ -73,9 +74,9 @@ class ParallelConfig:
     """Gradient bucket size in MiB for zero 0..2 (zero 3 uses one bucket per layer)."""
     offload_optimizer: bool = False
     """Keep the fp32 master weights and Adam state on the host (ZeRO-Offload style)."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool = DEFAULT_SEQUENCE_PARALLEL
     """With tp > 1: split norm regions along the sequence over tp (reduce-scatter/all-gather instead of all-reduce)."""
-    cp_attention: str = "allgather"
+    cp_attention: str = DEFAULT_CP_ATTENTION
     """With cp > 1: allgather (all-gather K/V over cp), ring (pass K/V blocks around the cp ring, one fused attention block per step merged by log-sum-exp) or ulysses (all-to-all from a sequence split to a head split and back; heads/tp must divide by cp). docs/long-context.md says which to use."""
     schedule: str = "1f1b"
     """With pp > 1: pipeline schedule gpipe, 1f1b or interleaved_1f1b (docs/engine.md, `chipset train --print-schedule`)."""
