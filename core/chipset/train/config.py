@@ -121,7 +121,7 @@ class TrainConfig:
     nesterov: bool = False
     """SGD: Nesterov momentum."""
     optimizer_state_dtype: str = "float32"
-    """The dtype optimizer state (Adam moments, momentum) is stored in: float32 or bfloat16 (half the bytes; updated in float32, rounded to nearest)."""
+    """The dtype optimizer state (Adam moments, momentum) is stored in: float32, bfloat16 (half the bytes; updated in float32, rounded to nearest) or int8 (blockwise-quantised, about a quarter of the bytes: 256-element blocks with a float32 absmax scale each, the second moment stored as its square root; docs/engine.md, "Lighter optimizer state")."""
     muon_momentum: float = 0.95
     """Muon: momentum of the hidden matrices' update (their AdamW half uses beta1/beta2)."""
     muon_nesterov: bool = True
