@@ -1,6 +1,6 @@
 """Optimizer-state memory and loss-curve difference of train.optimizer_state_dtype, one process.
 
-Trains the same tiny model for ``--steps`` steps with float32 and with bfloat16 optimizer state
+Trains the same tiny model for ``--steps`` steps with float32, bfloat16 and int8 optimizer state
 (AdamW, then Muon), counts the optimizer state's bytes from the engine's tensors
 (``Bucket.state``), and prints the largest per-step loss difference to the float32 run.
 
@@ -40,7 +40,7 @@ def run(optimizer: str, state_dtype: str, steps: int) -> tuple[list[float], int]
         "optimizer_state_dtype": state_dtype}}).validate(world_size=1)
     backend = BACKEND or _start(load)
     engine, _, _ = build(cfg, backend)
-    state_bytes = sum(t.numel() * t.element_size() for b in engine.buckets for t in b.state.values())
+    state_bytes = sum(t.nbytes for b in engine.buckets for t in b.state.values())  # int8: codes + scales
     losses = train(cfg, backend, None, out=io.StringIO()).losses
     return losses, state_bytes
 
@@ -53,7 +53,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for opt in ("adamw", "muon"):
         ref, ref_bytes = run(opt, "float32", args.steps)
-        for sd in ("float32", "bfloat16"):
+        for sd in ("float32", "bfloat16", "int8"):
             losses, nbytes = (ref, ref_bytes) if sd == "float32" else run(opt, sd, args.steps)
             diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
             print(f"| {opt} | {sd} | {nbytes} | {nbytes / ref_bytes:.2f} | {losses[-1]:.4f} | {diff:.4f} |")

@@ -60,6 +60,7 @@ def run(args) -> int:
     print(f"amp dtypes: {', '.join(caps['amp_dtypes']) or '-'}; train.dtype = \"auto\" trains in {caps['default_dtype']}")
     print(f"collectives: {', '.join(caps['collectives'])}")
     print(f"streams: {caps['streams']}, event timing: {caps['event_timing']}, graph capture: {caps['graph_capture']}")
+    print(f"fp8 GEMM scalings (train.fp8): {', '.join(caps['fp8']) or '-'}")
     own = caps["kernels"]
     print(f"kernels: {len(info['kernels'])} ({', '.join(own) + ' native, ' if own else ''}rest by core reference)")
     return 0

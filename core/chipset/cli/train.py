@@ -63,6 +63,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from chipset.loader import backend
+    from chipset.parallel.fp8 import check_fp8
     from chipset.train.checkpoint.launcher import check_resume, parse_nnodes
     from chipset.train.config import parse_overrides, resolve_config, to_toml
     from chipset.train.elastic import check_node_range
@@ -90,6 +91,7 @@ def run(args) -> int:
     cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes,
                          default_dtype=b.capabilities.default_dtype)
     family = _check_family(cfg)  # an unknown family or a layout it does not support: exit 2 now
+    check_fp8(cfg.train.fp8, b)  # FP8 on a backend that does not declare it: exit 2 now
     if args.project is not None:  # an unknown profile: exit 2 before anything is written
         from chipset.planner.projection import resolve_profile
 

@@ -58,6 +58,10 @@ class Capabilities:
     """Several ranks may bind to the same device (true for simulators; NCCL/HCCL refuse it)."""
     kernels: tuple[str, ...] = ()
     """Kernels this backend registers its own implementation for."""
+    fp8: tuple[str, ...] = ()
+    """FP8 GEMM scalings (``"tensorwise"``, ``"rowwise"``) this backend's ``fp8_matmul`` kernel runs
+    with the reference's numerics (kernels/fp8.py), certified by the conformance suite; ``train.fp8``
+    is refused where the scaling it names is not declared. Empty: no FP8 training."""
     tolerances: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """Per-dtype (rtol, atol) overrides against the reference, with the reason in docs."""
 

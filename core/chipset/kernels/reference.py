@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from chipset.kernels.blockwise import attention_block, attention_block_backward
+from chipset.kernels.fp8 import fp8_matmul
 
 __all__ = [
     "rms_norm",
@@ -162,6 +163,7 @@ REFERENCE_KERNELS = {
     "cross_entropy": cross_entropy,
     "fused_adamw": fused_adamw,
     "grouped_mm": grouped_mm,
+    "fp8_matmul": fp8_matmul,
     "attention_block": attention_block,
     "attention_block_backward": attention_block_backward,
 }

@@ -227,6 +227,9 @@ class ColumnParallelLinear(nn.Module):
     :class:`TPRegionNorm` in front, shared with the other projections reading it).
     """
 
+    linear = staticmethod(F.linear)
+    """The product ``(x, w, b) -> x w^T + b``; ``train.fp8`` replaces it (parallel/fp8.py)."""
+
     def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, enter_region: bool = True,
                  full_bias: torch.Tensor | None = None):
         super().__init__()
@@ -238,12 +241,15 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_region(x, self.tp)
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """``y = x W^T (+ b)`` with W's input columns split over tp; partial outputs are summed over
     tp, then the (replicated) bias is added once."""
+
+    linear = staticmethod(F.linear)
+    """The product ``(x, w, b) -> x w^T + b``; ``train.fp8`` replaces it (parallel/fp8.py)."""
 
     def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, full_bias: torch.Tensor | None = None):
         super().__init__()
@@ -253,7 +259,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.tp
-        y = F.linear(x, self.weight)
+        y = self.linear(x, self.weight)
         if t.sequence_parallel:
             y = reduce_scatter_along_grad(y, _SEQ, t.collective, t.group)
         else:

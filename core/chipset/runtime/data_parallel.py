@@ -50,6 +50,7 @@ from chipset.interfaces import Group, Handle
 from chipset.parallel.dims import ParallelDims
 from chipset.parallel.tensor import is_tp_sharded
 from chipset.runtime.digest import combine, param_hash
+from chipset.runtime.int8_state import SQUARED_STATES, Int8Blocks
 from chipset.runtime.matrices import BucketMatrices, hidden_matrix_names
 from chipset.runtime.optim import AdamW, Optimizer
 from chipset.runtime.precision import LossScaler, compute_input
@@ -133,8 +134,14 @@ class Bucket:
             else:
                 self.master = e.place_host(src.detach().float().to(opt_dev).clone())
             sd = getattr(e.optimizer, "state_dtype", torch.float32)
-            self.state = {n: e.place_host(torch.zeros_like(self.master, dtype=sd)) for n in e.optimizer.state_names}
+            self.state = {n: self._new_state(n, sd) for n in e.optimizer.state_names}
         self.matrices = BucketMatrices(self, e.matrix_names) if e.matrix_names is not None else None
+
+    def _new_state(self, name: str, dtype: torch.dtype):
+        """One zero optimizer state tensor shaped like the master (int8: blockwise codes and scales)."""
+        if dtype == torch.int8:
+            return Int8Blocks(self.master.numel(), self.master.device, squared=name in SQUARED_STATES)
+        return self.engine.place_host(torch.zeros_like(self.master, dtype=dtype))
 
     def _norm_segments(self) -> list[tuple[int, int, float]]:
         """(start, end, weight) over the owned gradient for the global-norm sum under tp:
@@ -663,7 +670,8 @@ class DataParallel:
                 "group": "edp" if b.expert else "dp",
                 "params": owned.detach().to(self.host, copy=True),
                 **({} if b.frozen else {"master": b.master.detach().to(self.host, copy=True)}),
-                **{n: t.detach().to(self.host, copy=True) for n, t in b.state.items()},
+                **{n: (t.float() if isinstance(t, Int8Blocks) else t.detach()).to(self.host, copy=True)
+                   for n, t in b.state.items()},
             })
         return {"step": self.step_count, "scaler": self.scaler.state_dict(), "zero": self.zero,
                 "optimizer": self.optimizer.name,

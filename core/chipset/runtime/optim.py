@@ -153,9 +153,10 @@ OPTIMIZERS = {"adamw": AdamW, "sgd": SGD, "muon": Muon}
 """``train.optimizer`` name -> optimizer class (declared once: the config validates against it)."""
 
 
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 """``train.optimizer_state_dtype`` -> the dtype the engine stores optimizer state in. A lighter
-state is widened to float32 for the update (one bucket at a time) and rounded back to nearest."""
+state is widened to float32 for the update (one bucket at a time) and rounded back to nearest;
+int8 is blockwise-quantised (runtime/int8_state.py)."""
 
 
 def make_optimizer(train) -> Optimizer:

@@ -24,6 +24,7 @@ from chipset.models.family import family_pipeline_units
 from chipset.models.registry import resolve_family
 from chipset.parallel.context import CP_ATTENTION
 from chipset.parallel.defaults import DEFAULT_CP_ATTENTION, DEFAULT_SEQUENCE_PARALLEL
+from chipset.parallel.fp8 import FP8_MODES
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
 from chipset.runtime.optim import OPTIMIZERS, STATE_DTYPES
@@ -121,7 +122,7 @@ class TrainConfig:
     nesterov: bool = False
     """SGD: Nesterov momentum."""
     optimizer_state_dtype: str = "float32"
-    """The dtype optimizer state (Adam moments, momentum) is stored in: float32 or bfloat16 (half the bytes; updated in float32, rounded to nearest)."""
+    """The dtype optimizer state (Adam moments, momentum) is stored in: float32, bfloat16 (half the bytes; updated in float32, rounded to nearest) or int8 (blockwise-quantised, about a quarter of the bytes: 256-element blocks with a float32 absmax scale each, the second moment stored as its square root; docs/engine.md, "Lighter optimizer state")."""
     muon_momentum: float = 0.95
     """Muon: momentum of the hidden matrices' update (their AdamW half uses beta1/beta2)."""
     muon_nesterov: bool = True
@@ -134,6 +135,8 @@ class TrainConfig:
     """Seed of parameter initialisation and data."""
     dtype: str = "float32"
     """Compute dtype: float32, bfloat16 or float16 (master weights stay float32); auto = the backend's default compute dtype (bfloat16 on cuda and ascend devices with bf16, float32 on the CPU backends, where bf16 is about 6x slower): `chipset info` shows it."""
+    fp8: str = "off"
+    """FP8 training: off, tensorwise or rowwise (the scaling of the FP8 GEMMs): the attention and MLP projections run their forward and backward GEMMs in FP8 through the backend's fp8_matmul kernel; weights, gradients and optimizer stay in train.dtype. Only on a backend declaring the scaling (Capabilities.fp8): docs/engine.md, "FP8 training"."""
     loss_scale: float = 0.0
     """float16 only: 0 = dynamic loss scaling, > 0 = this fixed scale."""
     initial_loss_scale: float = 2.0**16
@@ -630,6 +633,8 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"train.min_lr = {tr.min_lr!r}: expected a finite value in [0, train.lr ({tr.lr})]")
     if not 0 < tr.decay_fraction <= 1:
         problems.append(f"train.decay_fraction = {tr.decay_fraction!r}: expected a fraction in (0, 1]")
+    if tr.fp8 not in FP8_MODES:
+        problems.append(f"train.fp8 = {tr.fp8!r}: expected one of {', '.join(FP8_MODES)}")
     if tr.recompute not in RECOMPUTE:
         problems.append(f"train.recompute = {tr.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if da.source not in DATA_SOURCES:

@@ -25,6 +25,7 @@ from chipset.parallel.compile import apply_compile, check_compile, compile_backe
 from chipset.parallel.context import ContextParallel, apply_cp
 from chipset.parallel.dims import ParallelDims
 from chipset.parallel.experts import apply_ep
+from chipset.parallel.fp8 import apply_fp8, check_fp8, fp8_targets
 from chipset.parallel.lora import apply_lora, lora_of
 from chipset.parallel.moe import apply_cp_moe
 from chipset.parallel.offload import apply_offload
@@ -113,6 +114,9 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
     lora = lora_of(cfg, family)
     if lora is not None:  # after the plan: the adapters follow its split (parallel/lora.py)
         apply_lora(model, lora, seed=cfg.train.seed)
+    if tr.fp8 != "off":  # after the plan and LoRA: the split projections, the adapters stay in train.dtype
+        check_fp8(tr.fp8, backend)
+        apply_fp8(model, fp8_targets(model, family, cfg), backend.kernels, tr.fp8)
     if dims.cp_enabled:
         cp = ContextParallel(col, dims.group("cp", col), backend.kernels, attention=par.cp_attention)
         apply_cp(model, family.attention(model), cp=cp)

@@ -37,6 +37,7 @@ def chipset_capabilities(device):
         pinned_memory=False,
         multi_process=True,
         ranks_share_device=True,
+        fp8=("tensorwise", "rowwise"),  # the core's emulation (kernels/fp8.py): the yardstick
     )
 
 

@@ -18,7 +18,8 @@ VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 ROCM_VISIBLE_ENVS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", VISIBLE_ENV)
 """What narrows the GPUs a ROCm process sees (ROCr's, then HIP's, then the CUDA name HIP honours)."""
 
-KERNELS = ("scaled_dot_product_attention", "fused_adamw", "rms_norm", "rotary_embedding", "swiglu", "cross_entropy")
+KERNELS = ("scaled_dot_product_attention", "fused_adamw", "rms_norm", "rotary_embedding", "swiglu", "cross_entropy",
+           "fp8_matmul")
 
 
 def _probe(torch_module=None) -> tuple[bool, str]:

@@ -6,6 +6,7 @@
   ``torch.optim.AdamW(fused=True)``.
 - rms_norm, rotary_embedding, swiglu, cross_entropy: Triton kernels with a Triton
   backward (``chipset_cuda.triton_kernels``), registered only when triton is importable.
+- fp8_matmul: ``torch._scaled_mm`` on FP8 tensor cores (``chipset_cuda.fp8``).
 
 Every predicate takes the reference's arguments and returns False for anything it does
 not handle exactly, so the registry falls back to the core reference. Tensors must live
@@ -211,6 +212,11 @@ def register(registry, hip: bool = False) -> None:
                       available=sdpa_available, description="torch SDPA (flash / memory-efficient / cuDNN)")
     registry.register("fused_adamw", fused_adamw, priority=10, available=fused_adamw_available,
                       description="torch._fused_adamw_ (fused multi-tensor AdamW)")
+    if not hip:  # Capabilities.fp8 is declared for NVIDIA GPUs of compute capability >= 8.9 only
+        from chipset_cuda.fp8 import fp8_matmul, fp8_matmul_available
+
+        registry.register("fp8_matmul", fp8_matmul, priority=10, available=fp8_matmul_available,
+                          description="torch._scaled_mm (FP8 tensor cores)")
     if hip or not triton_importable():
         return
     for name, (fn, available) in TRITON_KERNELS.items():

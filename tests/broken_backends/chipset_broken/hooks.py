@@ -21,6 +21,21 @@ def initialise_device(variant: str) -> None:
     SimDevice()  # creating the device is this backend's "device init"
 
 
+def _fp8_twice_the_scale(x, w, scaling="tensorwise"):
+    """fp8_matmul whose x scale is twice the specified one: x's largest values saturate at the
+    format's maximum. Gradients are the reference's (only the forward value is wrong)."""
+    from chipset.kernels.fp8 import FORWARD_FORMAT, fp8_matmul, quantize
+
+    x2 = x.reshape(-1, x.shape[-1])
+    fmax = torch.finfo(FORWARD_FORMAT).max
+    _, sa = quantize(x2, FORWARD_FORMAT, scaling, dim=1)
+    qa = (x2.float() * 2 * sa).clamp(-fmax, fmax).to(FORWARD_FORMAT)
+    qb, sb = quantize(w.t(), FORWARD_FORMAT, scaling, dim=0)
+    bad = ((qa.float() / (2 * sa)) @ (qb.float() / sb)).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    ref = fp8_matmul(x, w, scaling)
+    return ref + (bad - ref).detach()
+
+
 class _NegativeEvent(SimEvent):
     def elapsed_time(self, end) -> float:
         return -abs(super().elapsed_time(end)) - 1.0
@@ -227,6 +242,7 @@ class Plugin:
             amp_dtypes=("bfloat16", "float16"), collectives=ALL_COLLECTIVES,
             collective_dtypes=("float32", "float64", "float16", "bfloat16", "int32", "int64"),
             streams=True, event_timing=True, memory_capacity_enforced=True, multi_process=True,
+            fp8=("tensorwise", "rowwise"),
         )
 
     @hookimpl
@@ -254,6 +270,9 @@ class Plugin:
             ref = registry.reference("grouped_mm")
             registry.register("grouped_mm", lambda x, w, offs: ref(x, w[:1].expand_as(w), offs), priority=5,
                               description="grouped_mm with the first group's weights for every group")
+        elif v == "bad_fp8_scale":
+            registry.register("fp8_matmul", _fp8_twice_the_scale, priority=5,
+                              description="fp8_matmul with twice the specified scale for x")
         elif v == "ignores_ignore_index":
             ref = registry.reference("cross_entropy")
             registry.register(

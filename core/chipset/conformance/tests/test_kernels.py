@@ -57,7 +57,8 @@ def _inputs(name: str, dt: torch.dtype, dev) -> tuple[list, dict, list[int]]:
 
 
 BLOCKWISE = ("attention_block", "attention_block_backward")  # tuples out, no autograd: own test below
-DIFFERENTIABLE = [k for k in REFERENCE_KERNELS if k != "fused_adamw" and k not in BLOCKWISE]
+OWN_MODULE = ("fused_adamw", "fp8_matmul")  # own tests below (fp8_matmul only where declared)
+DIFFERENTIABLE = [k for k in REFERENCE_KERNELS if k not in OWN_MODULE and k not in BLOCKWISE]
 
 
 def _require(caps, dtype):
@@ -138,6 +139,37 @@ def test_fused_adamw_matches_reference(backend, caps, dev, dtype):
             fn(params, [gr.to(dt).to(d).to(where) for gr in grads], m, v, step, lr=1e-2, weight_decay=0.1)
         results.append(params)
     _compare(results[0], results[1], "fused_adamw", dtype, caps, "updated parameter", results[2])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_matmul_matches_exact_emulation(backend, caps, dev, scaling, dtype):
+    """``fp8_matmul`` (kernels/fp8.py) forward and backward, against the exact answer from the
+    same FP8 operands: the specified quantisation (scales, rounding) is the contract; only the
+    summation may differ, as for any GEMM. The rows and columns span 2^-6..2^6 in magnitude, so a
+    wrong scale saturates or underflows the operands and misses by whole FP8 steps (2^-3)."""
+    if scaling not in caps.fp8:
+        pytest.skip(f"backend does not declare fp8 scaling {scaling!r} (Capabilities.fp8 = {caps.fp8})")
+    _require(caps, dtype)
+    dt = FLOATS[dtype]
+    g = torch.Generator().manual_seed(13)
+    spread = 2.0 ** torch.linspace(-6, 6, 12)
+    x = (torch.randn(12, 64, generator=g) * spread[:, None]).to(dt)
+    w = (torch.randn(24, 64, generator=g) * spread.repeat(2)[:, None]).to(dt)
+    up = torch.randn(12, 24, generator=g).to(dt)
+
+    def run(fn, conv):
+        a, b = conv(x).requires_grad_(True), conv(w).requires_grad_(True)
+        y = fn(a, b, scaling=scaling)
+        y.backward(conv(up))
+        return [t.detach() for t in (y, a.grad, b.grad)]
+
+    on_dev = lambda t: t.to(dev)  # noqa: E731
+    got = run(backend.kernels.select("fp8_matmul", on_dev(x), on_dev(w), scaling=scaling), on_dev)
+    want = run(backend.kernels.reference("fp8_matmul"), on_dev)
+    truth = run(backend.kernels.reference("fp8_matmul"), exact)
+    assert got[0].dtype == dt and got[0].shape == (12, 24)
+    _compare(got, want, "fp8_matmul", dtype, caps, f"{scaling} (out, dx, dw)", truth)
 
 
 @pytest.mark.parametrize("dtype", list(FLOATS))

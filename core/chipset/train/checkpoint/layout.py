@@ -219,6 +219,8 @@ def _source(b, kind: str) -> tuple[torch.Tensor, int]:
             return b.full, 0
         return b.param_shard, b.lo
     t = b.master if kind == "optim.master" else b.state[kind.removeprefix("optim.")]
+    if not isinstance(t, torch.Tensor):  # int8 state (runtime/int8_state.py): its float32 values
+        t = t.staged()
     return t, 0 if e.zero == 0 else b.lo
 
 

@@ -268,6 +268,10 @@ class Checkpointer:
         with torch.no_grad():
             for piece, host in copies:
                 piece.tensor.copy_(host.reshape(-1))
+            for b in e.buckets:  # int8 state loaded into float32 staging: quantise it (runtime/int8_state.py)
+                for t in b.state.values():
+                    if not isinstance(t, torch.Tensor):
+                        t.commit_staged()
         e.step_count = int(state["engine_step"])
         e.scaler.load_state_dict(state["scaler"])
         if "device" in rng:

@@ -1,0 +1,81 @@
+"""FP8 training (``train.fp8``): a model's linear projections through the backend's ``fp8_matmul``.
+
+Each projection the family's tensor-parallel plan names (``colwise`` / ``rowwise``, the same
+modules LoRA targets by default: attention and MLP projections) computes ``x W^T (+ b)`` with the
+``fp8_matmul`` kernel instead of ``F.linear``: its operands quantised to FP8 with the scaling
+``train.fp8`` names, in the forward and both backward GEMMs (kernels/fp8.py). The weights, their
+gradients and the optimizer stay in the run's dtype (the master copy is never FP8), so
+checkpoints are unchanged and a run may switch FP8 on or off between resumes. The embedding, the
+vocabulary head, norms and MoE experts stay in the run's dtype, as torchao's and Transformer
+Engine's recipes leave them.
+
+A backend runs FP8 only where it declares the scaling in ``Capabilities.fp8`` (conformance
+certifies its kernel against the core's emulation); anywhere else ``train.fp8`` is refused
+before a run starts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from chipset.errors import ConfigError
+from chipset.kernels.fp8 import FP8_SCALINGS
+from chipset.parallel.lora import LINEAR_TYPES, default_targets
+
+__all__ = ["FP8_MODES", "Fp8Linear", "apply_fp8", "check_fp8", "fp8_targets"]
+
+FP8_MODES = ("off", *FP8_SCALINGS)
+"""``train.fp8`` values: off, or the FP8 GEMM scaling to train with."""
+
+
+def check_fp8(mode: str, backend) -> None:
+    """ConfigError (exit 2) unless ``backend`` declares FP8 GEMMs with scaling ``mode``."""
+    if mode == "off" or mode in backend.capabilities.fp8:
+        return
+    declared = ", ".join(backend.capabilities.fp8) or "none"
+    raise ConfigError(
+        f"train.fp8 = {mode!r}: backend {backend.name!r} declares no FP8 GEMM with {mode} scaling "
+        f"(Capabilities.fp8: {declared}); set train.fp8 = \"off\", or select a backend that declares it "
+        "(cpu_sim emulates both scalings; cuda on compute capability >= 8.9)")
+
+
+class Fp8Linear:
+    """``(x, w, b) -> x w^T + b`` through the ``fp8_matmul`` kernel: what a projection calls in
+    place of ``F.linear``."""
+
+    def __init__(self, kernels, scaling: str):
+        self.kernels, self.scaling = kernels, scaling
+
+    def __call__(self, x, weight, bias=None):
+        y = self.kernels.fp8_matmul(x, weight, scaling=self.scaling)
+        return y if bias is None else y + bias
+
+
+class _Fp8PlainLinear(nn.Linear):
+    """An ``nn.Linear`` whose product is ``self.linear`` (an :class:`Fp8Linear`); same parameters."""
+
+    def forward(self, x):
+        return self.linear(x, self.weight, self.bias)
+
+
+def fp8_targets(model: nn.Module, family, cfg) -> list[str]:
+    """The modules ``train.fp8`` routes: the linear layers the family plan's projection patterns match."""
+    patterns = default_targets(family.plan(cfg))
+    names = [n for n, m in model.named_modules()
+             if type(m) in LINEAR_TYPES and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    if not names:
+        raise ConfigError(f"train.fp8 = {cfg.train.fp8!r}: family {cfg.model.family!r} names no linear projections "
+                          "in its tensor-parallel plan (colwise/rowwise) for FP8 to route; set train.fp8 = \"off\"")
+    return names
+
+
+def apply_fp8(model: nn.Module, names: list[str], kernels, scaling: str) -> None:
+    """Route the modules ``names`` (from :func:`fp8_targets`) through ``kernels.fp8_matmul``."""
+    linear = Fp8Linear(kernels, scaling)
+    for name in names:
+        mod = model.get_submodule(name)
+        if type(mod) is nn.Linear:
+            mod.__class__ = _Fp8PlainLinear  # a subclass: parameters, hooks (LoRA's) and names stay
+        mod.linear = linear
