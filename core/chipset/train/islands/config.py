@@ -1,0 +1,151 @@
+"""The ``[islands]`` and ``[federated]`` config tables and their rules.
+
+Islands split the job's ranks into ``islands.count`` groups that train on their own for
+``islands.sync_every`` steps and then exchange pseudo-gradients (docs/islands.md).
+The tables live in :class:`chipset.train.config.RunConfig`; this module holds their
+dataclasses and cross-field rules so the main config module stays readable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["IslandsConfig", "FederatedConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "island_problems",
+           "island_backends", "island_data_paths"]
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
+MODES = ("diloco", "federated")
+
+
+@dataclass
+class IslandsConfig:
+    """Islands of ranks that train apart and meet every sync_every steps (DiLoCo / local SGD; docs/islands.md)."""
+
+    count: int = 1
+    """Islands the job's ranks split into (1 = off); each island gets world size / count ranks and runs the [parallel] layout inside."""
+    sync_every: int = 20
+    """Inner steps between outer steps (DiLoCo's H); the last step always ends with an outer step."""
+    mode: str = "diloco"
+    """diloco (every island is a replica; pseudo-gradients averaged between islands) or federated (islands are clients with private data, aggregated through an aggregator process: the [federated] table)."""
+    outer_optimizer: str = "nesterov"
+    """Outer optimizer on the averaged pseudo-gradient: nesterov (SGD with Nesterov momentum islands.outer_momentum, DiLoCo's) or sgd (plain; outer_lr = 1 is FedAvg: the global parameters become the islands' average)."""
+    outer_lr: float = 0.7
+    """Outer learning rate (DiLoCo: 0.7 with Nesterov momentum 0.9; 1.0 with sgd averages the islands)."""
+    outer_momentum: float = 0.9
+    """Momentum of the nesterov outer optimizer."""
+    pseudo_grad_dtype: str = "fp32"
+    """How pseudo-gradients cross between islands: fp32, bf16 or int8 (both with error feedback: what rounding dropped is added to the next outer step's pseudo-gradient)."""
+    backends: str = ""
+    """Comma-separated backend per island (e.g. "cpu,cpu_sim"); empty = every island on the launcher's backend (CHIPSET_BACKEND). The outer exchange runs over host gloo, which every backend has."""
+    endpoint: str = ""
+    """HOST:PORT of the store the islands meet at (multi-node jobs: the node running island 0 hosts it); empty = the launcher hosts one on loopback."""
+    quorum_timeout: float = 60.0
+    """Seconds an outer step waits for every island; islands still missing then are left out of that step (and rejoin later); 0 = wait for all, forever."""
+
+
+@dataclass
+class FederatedConfig:
+    """Federated learning: islands are clients with private data (islands.mode = "federated"; docs/islands.md)."""
+
+    data_paths: str = ""
+    """Comma-separated data.path of each client, islands.count entries (each client reads only its own); empty = every client reads data.path, split by client like data-parallel ranks."""
+    clients_per_round: int = 0
+    """Clients sampled (seeded, the same on every process) to train and send an update each round; 0 = all."""
+    proximal_mu: float = 0.0
+    """FedProx: mu/2 * |w - w_global|^2 added to each client's loss (0 = FedAvg)."""
+    secure_aggregation: bool = False
+    """Pairwise additive masks from X25519-agreed seeds (needs the cryptography package): the aggregator receives only masked updates and can decode only their sum."""
+    clip_norm: float = 0.0
+    """Differential privacy: clip each client's update to this L2 norm (0 = no clipping, no DP)."""
+    noise_multiplier: float = 0.0
+    """Differential privacy: Gaussian noise of std noise_multiplier * clip_norm on the sum of updates (each client adds its 1/sqrt(clients_per_round) share); needs clip_norm > 0."""
+    delta: float = 1e-5
+    """Differential privacy: the delta of the (epsilon, delta) the RDP accountant reports."""
+
+
+def island_backends(isl: IslandsConfig) -> list[str]:
+    """``islands.backends`` as a list (empty: none named)."""
+    return [b.strip() for b in isl.backends.split(",") if b.strip()]
+
+
+def island_data_paths(fed: FederatedConfig) -> list[str]:
+    """``federated.data_paths`` as a list (empty: none named)."""
+    return [p.strip() for p in fed.data_paths.split(",") if p.strip()]
+
+
+def island_problems(isl: IslandsConfig, fed: FederatedConfig, world_size: int | None, dp: int,
+                    micro_batches: int, global_batch: int) -> list[str]:
+    """Every problem of the two tables (and their fit with the world and the batch)."""
+    problems = []
+    if isl.count < 1:
+        problems.append(f"islands.count = {isl.count!r}: expected a number of islands >= 1 (1 = no islands)")
+    if isl.sync_every < 1:
+        problems.append(f"islands.sync_every = {isl.sync_every!r}: expected a number of inner steps >= 1 between "
+                        "outer steps (DiLoCo uses 500 on large models; 1 = an outer step after every step)")
+    if isl.mode not in MODES:
+        problems.append(f"islands.mode = {isl.mode!r}: expected one of {', '.join(MODES)}")
+    if isl.outer_optimizer not in OUTER_OPTIMIZERS:
+        problems.append(f"islands.outer_optimizer = {isl.outer_optimizer!r}: expected one of {', '.join(OUTER_OPTIMIZERS)}")
+    if not isl.outer_lr > 0:
+        problems.append(f"islands.outer_lr = {isl.outer_lr!r}: expected a positive learning rate (0.7 DiLoCo, 1.0 FedAvg)")
+    if not 0 <= isl.outer_momentum < 1:
+        problems.append(f"islands.outer_momentum = {isl.outer_momentum!r}: expected a value in [0, 1)")
+    if isl.pseudo_grad_dtype not in PSEUDO_GRAD_DTYPES:
+        problems.append(f"islands.pseudo_grad_dtype = {isl.pseudo_grad_dtype!r}: expected one of {', '.join(PSEUDO_GRAD_DTYPES)}")
+    if isl.quorum_timeout < 0:
+        problems.append(f"islands.quorum_timeout = {isl.quorum_timeout!r}: expected seconds >= 0 (0 = wait for every island)")
+    backends = island_backends(isl)
+    if backends and len(backends) != isl.count:
+        problems.append(f"islands.backends = {isl.backends!r} names {len(backends)} backend(s) for islands.count = "
+                        f"{isl.count} islands; name one per island, or leave it empty for the launcher's backend")
+    if isl.endpoint:
+        host, sep, port = isl.endpoint.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            problems.append(f"islands.endpoint = {isl.endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29600")
+    if isl.count > 1 and world_size is not None and world_size % isl.count:
+        problems.append(f"islands.count ({isl.count}) must divide the world size ({world_size}): each island runs "
+                        f"world/count ranks; run with --nproc {isl.count * max(1, round(world_size / isl.count))} "
+                        "or choose another count")
+    if isl.count > 1 and dp > 0 and micro_batches > 0 and global_batch > 0 and global_batch % (isl.count * dp * micro_batches):
+        problems.append(f"train.global_batch ({global_batch}) must be divisible by islands.count*dp*micro_batches "
+                        f"({isl.count}*{dp}*{micro_batches}): the global batch is split over the islands, then "
+                        "over each island's dp ranks and micro-batches")
+    problems += _federated_problems(isl, fed, world_size)
+    return problems
+
+
+def _federated_problems(isl: IslandsConfig, fed: FederatedConfig, world_size: int | None) -> list[str]:
+    problems = []
+    on = isl.mode == "federated"
+    paths = island_data_paths(fed)
+    if paths and len(paths) != isl.count:
+        problems.append(f"federated.data_paths names {len(paths)} path(s) for islands.count = {isl.count} clients; "
+                        "give one data.path per client, comma-separated")
+    if not 0 <= fed.clients_per_round <= max(isl.count, 0):
+        problems.append(f"federated.clients_per_round = {fed.clients_per_round!r}: expected 0 (all) to islands.count "
+                        f"({isl.count})")
+    if fed.proximal_mu < 0:
+        problems.append(f"federated.proximal_mu = {fed.proximal_mu!r}: expected a value >= 0 (0 = FedAvg)")
+    if fed.clip_norm < 0:
+        problems.append(f"federated.clip_norm = {fed.clip_norm!r}: expected an L2 norm >= 0 (0 = no clipping)")
+    if fed.noise_multiplier < 0:
+        problems.append(f"federated.noise_multiplier = {fed.noise_multiplier!r}: expected a value >= 0 "
+                        "(the noise std is noise_multiplier * clip_norm; 0 = no noise)")
+    elif fed.noise_multiplier > 0 and not fed.clip_norm > 0:
+        problems.append(f"federated.noise_multiplier = {fed.noise_multiplier!r} needs federated.clip_norm > 0: "
+                        "the noise is calibrated to the clipped update's norm")
+    if not (0 < fed.delta < 1 and math.isfinite(fed.delta)):
+        problems.append(f"federated.delta = {fed.delta!r}: expected a probability in (0, 1), e.g. 1e-5")
+    used = bool(paths or fed.clients_per_round or fed.proximal_mu or fed.secure_aggregation or fed.clip_norm
+                or fed.noise_multiplier)
+    if used and not on:
+        problems.append("[federated] keys are set but islands.mode = 'diloco'; set islands.mode = \"federated\" "
+                        "(and islands.count to the number of clients)")
+    if on and isl.count < 2:
+        problems.append(f"islands.mode = 'federated' needs islands.count >= 2 clients, found {isl.count}")
+    if on and world_size is not None and isl.count > 0 and world_size != isl.count:
+        problems.append(f"islands.mode = 'federated' runs one rank per client: the world size ({world_size}) must "
+                        f"equal islands.count ({isl.count}); run with --nproc {isl.count}")
+    return problems
