@@ -69,7 +69,7 @@ def run_islands(args, cfg, default_backend, run_dir: Path, family, *, preflight,
             adopt_run(island_dir(run_dir, i), args.resume, discard=args.discard_checkpoints)
         config_path = run_dir / "config.toml"
         atomic_write_text(config_path, to_toml(cfg))
-        print(f"chipset train: run directory {run_dir}, {cfg.islands.count} islands ({cfg.islands.mode}, "
+        print(f"chipset train: run directory {run_dir}, {cfg.islands.count} islands (DiLoCo, "
               f"an outer step every {cfg.islands.sync_every} steps)", flush=True)
         names = [backends[i].name if i in backends else "" for i in range(cfg.islands.count)]
         rc = launch_islands(cfg, islands_here=here, backends=names, nproc=per_island, run_dir=run_dir,

@@ -27,7 +27,7 @@ from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
 from chipset.runtime.optim import OPTIMIZERS, STATE_DTYPES
 from chipset.runtime.precision import DTYPE_BY_NAME
-from chipset.train.islands.config import FederatedConfig, IslandsConfig, island_problems
+from chipset.train.islands.config import IslandsConfig, island_problems
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ __all__ = [
     "DataConfig",
     "RLConfig",
     "IslandsConfig",
-    "FederatedConfig",
     "RunConfig",
     "load_config",
     "resolve_config",
@@ -256,7 +255,6 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     islands: IslandsConfig = field(default_factory=IslandsConfig)
-    federated: FederatedConfig = field(default_factory=FederatedConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Section -> keys; a model family's own keys (``model.family_options``) sit in
@@ -690,7 +688,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
             problems.append(f"dp*tp*pp*cp ({par.dp * other}) must equal world size ({world_size}); "
                             f"run with --nproc {par.dp * other} (or set parallel.dp = 0 to use every rank)")
     dp = par.dp if par.dp > 0 else None
-    problems += island_problems(cfg.islands, cfg.federated, whole_world,
+    problems += island_problems(cfg.islands, whole_world,
                                 dp or 0, par.micro_batches, tr.global_batch)
     if dp and par.micro_batches > 0 and tr.global_batch > 0 and islands == 1:
         if tr.global_batch % (dp * par.micro_batches):

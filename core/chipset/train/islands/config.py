@@ -1,22 +1,19 @@
-"""The ``[islands]`` and ``[federated]`` config tables and their rules.
+"""The ``[islands]`` config table and its rules.
 
 Islands split the job's ranks into ``islands.count`` groups that train on their own for
 ``islands.sync_every`` steps and then exchange pseudo-gradients (docs/islands.md).
-The tables live in :class:`chipset.train.config.RunConfig`; this module holds their
-dataclasses and cross-field rules so the main config module stays readable.
+The table lives in :class:`chipset.train.config.RunConfig`; this module holds its
+dataclass and cross-field rules so the main config module stays readable.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-__all__ = ["IslandsConfig", "FederatedConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "island_problems",
-           "island_backends", "island_data_paths"]
+__all__ = ["IslandsConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "island_problems", "island_backends"]
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
-MODES = ("diloco", "federated")
 
 
 @dataclass
@@ -27,8 +24,6 @@ class IslandsConfig:
     """Islands the job's ranks split into (1 = off); each island gets world size / count ranks and runs the [parallel] layout inside."""
     sync_every: int = 20
     """Inner steps between outer steps (DiLoCo's H); the last step always ends with an outer step."""
-    mode: str = "diloco"
-    """diloco (every island is a replica; pseudo-gradients averaged between islands) or federated (islands are clients with private data, aggregated through an aggregator process: the [federated] table)."""
     outer_optimizer: str = "nesterov"
     """Outer optimizer on the averaged pseudo-gradient: nesterov (SGD with Nesterov momentum islands.outer_momentum, DiLoCo's) or sgd (plain; outer_lr = 1 is FedAvg: the global parameters become the islands' average)."""
     outer_lr: float = 0.7
@@ -45,47 +40,20 @@ class IslandsConfig:
     """Seconds an outer step waits for every island; islands still missing then are left out of that step (and rejoin later); 0 = wait for all, forever."""
 
 
-@dataclass
-class FederatedConfig:
-    """Federated learning: islands are clients with private data (islands.mode = "federated"; docs/islands.md)."""
-
-    data_paths: str = ""
-    """Comma-separated data.path of each client, islands.count entries (each client reads only its own); empty = every client reads data.path, split by client like data-parallel ranks."""
-    clients_per_round: int = 0
-    """Clients sampled (seeded, the same on every process) to train and send an update each round; 0 = all."""
-    proximal_mu: float = 0.0
-    """FedProx: mu/2 * |w - w_global|^2 added to each client's loss (0 = FedAvg)."""
-    secure_aggregation: bool = False
-    """Pairwise additive masks from X25519-agreed seeds (needs the cryptography package): the aggregator receives only masked updates and can decode only their sum."""
-    clip_norm: float = 0.0
-    """Differential privacy: clip each client's update to this L2 norm (0 = no clipping, no DP)."""
-    noise_multiplier: float = 0.0
-    """Differential privacy: Gaussian noise of std noise_multiplier * clip_norm on the sum of updates (each client adds its 1/sqrt(clients_per_round) share); needs clip_norm > 0."""
-    delta: float = 1e-5
-    """Differential privacy: the delta of the (epsilon, delta) the RDP accountant reports."""
-
-
 def island_backends(isl: IslandsConfig) -> list[str]:
     """``islands.backends`` as a list (empty: none named)."""
     return [b.strip() for b in isl.backends.split(",") if b.strip()]
 
 
-def island_data_paths(fed: FederatedConfig) -> list[str]:
-    """``federated.data_paths`` as a list (empty: none named)."""
-    return [p.strip() for p in fed.data_paths.split(",") if p.strip()]
-
-
-def island_problems(isl: IslandsConfig, fed: FederatedConfig, world_size: int | None, dp: int,
+def island_problems(isl: IslandsConfig, world_size: int | None, dp: int,
                     micro_batches: int, global_batch: int) -> list[str]:
-    """Every problem of the two tables (and their fit with the world and the batch)."""
+    """Every problem of the table (and its fit with the world and the batch)."""
     problems = []
     if isl.count < 1:
         problems.append(f"islands.count = {isl.count!r}: expected a number of islands >= 1 (1 = no islands)")
     if isl.sync_every < 1:
         problems.append(f"islands.sync_every = {isl.sync_every!r}: expected a number of inner steps >= 1 between "
                         "outer steps (DiLoCo uses 500 on large models; 1 = an outer step after every step)")
-    if isl.mode not in MODES:
-        problems.append(f"islands.mode = {isl.mode!r}: expected one of {', '.join(MODES)}")
     if isl.outer_optimizer not in OUTER_OPTIMIZERS:
         problems.append(f"islands.outer_optimizer = {isl.outer_optimizer!r}: expected one of {', '.join(OUTER_OPTIMIZERS)}")
     if not isl.outer_lr > 0:
@@ -112,40 +80,4 @@ def island_problems(isl: IslandsConfig, fed: FederatedConfig, world_size: int | 
         problems.append(f"train.global_batch ({global_batch}) must be divisible by islands.count*dp*micro_batches "
                         f"({isl.count}*{dp}*{micro_batches}): the global batch is split over the islands, then "
                         "over each island's dp ranks and micro-batches")
-    problems += _federated_problems(isl, fed, world_size)
-    return problems
-
-
-def _federated_problems(isl: IslandsConfig, fed: FederatedConfig, world_size: int | None) -> list[str]:
-    problems = []
-    on = isl.mode == "federated"
-    paths = island_data_paths(fed)
-    if paths and len(paths) != isl.count:
-        problems.append(f"federated.data_paths names {len(paths)} path(s) for islands.count = {isl.count} clients; "
-                        "give one data.path per client, comma-separated")
-    if not 0 <= fed.clients_per_round <= max(isl.count, 0):
-        problems.append(f"federated.clients_per_round = {fed.clients_per_round!r}: expected 0 (all) to islands.count "
-                        f"({isl.count})")
-    if fed.proximal_mu < 0:
-        problems.append(f"federated.proximal_mu = {fed.proximal_mu!r}: expected a value >= 0 (0 = FedAvg)")
-    if fed.clip_norm < 0:
-        problems.append(f"federated.clip_norm = {fed.clip_norm!r}: expected an L2 norm >= 0 (0 = no clipping)")
-    if fed.noise_multiplier < 0:
-        problems.append(f"federated.noise_multiplier = {fed.noise_multiplier!r}: expected a value >= 0 "
-                        "(the noise std is noise_multiplier * clip_norm; 0 = no noise)")
-    elif fed.noise_multiplier > 0 and not fed.clip_norm > 0:
-        problems.append(f"federated.noise_multiplier = {fed.noise_multiplier!r} needs federated.clip_norm > 0: "
-                        "the noise is calibrated to the clipped update's norm")
-    if not (0 < fed.delta < 1 and math.isfinite(fed.delta)):
-        problems.append(f"federated.delta = {fed.delta!r}: expected a probability in (0, 1), e.g. 1e-5")
-    used = bool(paths or fed.clients_per_round or fed.proximal_mu or fed.secure_aggregation or fed.clip_norm
-                or fed.noise_multiplier)
-    if used and not on:
-        problems.append("[federated] keys are set but islands.mode = 'diloco'; set islands.mode = \"federated\" "
-                        "(and islands.count to the number of clients)")
-    if on and isl.count < 2:
-        problems.append(f"islands.mode = 'federated' needs islands.count >= 2 clients, found {isl.count}")
-    if on and world_size is not None and isl.count > 0 and world_size != isl.count:
-        problems.append(f"islands.mode = 'federated' runs one rank per client: the world size ({world_size}) must "
-                        f"equal islands.count ({isl.count}); run with --nproc {isl.count}")
     return problems

@@ -155,13 +155,12 @@ def merge_summaries(cfg, run_dir: Path, backends: list[str], restarts: dict[int,
                     "layout": s.get("layout"), "params_digest": s.get("params_digest"),
                     "restarts": restarts.get(i, 0), "outer_steps": isl.get("outer_steps"),
                     "cross_island": isl.get("cross_island"), "inner_comm_totals": s.get("comm_totals", {}),
-                    "tokens_per_s": s.get("tokens_per_s"), **{k: s[k] for k in ("eval_loss", "eval_ppl",
-                                                                                  "federated") if k in s}})
+                    "tokens_per_s": s.get("tokens_per_s"), **{k: s[k] for k in ("eval_loss", "eval_ppl") if k in s}})
     if not per:
         return None
     losses = [p["final_loss"] for p in per if isinstance(p["final_loss"], (int, float))]
     digests = {p["params_digest"] for p in per if p["params_digest"]}
-    summary = {"islands": cfg.islands.count, "mode": cfg.islands.mode, "sync_every": cfg.islands.sync_every,
+    summary = {"islands": cfg.islands.count, "sync_every": cfg.islands.sync_every,
                "steps": cfg.train.steps, "final_loss": sum(losses) / len(losses) if losses else None,
                "cross_island_bytes": sum((p["cross_island"] or {}).get("bytes", 0) for p in per),
                "same_parameters": len(digests) == 1, "per_island": per}

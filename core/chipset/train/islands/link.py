@@ -99,20 +99,15 @@ class Quorum:
 
 
 class IslandLink:
-    """Rank ``local_rank`` of island ``island`` (of ``count``) on the islands' store.
-
-    ``extra`` ranks (the federated aggregator) join every group after the islands, at ranks
-    ``count, count + 1, ...``.
-    """
+    """Rank ``local_rank`` of island ``island`` (of ``count``) on the islands' store."""
 
     def __init__(self, endpoint: str, *, island: int, count: int, local_rank: int, timeout_s: float,
-                 quorum_timeout_s: float, extra: int = 0):
+                 quorum_timeout_s: float):
         self.endpoint = endpoint
         self.store = connect_store(endpoint, timeout_s=timeout_s)
         self.island, self.count, self.local_rank = island, count, local_rank
         self.timeout = _dt.timedelta(seconds=timeout_s)
         self.quorum_timeout_s = quorum_timeout_s
-        self.extra = extra
         self.stats = CommStats()
         """Calls, bytes (of the tensors handed over, as ``Collective.comm_stats`` counts) and seconds
         of everything that crossed between islands from this rank."""
@@ -193,7 +188,7 @@ class IslandLink:
         key = quorum.group_id
         if key not in self._groups:
             members = quorum.members
-            size = len(members) + self.extra
+            size = len(members)
             prefix = dist.PrefixStore(f"pg/{key}/r{self.local_rank}", self.store)
             try:
                 pg = dist.ProcessGroupGloo(prefix, members.index(self.island), size, self.timeout)
@@ -218,22 +213,15 @@ class IslandLink:
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every island's ``t``, in member order."""
-        out = [torch.empty_like(t) for _ in range(self.size + self.extra)]
+        out = [torch.empty_like(t) for _ in range(self.size)]
         self._op("all_gather", [t], lambda: self.group.allgather([out], [t]))
-        return out[:self.size]
+        return out
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src_island: int) -> None:
         """Copy ``tensors`` from island ``src_island`` to the quorum's islands."""
         root = self.quorum.members.index(src_island)
         for t in tensors:
             self._op("broadcast", [t], lambda t=t: self.group.broadcast([t], root))
-
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """To group rank ``dst`` (the aggregator: ``self.size``)."""
-        self._op("send", [t], lambda: self.group.send([t], dst, 0))
-
-    def recv(self, t: torch.Tensor, src: int) -> None:
-        self._op("recv", [t], lambda: self.group.recv([t], src, 0))
 
     def _op(self, op: str, tensors: list[torch.Tensor], fn) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
