@@ -175,3 +175,19 @@ def test_bad_islands_config_exits_2_before_launch(tmp_path):
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "islands.sync_every = 0" in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_int8_pseudo_gradients_round_to_half_a_step_of_their_block_scale():
+    """The int8 wire format: one float32 scale per INT8_BLOCK elements (the block's largest
+    magnitude / 127), every element within half a step of it; what it drops is what error
+    feedback carries to the next outer step."""
+    from chipset.train.islands.outer import INT8_BLOCK, dequantize_int8, quantize_int8
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * INT8_BLOCK + 5, generator=g) * torch.logspace(-3, 1, 2 * INT8_BLOCK + 5)
+    codes, scale = quantize_int8(x)
+    assert codes.dtype == torch.int8 and scale.numel() == 3
+    back = dequantize_int8(codes, scale)
+    step = scale.repeat_interleave(INT8_BLOCK)[:x.numel()]
+    assert torch.all((x - back).abs() <= step / 2 * (1 + 4 * torch.finfo(torch.float32).eps))
+    assert torch.allclose(back.abs()[:INT8_BLOCK].max(), x.abs()[:INT8_BLOCK].max(), rtol=2 * torch.finfo(torch.float32).eps, atol=0)
