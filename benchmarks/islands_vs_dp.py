@@ -1,14 +1,14 @@
 """Two islands (DiLoCo, an outer step every H steps) against plain dp=2, at the same tokens, on real text.
 
-    python benchmarks/islands_vs_dp.py [--steps 1000] [--sync-every 20] [--outer-optimizer sgd]
-        [--outer-lr 1.0] [--outer-momentum 0.9] [--json out.json]
+    python benchmarks/islands_vs_dp.py [--steps 1000] [--sync-every 20] [--outer-optimizer nesterov]
+        [--outer-lr 0.5] [--outer-momentum 0.5] [--json out.json]
 
 Both jobs are ``chipset train --nproc 2`` on the launcher's backend (cpu_sim unless
 CHIPSET_BACKEND says otherwise): the same byte-level decoder (vocabulary 256, hidden 64,
 2 blocks), the same seed, ``train.global_batch`` sequences of ``train.seq_len`` tokens per
 step (the islands split each step's batch between them, as dp=2 splits it between its
-ranks), AdamW inner steps; the islands' outer step is plain averaging by default (outer SGD at
-lr 1), which at this H and length beats DiLoCo's Nesterov 0.7 / 0.9 (docs/islands.md has both). The data is real text: the first MiB of the Python standard
+ranks), AdamW inner steps; the islands' outer step is chipset's default (Nesterov, lr 0.5,
+momentum 0.5; docs/islands.md compares others). The data is real text: the first MiB of the Python standard
 library's sources (what ``data.source = "text"`` reads), written as a flat uint16 token file
 so the run can hold out its last 5% for evaluation (``data.eval_fraction``).
 
@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--sync-every", type=int, default=20)
-    p.add_argument("--outer-optimizer", default="sgd")
-    p.add_argument("--outer-lr", type=float, default=1.0)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-optimizer", default="nesterov")
+    p.add_argument("--outer-lr", type=float, default=0.5)
+    p.add_argument("--outer-momentum", type=float, default=0.5)
     p.add_argument("--skip-dp", type=float, default=None, metavar="EVAL_LOSS",
                    help="do not rerun dp=2: compare with this eval loss (its bytes are not measured then)")
     p.add_argument("--json", type=Path, default=None)

@@ -26,10 +26,10 @@ class IslandsConfig:
     """Inner steps between outer steps (DiLoCo's H); the last step always ends with an outer step."""
     outer_optimizer: str = "nesterov"
     """Outer optimizer on the averaged pseudo-gradient: nesterov (SGD with Nesterov momentum islands.outer_momentum, DiLoCo's) or sgd (plain; outer_lr = 1 is FedAvg: the global parameters become the islands' average)."""
-    outer_lr: float = 0.7
-    """Outer learning rate (DiLoCo: 0.7 with Nesterov momentum 0.9; 1.0 with sgd averages the islands)."""
-    outer_momentum: float = 0.9
-    """Momentum of the nesterov outer optimizer."""
+    outer_lr: float = 0.5
+    """Outer learning rate (> 0; 1.0 with sgd averages the islands). The default 0.5 with momentum 0.5 is what worked best at H = 20 in docs/islands.md's measurement; DiLoCo's 0.7 with momentum 0.9 were chosen for H = 500."""
+    outer_momentum: float = 0.5
+    """Momentum of the nesterov outer optimizer, in [0, 1)."""
     pseudo_grad_dtype: str = "fp32"
     """How pseudo-gradients cross between islands: fp32, bf16 or int8 (both with error feedback: what rounding dropped is added to the next outer step's pseudo-gradient)."""
     backends: str = ""
@@ -57,7 +57,7 @@ def island_problems(isl: IslandsConfig, world_size: int | None, dp: int,
     if isl.outer_optimizer not in OUTER_OPTIMIZERS:
         problems.append(f"islands.outer_optimizer = {isl.outer_optimizer!r}: expected one of {', '.join(OUTER_OPTIMIZERS)}")
     if not isl.outer_lr > 0:
-        problems.append(f"islands.outer_lr = {isl.outer_lr!r}: expected a positive learning rate (0.7 DiLoCo, 1.0 FedAvg)")
+        problems.append(f"islands.outer_lr = {isl.outer_lr!r}: expected a positive learning rate (0.5 default, 1.0 with sgd = FedAvg)")
     if not 0 <= isl.outer_momentum < 1:
         problems.append(f"islands.outer_momentum = {isl.outer_momentum!r}: expected a value in [0, 1)")
     if isl.pseudo_grad_dtype not in PSEUDO_GRAD_DTYPES:
