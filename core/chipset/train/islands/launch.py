@@ -115,6 +115,8 @@ def launch_islands(cfg, *, islands_here: list[int], backends: list[str], nproc: 
                     procs[i] = start(i, True)
                     continue
                 codes[i] = rc
+                if restarts[i]:
+                    mark_restarting(store, i, False)  # gone for good: outer steps stop waiting for it
                 if rc != 0:
                     print(f"chipset train: island {i} exited with status {rc}; the other islands go on without it",
                           file=out, flush=True)

@@ -219,9 +219,10 @@ class IslandLink:
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src_island: int) -> None:
         """Copy ``tensors`` from island ``src_island`` to the quorum's islands."""
-        root = self.quorum.members.index(src_island)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.quorum.members.index(src_island)
         for t in tensors:
-            self._op("broadcast", [t], lambda t=t: self.group.broadcast([t], root))
+            self._op("broadcast", [t], lambda t=t: self.group.broadcast([t], opts))
 
     def _op(self, op: str, tensors: list[torch.Tensor], fn) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
