@@ -27,6 +27,7 @@ RUNNABLE = {
     "resnet-tiny.toml": ["train.steps=3"],
     "gpt2-tiny.toml": ["train.steps=3"],
     "muon.toml": ["train.steps=3"],
+    "islands-tiny.toml": ["train.steps=3"],
 }
 
 

@@ -55,6 +55,10 @@ def add_parser(sub) -> None:
                    help="after the run, report the step time the same work would take on the named device profile "
                    "(chipset plan --list-profiles), from the FLOPs and collective bytes of the run, through the "
                    "planner's cost model; written to summary.json as 'projection' (docs/planner.md)")
+    p.add_argument("--island", type=int, default=None, metavar="I",
+                   help="with islands.count > 1: run only island I here, on --nproc ranks (one command per island, "
+                   "e.g. per node with its own CHIPSET_BACKEND; islands.endpoint names where they meet); without "
+                   "it every island runs here, --nproc split evenly (docs/islands.md)")
     p.add_argument("--print-schedule", action="store_true",
                    help="with parallel.pp > 1: print the stage split and the checked pipeline schedule (per-rank "
                    "timeline and instructions), then exit without training")
@@ -86,16 +90,28 @@ def run(args) -> int:
     if args.profile_steps is not None:
         args.overrides = [*args.overrides, f'train.profile_steps="{args.profile_steps}"']
     parse_overrides(args.overrides)  # malformed --set items fail before the backend is loaded
+    if args.island is not None:  # one island of a job split over several commands: --nproc ranks per island
+        from chipset.cli.train_islands import island_world
+        from chipset.train.config import load_config
+
+        world = island_world(args, max(1, load_config(args.config, args.overrides).islands.count))
     # Resolve the backend once, here; every rank gets its name.
     b = backend()
     cfg = resolve_config(args.config, args.overrides, world_size=world, dtypes=b.capabilities.dtypes,
                          default_dtype=b.capabilities.default_dtype)
     family = _check_family(cfg)  # an unknown family or a layout it does not support: exit 2 now
     check_fp8(cfg.train.fp8, b)  # FP8 on a backend that does not declare it: exit 2 now
+    if args.island is not None and cfg.islands.count < 2:
+        raise UsageError(f"--island {args.island} needs islands.count >= 2 (found {cfg.islands.count})")
     if args.project is not None:  # an unknown profile: exit 2 before anything is written
         from chipset.planner.projection import resolve_profile
 
         resolve_profile(args.project, cfg.train.dtype)
+    if cfg.islands.count > 1:  # islands: each its own world and backend (cli/train_islands.py)
+        from chipset.cli.train_islands import run_islands
+
+        return run_islands(args, cfg, b, Path(args.run_dir) if args.run_dir else default_run_dir(), family,
+                           preflight=_preflight, adopt_run=adopt_run, project=_project)
     if args.print_schedule:
         return _print_schedule(cfg, b)
     if min_nodes < max_nodes:  # every smaller world must keep the global batch: refuse now, not mid-job

@@ -29,6 +29,7 @@ from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
 from chipset.runtime.optim import OPTIMIZERS, STATE_DTYPES
 from chipset.runtime.precision import DTYPE_BY_NAME
+from chipset.train.islands.config import IslandsConfig, island_problems
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ __all__ = [
     "TrainConfig",
     "DataConfig",
     "RLConfig",
+    "IslandsConfig",
     "RunConfig",
     "load_config",
     "resolve_config",
@@ -256,6 +258,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    islands: IslandsConfig = field(default_factory=IslandsConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Section -> keys; a model family's own keys (``model.family_options``) sit in
@@ -673,6 +676,12 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
             problems.append(
                 f"train.loss_scale_window ({tr.loss_scale_window}) and train.hysteresis ({tr.hysteresis}) must be >= 1"
             )
+    islands = cfg.islands.count if cfg.islands.count > 1 else 1
+    whole_world = world_size
+    if islands > 1 and world_size is not None and world_size % islands == 0:
+        world_size //= islands  # each island runs the [parallel] layout on its own ranks
+    elif islands > 1:
+        world_size = None  # island_problems says the count does not divide the world
     if world_size is not None and par.dp >= 0 and all(getattr(par, n) > 0 for n in ("tp", "pp", "cp")):
         other = par.tp * par.pp * par.cp
         if par.dp == 0:
@@ -685,7 +694,9 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
             problems.append(f"dp*tp*pp*cp ({par.dp * other}) must equal world size ({world_size}); "
                             f"run with --nproc {par.dp * other} (or set parallel.dp = 0 to use every rank)")
     dp = par.dp if par.dp > 0 else None
-    if dp and par.micro_batches > 0 and tr.global_batch > 0:
+    problems += island_problems(cfg.islands, whole_world,
+                                dp or 0, par.micro_batches, tr.global_batch)
+    if dp and par.micro_batches > 0 and tr.global_batch > 0 and islands == 1:
         if tr.global_batch % (dp * par.micro_batches):
             problems.append(
                 f"train.global_batch ({tr.global_batch}) must be divisible by dp*micro_batches "

@@ -180,13 +180,15 @@ def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
     return engine
 
 
-def rank_batches(data, step: int, engine, micro_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def rank_batches(data, step: int, engine, micro_batches: int,
+                 replica: tuple[int, int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of ``step`` from ``data`` (an object with ``batch(step, dp_rank,
     dp, micro, micro_batches, device=)``). Data is split over dp only: the tp, cp and pp ranks of
-    one dp index read the same samples."""
+    one dp index read the same samples. ``replica``: (index, count) of this rank's share when
+    the batch is split wider than the engine's dp (islands: ``Islands.replica``)."""
     dims = engine.dims
-    dp_rank = dims.coords(engine.collective.rank())["dp"]
-    return [data.batch(step, dp_rank, dims.dp, m, micro_batches, device=engine.device)
+    dp_rank, dp = replica or (dims.coords(engine.collective.rank())["dp"], dims.dp)
+    return [data.batch(step, dp_rank, dp, m, micro_batches, device=engine.device)
             for m in range(micro_batches)]
 
 
@@ -234,6 +236,9 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         print(elastic.line(), file=out, flush=True)
     began = time.perf_counter()
     engine, data, dims = build(cfg, backend)
+    from chipset.train.islands.outer import islands_for_run
+
+    islands = islands_for_run(cfg, backend, engine)  # None outside an islands job (docs/islands.md)
     tr, par = cfg.train, cfg.parallel
     device = engine.device
     run_dir = Path(run_dir) if run_dir is not None else None
@@ -244,7 +249,10 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         from chipset.train.checkpoint import Checkpointer
 
         ckpt = Checkpointer(cfg, backend, engine, run_dir, out=out)
+        ckpt.islands = islands
     start = ckpt.resume(resume) if ckpt is not None else 0
+    if islands is not None:  # an island the launcher restarted fetches the global state first
+        start = islands.start(start)
     # Run-directory safety (docs/fault-tolerance.md, "Run directories"): a finished run is not redone.
     finished = start > 0 and start >= tr.steps
     if finished and rank == 0:
@@ -255,15 +263,18 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         metrics_file = open(run_dir / "metrics.jsonl", "a" if start else "w")
     tokens_per_step = tr.global_batch * tr.seq_len  # metrics' tokens_per_s: samples x seq_len for every family
     res = TrainResult()
-    if rank == 0:
+    # In an islands job only island 0 prints progress; every island writes its own metrics and summary.
+    speaks = rank == 0 and (islands is None or islands.island == 0)
+    if speaks:
         print(f"chipset train: backend {backend.name}, world {dims.world_size}, layout "
               + " ".join(f"{k}={v}" for k, v in dims.layout().items())
               + f", {param_line(cfg, engine, dims)}, dtype {tr.dtype}, "
               f"recompute {tr.recompute}", file=out, flush=True)
     overall_peak = 0
     times = []
-    obs = StepMetrics(cfg, backend, dims, device=device, run_dir=run_dir, rank=rank, out=out)
-    progress = Progress(cfg, out, start_step=start, enabled=rank == 0)
+    obs = StepMetrics(cfg, backend, dims, device=device, run_dir=run_dir, rank=rank, out=out,
+                      cross=islands.link if islands is not None else None)
+    progress = Progress(cfg, out, start_step=start, enabled=speaks)
     family = resolve_family(cfg.model.family)
     evaluator = Evaluator(cfg, engine, dims, col, rank, family) if tr.eval_every else None
     last_eval = None
@@ -274,9 +285,12 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             obs.begin_step(step)
             t0 = time.perf_counter()
             lr = lr_at(cfg, step)
-            batches = rank_batches(data, step, engine, par.micro_batches)
+            replica = islands.replica() if islands is not None else None
+            batches = rank_batches(data, step, engine, par.micro_batches, replica)
             obs.data_wait(time.perf_counter() - t0)  # this rank's wait for its batches (diagnose: slow loader)
             loss, stats = train_step(engine, batches, lr)
+            if islands is not None and islands.due(step + 1):
+                islands.sync(step + 1)  # the outer step: pseudo-gradients averaged between islands
             backend.device.synchronize()
             dt = time.perf_counter() - t0
             times.append(dt)
@@ -306,6 +320,8 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     finally:
         progress.close()
         obs.close()
+        if islands is not None:
+            islands.close()
         if metrics_file is not None:
             metrics_file.close()
 
@@ -338,6 +354,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         **(last_eval or {}),
         **(ckpt.summary() if ckpt is not None else {}),
         **({"elastic": elastic.to_dict()} if elastic is not None else {}),
+        **({"islands": islands.summary()} if islands is not None else {}),
         **({"run_id": read_run_id(run_dir)} if run_dir is not None and rank == 0 else {}),  # finished_step
     }
     res.summary = summary
@@ -349,7 +366,8 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         else:
             if run_dir is not None:
                 _write_summary(run_dir / "summary.json", summary)
-            _print_table(summary, res, out)
+            if speaks:
+                _print_table(summary, res, out)
     return res
 
 

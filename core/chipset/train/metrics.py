@@ -56,8 +56,13 @@ _FIXED = 5  # step time, blocked seconds, memory allocated, memory peak, data wa
 class StepMetrics:
     """One rank's per-step metrics; call :meth:`begin_step` / :meth:`end_step` on every rank."""
 
-    def __init__(self, cfg, backend, dims, *, device: torch.device, run_dir: Path | None, rank: int, out) -> None:
+    def __init__(self, cfg, backend, dims, *, device: torch.device, run_dir: Path | None, rank: int, out,
+                 cross=None) -> None:
         self.backend = backend
+        self.cross = cross
+        """An islands job's link (``totals()``: calls, bytes, seconds between islands), reported apart."""
+        self._cross_snap = (0, 0, 0.0)
+        self._cross_total = [0, 0, 0.0]
         self.col = backend.collective
         self.world = dims.world_size
         self.rank = rank
@@ -91,6 +96,8 @@ class StepMetrics:
                                                     record_shapes=False)
             self._profiler.__enter__()
         self._snap = self.col.comm_stats.snapshot()
+        if self.cross is not None:
+            self._cross_snap = self.cross.totals()
 
     def data_wait(self, seconds: float) -> None:
         """This step's time spent getting this rank's batches (part of its compute_s)."""
@@ -112,6 +119,8 @@ class StepMetrics:
         self._data_wait = 0.0
         for op in OPS:
             local += delta[op]
+        if self.cross is not None:  # bytes that left the island: counted apart from its own collectives
+            local += [a - b for a, b in zip(self.cross.totals(), self._cross_snap, strict=True)]
         self._finish_profile_step(int(rec["step"]))  # before the gather below, which is not the step's
         vec = torch.tensor(local, dtype=torch.float64, device=self.device)
         if self.world > 1:
@@ -136,6 +145,13 @@ class StepMetrics:
                 tot[0] += sum(calls)
                 tot[1] += sum(comm[op]["bytes"])
                 tot[2] += sum(comm[op]["seconds"])
+        if self.cross is not None:
+            j = _FIXED + 3 * len(OPS)
+            cross = {"calls": [int(r[j]) for r in rows], "bytes": [int(r[j + 1]) for r in rows],
+                     "seconds": [r[j + 2] for r in rows]}
+            rec["cross_island"] = cross
+            for i, key in enumerate(("calls", "bytes", "seconds")):
+                self._cross_total[i] += sum(cross[key])
         mfu = None
         if self.peak_flops > 0 and rec["step_time_s"] > 0:
             mfu = rec["tokens_per_s"] * self.model_flops_per_token / (self.peak_flops * self.world)
@@ -173,6 +189,8 @@ class StepMetrics:
             "mfu": self._mfu_sum / self._mfu_n if self._mfu_n else None,
             "comm_totals": {op: {"calls": int(t[0]), "bytes": int(t[1]), "seconds": t[2]}
                             for op, t in self._comm_totals.items()},
+            **({"cross_island_totals": {"calls": int(self._cross_total[0]), "bytes": int(self._cross_total[1]),
+                                        "seconds": self._cross_total[2]}} if self.cross is not None else {}),
         }
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int
 def _run_rank(config_path: str, run_dir: str | None, resume: str) -> int:
     from chipset.train.config import load_config, resolve_dtype
     from chipset.train.elastic import fit_world
+    from chipset.train.islands.link import island_index
     from chipset.train.loop import train
     from chipset.train.rank import start, stop
 
@@ -54,7 +55,9 @@ def _run_rank(config_path: str, run_dir: str | None, resume: str) -> int:
         # An elastic job re-formed on fewer nodes: same global batch, more micro-batches.
         change = fit_world(cfg, b.collective.world_size())
         resolve_dtype(cfg, b.capabilities.default_dtype)  # a config written by hand with "auto"
-        cfg.validate(world_size=b.collective.world_size(), dtypes=b.capabilities.dtypes)
+        # In an islands job this world is one island; the config speaks of the whole job.
+        islands = cfg.islands.count if island_index() is not None else 1
+        cfg.validate(world_size=b.collective.world_size() * islands, dtypes=b.capabilities.dtypes)
         try:
             train(cfg, b, run_dir, resume=resume, elastic=change)
         except CollectiveError as exc:

@@ -39,9 +39,12 @@ KINDS = ("model", "optim.master")
 
 
 def kinds(engine) -> tuple[str, ...]:
-    """Every logical tensor family of ``engine``: the parameters, the float32 masters and one
-    family per state tensor its optimizer declares (AdamW: ``optim.exp_avg``, ``optim.exp_avg_sq``)."""
-    return (*KINDS, *(f"optim.{name}" for name in engine.optimizer.state_names))
+    """Every logical tensor family of ``engine``: the parameters, the float32 masters, one
+    family per state tensor its optimizer declares (AdamW: ``optim.exp_avg``, ``optim.exp_avg_sq``)
+    and, in an islands job, the outer state (``outer.global``, ``outer.momentum``, ``outer.residual``:
+    train/islands/outer.py), shaped and sharded like the masters."""
+    outer = next((tuple(b.outer) for b in engine.buckets if getattr(b, "outer", None)), ())
+    return (*KINDS, *(f"optim.{name}" for name in engine.optimizer.state_names), *(f"outer.{n}" for n in outer))
 
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[list[int], list[int]]]:
@@ -218,7 +221,10 @@ def _source(b, kind: str) -> tuple[torch.Tensor, int]:
         if b.full is not None:
             return b.full, 0
         return b.param_shard, b.lo
-    t = b.master if kind == "optim.master" else b.state[kind.removeprefix("optim.")]
+    if kind.startswith("outer."):
+        t = b.outer[kind.removeprefix("outer.")]
+    else:
+        t = b.master if kind == "optim.master" else b.state[kind.removeprefix("optim.")]
     if not isinstance(t, torch.Tensor):  # int8 state (runtime/int8_state.py): its float32 values
         t = t.staged()
     return t, 0 if e.zero == 0 else b.lo

@@ -140,6 +140,8 @@ class Checkpointer:
         self.async_save = tr.async_checkpoint
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.islands = None
+        """The run's :class:`chipset.train.islands.outer.Islands`, whose outer step count is saved and restored."""
         self.saved: list[int] = []
         self.save_seconds: list[float] = []
         """Seconds each save blocked training (staging only when asynchronous)."""
@@ -240,9 +242,14 @@ class Checkpointer:
             raise refuse_shapes(path, problems)
         alias = all(b.master_aliases_params for b in e.buckets)
         chunks, copies = {}, []
+        have = {k.split(".")[0] + "." + k.split(".")[1] for k in md.state_dict_metadata if k.startswith("outer.")}
+        missing_outer = False
         for kind in kinds(e):
             if kind == "model" and alias:
                 continue  # the parameters are their own fp32 masters: load optim.master into them
+            if kind.startswith("outer.") and kind not in have:
+                missing_outer = True  # written without islands (or another wire format): rebuilt below
+                continue
             for name, _, pieces in engine_pieces(e, kind, for_load=True):
                 for piece in pieces:
                     # Host staging initialised from the device: tp padding keeps its (zero) value.
@@ -274,6 +281,10 @@ class Checkpointer:
                         t.commit_staged()
         e.step_count = int(state["engine_step"])
         e.scaler.load_state_dict(state["scaler"])
+        if self.islands is not None:
+            self.islands.load_state(state.get("islands"))
+            if missing_outer:
+                self.islands.reset_global()
         if "device" in rng:
             self.backend.device.set_rng_state(rng["device"])
         if "host" in rng:
@@ -314,6 +325,7 @@ class Checkpointer:
             "config": self.cfg.to_dict(), "world_size": self.world, "layout": e.dims.layout(),
             "shapes": {n: list(s) for n, s in logical_shapes(e).items()}, "backend": self.backend.name,
             "dtype": str(e.dtype).removeprefix("torch."), "run_id": self.run_id,
+            **({"islands": self.islands.state()} if self.islands is not None else {}),
         }
         tmp = self.run_dir / store.CHECKPOINTS / f".tmp-step-{step:08d}"
         final = store.checkpoint_dir(self.run_dir, step)

@@ -1,0 +1,85 @@
+"""``chipset train`` for a job split into islands (``islands.count > 1``; docs/islands.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from chipset.errors import UsageError
+
+
+def island_world(args, count: int) -> int:
+    """The job's world size: ``--nproc`` ranks per island with ``--island``, else split over the islands."""
+    return args.nproc * count if args.island is not None else args.nproc
+
+
+def check_island_args(args, cfg, min_nodes: int, max_nodes: int) -> list[int]:
+    """The islands this command runs; UsageError (exit 2) for a command line islands cannot use."""
+    count = cfg.islands.count
+    if max_nodes != 1 or min_nodes != 1:
+        raise UsageError(f"--nnodes {args.nnodes} with islands.count = {count}: an island runs on one node; start one "
+                         "command per island with --island I (and islands.endpoint), e.g. one per node")
+    if args.island is not None and not 0 <= args.island < count:
+        raise UsageError(f"--island {args.island}: expected an island index from 0 to {count - 1} (islands.count = {count})")
+    if args.print_schedule:
+        raise UsageError("--print-schedule with islands: print the schedule of one island's layout without "
+                         "islands.count (the islands do not change it)")
+    return [args.island] if args.island is not None else list(range(count))
+
+
+def island_backends(cfg, here: list[int], default) -> dict[int, object]:
+    """Each island's backend (``islands.backends``, else this command's), loaded and checked: it must
+    run ``cfg``'s dtype and, with several ranks per island, declare multi_process."""
+    from chipset.loader import backend
+    from chipset.train.islands.config import island_backends as names_of
+
+    names = names_of(cfg.islands)
+    out = {}
+    for i in here:
+        b = backend(names[i]) if names else default
+        if cfg.train.dtype not in b.capabilities.dtypes:
+            raise UsageError(f"island {i} runs on backend {b.name!r}, which does not support train.dtype = "
+                             f"{cfg.train.dtype!r} (it supports {', '.join(b.capabilities.dtypes)}); choose a dtype "
+                             "every island's backend supports")
+        out[i] = b
+    return out
+
+
+def run_islands(args, cfg, default_backend, run_dir: Path, family, *, preflight, adopt_run, project) -> int:
+    """Check everything an island would trip over, write the run directory and start the islands
+    (``preflight``, ``adopt_run``, ``project``: cli/train.py's, passed in to keep one import direction)."""
+    from chipset.train.config import to_toml
+    from chipset.train.islands.launch import island_dir, launch_islands
+    from chipset.train.rundir import RunLock, atomic_write_text
+
+    here = check_island_args(args, cfg, *_nodes(args))
+    per_island = args.nproc if args.island is not None else args.nproc // cfg.islands.count
+    backends = island_backends(cfg, here, default_backend)
+    for i, b in backends.items():
+        if per_island > 1 and not b.capabilities.multi_process:
+            raise UsageError(f"island {i}: backend {b.name!r} does not declare multi_process, so it cannot run "
+                             f"{per_island} ranks; use one rank per island")
+        if per_island > b.device.device_count():
+            raise UsageError(f"island {i}: {per_island} rank(s) exceed the {b.device.device_count()} device(s) "
+                             f"backend {b.name!r} sees on this node")
+        preflight(cfg, b, run_dir, per_island, per_island, family)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with RunLock(run_dir, shared=args.island is not None):
+        for i in here:
+            island_dir(run_dir, i).mkdir(parents=True, exist_ok=True)
+            adopt_run(island_dir(run_dir, i), args.resume, discard=args.discard_checkpoints)
+        config_path = run_dir / "config.toml"
+        atomic_write_text(config_path, to_toml(cfg))
+        print(f"chipset train: run directory {run_dir}, {cfg.islands.count} islands (DiLoCo, "
+              f"an outer step every {cfg.islands.sync_every} steps)", flush=True)
+        names = [backends[i].name if i in backends else "" for i in range(cfg.islands.count)]
+        rc = launch_islands(cfg, islands_here=here, backends=names, nproc=per_island, run_dir=run_dir,
+                            config_path=config_path, resume=args.resume, max_restarts=args.max_restarts)
+    if rc == 0 and args.project:
+        return project(args.project, cfg, per_island, island_dir(run_dir, here[0]))
+    return rc
+
+
+def _nodes(args) -> tuple[int, int]:
+    from chipset.train.checkpoint.launcher import parse_nnodes
+
+    return parse_nnodes(args.nnodes)

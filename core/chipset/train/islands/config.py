@@ -1,0 +1,83 @@
+"""The ``[islands]`` config table and its rules.
+
+Islands split the job's ranks into ``islands.count`` groups that train on their own for
+``islands.sync_every`` steps and then exchange pseudo-gradients (docs/islands.md).
+The table lives in :class:`chipset.train.config.RunConfig`; this module holds its
+dataclass and cross-field rules so the main config module stays readable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["IslandsConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "island_problems", "island_backends"]
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
+
+
+@dataclass
+class IslandsConfig:
+    """Islands of ranks that train apart and meet every sync_every steps (DiLoCo / local SGD; docs/islands.md)."""
+
+    count: int = 1
+    """Islands the job's ranks split into (1 = off); each island gets world size / count ranks and runs the [parallel] layout inside."""
+    sync_every: int = 20
+    """Inner steps between outer steps (DiLoCo's H); the last step always ends with an outer step."""
+    outer_optimizer: str = "nesterov"
+    """Outer optimizer on the averaged pseudo-gradient: nesterov (SGD with Nesterov momentum islands.outer_momentum, DiLoCo's) or sgd (plain; outer_lr = 1 is FedAvg: the global parameters become the islands' average)."""
+    outer_lr: float = 0.5
+    """Outer learning rate (> 0; 1.0 with sgd averages the islands). The default 0.5 with momentum 0.5 is what worked best at H = 20 in docs/islands.md's measurement; DiLoCo's 0.7 with momentum 0.9 were chosen for H = 500."""
+    outer_momentum: float = 0.5
+    """Momentum of the nesterov outer optimizer, in [0, 1)."""
+    pseudo_grad_dtype: str = "fp32"
+    """How pseudo-gradients cross between islands: fp32, bf16 or int8 (both with error feedback: what rounding dropped is added to the next outer step's pseudo-gradient)."""
+    backends: str = ""
+    """Comma-separated backend per island (e.g. "cpu,cpu_sim"); empty = every island on the launcher's backend (CHIPSET_BACKEND). The outer exchange runs over host gloo, which every backend has."""
+    endpoint: str = ""
+    """HOST:PORT of the store the islands meet at (multi-node jobs: the node running island 0 hosts it); empty = the launcher hosts one on loopback."""
+    quorum_timeout: float = 60.0
+    """Seconds an outer step waits for every island; islands still missing then are left out of that step (and rejoin later); 0 = wait for all, forever."""
+
+
+def island_backends(isl: IslandsConfig) -> list[str]:
+    """``islands.backends`` as a list (empty: none named)."""
+    return [b.strip() for b in isl.backends.split(",") if b.strip()]
+
+
+def island_problems(isl: IslandsConfig, world_size: int | None, dp: int,
+                    micro_batches: int, global_batch: int) -> list[str]:
+    """Every problem of the table (and its fit with the world and the batch)."""
+    problems = []
+    if isl.count < 1:
+        problems.append(f"islands.count = {isl.count!r}: expected a number of islands >= 1 (1 = no islands)")
+    if isl.sync_every < 1:
+        problems.append(f"islands.sync_every = {isl.sync_every!r}: expected a number of inner steps >= 1 between "
+                        "outer steps (DiLoCo uses 500 on large models; 1 = an outer step after every step)")
+    if isl.outer_optimizer not in OUTER_OPTIMIZERS:
+        problems.append(f"islands.outer_optimizer = {isl.outer_optimizer!r}: expected one of {', '.join(OUTER_OPTIMIZERS)}")
+    if not isl.outer_lr > 0:
+        problems.append(f"islands.outer_lr = {isl.outer_lr!r}: expected a positive learning rate (0.5 default, 1.0 with sgd = FedAvg)")
+    if not 0 <= isl.outer_momentum < 1:
+        problems.append(f"islands.outer_momentum = {isl.outer_momentum!r}: expected a value in [0, 1)")
+    if isl.pseudo_grad_dtype not in PSEUDO_GRAD_DTYPES:
+        problems.append(f"islands.pseudo_grad_dtype = {isl.pseudo_grad_dtype!r}: expected one of {', '.join(PSEUDO_GRAD_DTYPES)}")
+    if isl.quorum_timeout < 0:
+        problems.append(f"islands.quorum_timeout = {isl.quorum_timeout!r}: expected seconds >= 0 (0 = wait for every island)")
+    backends = island_backends(isl)
+    if backends and len(backends) != isl.count:
+        problems.append(f"islands.backends = {isl.backends!r} names {len(backends)} backend(s) for islands.count = "
+                        f"{isl.count} islands; name one per island, or leave it empty for the launcher's backend")
+    if isl.endpoint:
+        host, sep, port = isl.endpoint.rpartition(":")
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            problems.append(f"islands.endpoint = {isl.endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29600")
+    if isl.count > 1 and world_size is not None and world_size % isl.count:
+        problems.append(f"islands.count ({isl.count}) must divide the world size ({world_size}): each island runs "
+                        f"world/count ranks; run with --nproc {isl.count * max(1, round(world_size / isl.count))} "
+                        "or choose another count")
+    if isl.count > 1 and dp > 0 and micro_batches > 0 and global_batch > 0 and global_batch % (isl.count * dp * micro_batches):
+        problems.append(f"train.global_batch ({global_batch}) must be divisible by islands.count*dp*micro_batches "
+                        f"({isl.count}*{dp}*{micro_batches}): the global batch is split over the islands, then "
+                        "over each island's dp ranks and micro-batches")
+    return problems

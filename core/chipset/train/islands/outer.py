@@ -1,0 +1,379 @@
+"""DiLoCo / local SGD: the outer step every ``islands.sync_every`` inner steps.
+
+Each island trains its own copy of the model with the inner optimizer (``[train]``) on its
+share of the global batch. Every ``H`` steps each rank takes the pseudo-gradient of what it
+owns, ``global - local`` (float32 masters, per bucket: the slice the engine's ZeRO sharding
+gives this rank, so rank ``r`` of every island holds the same elements), and the islands of
+the step's quorum average it over the host link (fp32 all-reduce, or bf16/int8 all-gathered
+with error feedback). The outer optimizer (runtime/optim.py's SGD: Nesterov momentum or
+plain) updates the global parameters, which become every island's masters; the parameters
+the engine computes with are refreshed from them as after an inner step. The inner
+optimizer's state stays each island's own (DiLoCo).
+
+The outer state (global parameters, outer momentum, error-feedback residual) lives next to
+each bucket's master, shaped like it (``Bucket.outer``), so checkpoints write it under
+logical names (``outer.global.<param>``, ...) and reshard it like the optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from chipset.errors import CollectiveError
+from chipset.runtime.optim import SGD
+from chipset.train.islands.link import HEARTBEAT_S, IslandLink, Quorum
+
+__all__ = ["Islands", "INT8_BLOCK", "quantize_int8", "dequantize_int8", "islands_for_run"]
+
+log = logging.getLogger(__name__)
+
+INT8_BLOCK = 2048
+"""Elements per int8 scale: one float32 scale per block of the flat pseudo-gradient (0.2% extra bytes)."""
+
+
+def islands_for_run(cfg, backend, engine) -> Islands | None:
+    """This rank's :class:`Islands` in an islands job (``CHIPSET_ISLAND`` set by the launcher), else None."""
+    import os
+
+    from chipset.errors import ConfigError
+    from chipset.interfaces.collective import collective_timeout
+    from chipset.train.islands.link import REJOIN_ENV, STORE_ENV, island_index
+
+    island = island_index()
+    if cfg.islands.count <= 1:
+        return None
+    if island is None or not os.environ.get(STORE_ENV):
+        raise ConfigError(f"islands.count = {cfg.islands.count}: an islands job is started by `chipset train`, "
+                          f"which gives every island its index and the islands' store ({STORE_ENV}); "
+                          "run it through chipset train (docs/islands.md)")
+    timeout = collective_timeout().total_seconds()
+    local_rank = backend.collective.rank()
+    link = IslandLink(os.environ[STORE_ENV], island=island, count=cfg.islands.count, local_rank=local_rank,
+                      timeout_s=timeout, quorum_timeout_s=cfg.islands.quorum_timeout)
+    return Islands(cfg, backend, engine, link, island, rejoin=os.environ.get(REJOIN_ENV) == "1")
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (flat float32) as int8 codes and one float32 scale per :data:`INT8_BLOCK` elements."""
+    n = x.numel()
+    pad = (-n) % INT8_BLOCK
+    blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, INT8_BLOCK)
+    scale = blocks.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(-1)[:n].contiguous(), scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n = codes.numel()
+    pad = (-n) % INT8_BLOCK
+    blocks = torch.nn.functional.pad(codes.float(), (0, pad)).view(-1, INT8_BLOCK)
+    return (blocks * scale[:, None]).view(-1)[:n]
+
+
+class Islands:
+    """One rank's part in the islands' training. Every rank of an island calls every method."""
+
+    def __init__(self, cfg, backend, engine, link: IslandLink, island: int, *, rejoin: bool = False):
+        isl = cfg.islands
+        self.cfg, self.backend, self.link, self.island = cfg, backend, link, island
+        self.col = backend.collective
+        self.inner = getattr(engine, "engine", engine)  # a pipeline engine's DataParallel holds its buckets
+        self.engine = engine
+        self.count, self.every, self.steps = isl.count, isl.sync_every, cfg.train.steps
+        self.dtype = isl.pseudo_grad_dtype
+        self.lr = isl.outer_lr
+        self.opt = SGD(momentum=isl.outer_momentum if isl.outer_optimizer == "nesterov" else 0.0,
+                       nesterov=isl.outer_optimizer == "nesterov")
+        self.outer_steps = 0
+        self.rejoin = rejoin
+        self.history: list[dict] = []
+        """One record per outer step: step, members, joiners, bytes sent between islands."""
+        self.buckets = [b for b in self.inner.buckets if not b.frozen]
+        with torch.no_grad():
+            for b in self.buckets:
+                b.outer = {"global": b.master.detach().clone()}
+                if self.opt.momentum:
+                    b.outer["momentum"] = torch.zeros_like(b.master)
+                if self.dtype != "fp32":
+                    b.outer["residual"] = torch.zeros_like(b.master)
+        self._beat = None
+        if self.col.rank() == 0:
+            self._beat = _Heartbeat(link, island)
+
+    # --- where an island stands -------------------------------------------------------
+    def replica(self) -> tuple[int, int]:
+        """(index, count) of this rank's share of the global batch: islands first, then inner dp."""
+        dims = self.engine.dims
+        return self.island * dims.dp + dims.coords(self.col.rank())["dp"], self.count * dims.dp
+
+    def due(self, step: int) -> bool:
+        """Whether an outer step follows ``step`` completed inner steps."""
+        return step % self.every == 0 or step == self.steps
+
+    def reset_global(self) -> None:
+        """The global parameters := the masters (a checkpoint without outer state was loaded)."""
+        with torch.no_grad():
+            for b in self.buckets:
+                b.outer["global"].copy_(b.master)
+
+    def state(self) -> dict:
+        """What checkpoints keep besides the tensors."""
+        return {"outer_steps": self.outer_steps, "island": self.island, "count": self.count}
+
+    def load_state(self, state: dict | None) -> None:
+        if state:
+            self.outer_steps = int(state.get("outer_steps", 0))
+
+    def close(self) -> None:
+        if self._beat is not None:
+            self._beat.stop()
+
+    # --- the outer step -----------------------------------------------------------------
+    def start(self, step: int) -> int:
+        """The step to train from: ``step``, or for an island the launcher restarted, the next outer
+        step's boundary, where it receives the global state from a live island."""
+        if not self.rejoin:
+            return step
+        at = self.link.progress() if self.col.rank() == 0 else None
+        target = self._share_int(min(self.steps, (at["step"] if at else 0) + self.every) if at else step)
+        if at is None and step == 0:
+            return step  # restarted before the first outer step: the seeded start is everyone's
+        while True:
+            q = self._agree(target, joiner=True)
+            if self.island in q.members:
+                self._join(q)
+                log.info("island %d rejoined at step %d (islands %s)", self.island, target, list(q.members))
+                return target
+            if target >= self.steps:
+                return self.steps  # the run ended without this island
+            target = min(self.steps, target + self.every)
+
+    def sync(self, step: int) -> None:
+        """The outer step after ``step`` completed inner steps (call when :meth:`due`)."""
+        with torch.no_grad():
+            x = self._pseudo_gradient()
+        attempt = 0
+        while True:
+            q = self._agree(step, attempt=attempt)
+            if self.island not in q.members:  # too late for this quorum: fetch the state at the next one
+                log.warning("island %d was left out of the outer step at %d; it rejoins at the next one",
+                            self.island, step)
+                self.rejoin = True
+                self._restart_from(step)
+                return
+            sent0 = self.link.totals()[1]
+            try:
+                avg, sent = self._exchange(x, q)
+                ok = 1
+            except CollectiveError as exc:  # an island died mid-exchange: a new quorum without it
+                log.warning("island %d: outer step at %d failed (%s); forming a new quorum", self.island, step, exc)
+                ok = 0
+            if self._all_ok(ok):
+                break
+            attempt += 1
+        with torch.no_grad():
+            self._apply(avg, x, sent)
+            if q.joiners:
+                self._donate(q)
+        self.history.append({"step": step, "members": list(q.members), "joiners": list(q.joiners),
+                             "attempts": attempt + 1, "bytes": self.link.totals()[1] - sent0})
+
+    def _restart_from(self, step: int) -> None:
+        target = min(self.steps, step + self.every)
+        while True:
+            q = self._agree(target, joiner=True)
+            if self.island in q.members:
+                self._join(q)
+                return
+            target = min(self.steps, target + self.every)
+
+    def _pseudo_gradient(self) -> torch.Tensor:
+        """Flat float32 host tensor: ``global - local`` (+ the residual) of every owned slice."""
+        parts = []
+        for b in self.buckets:
+            d = self._owned(b, b.outer["global"]) - self._owned(b, b.master)
+            if "residual" in b.outer:
+                d += self._owned(b, b.outer["residual"])
+            parts.append(d.float().cpu())
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _exchange(self, x: torch.Tensor, q: Quorum) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the contributors' average pseudo-gradient, what this island's share decoded to)."""
+        self.link.use(q)
+        n = len(q.contributors)
+        mine = x if self.island in q.contributors else torch.zeros_like(x)
+        if self.dtype == "fp32":
+            t = mine.clone()
+            self.link.all_reduce(t)
+            return t / n, mine
+        if self.dtype == "bf16":
+            codes = mine.to(torch.bfloat16)
+            parts = self.link.all_gather(codes)
+            return _ordered_sum(p.float() for p in parts) / n, codes.float()
+        codes, scale = quantize_int8(mine)
+        all_codes, all_scales = self.link.all_gather(codes), self.link.all_gather(scale)
+        total = _ordered_sum(dequantize_int8(c, s) for c, s in zip(all_codes, all_scales, strict=True))
+        return total / n, dequantize_int8(codes, scale)
+
+    def _apply(self, avg: torch.Tensor, x: torch.Tensor, sent: torch.Tensor) -> None:
+        self.outer_steps += 1
+        off = 0
+        for b in self.buckets:
+            g = self._owned(b, b.outer["global"])
+            n = g.numel()
+            piece = avg[off:off + n].to(g.device)
+            state = {"momentum": self._owned(b, b.outer["momentum"])} if "momentum" in b.outer else {}
+            self.opt.update(g, piece, state, self.outer_steps, self.lr, self.backend.kernels)
+            if "residual" in b.outer:  # error feedback: what the wire format dropped goes out next time
+                self._owned(b, b.outer["residual"]).copy_((x[off:off + n] - sent[off:off + n]).to(g.device))
+            self._owned(b, b.master).copy_(g)
+            off += n
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The engine's parameters (and, at ZeRO 0, every dp rank's whole master) from the masters."""
+        e = self.inner
+        for b in self.buckets:
+            if e.zero == 0:
+                if b.n > 1:
+                    full = torch.empty(b.padded, dtype=torch.float32, device=e.device)
+                    self.col.all_gather(full, b.master[b.lo:b.hi].to(e.device).contiguous(), group=b.group)
+                    b.master.copy_(full)
+                    for name in ("global", "momentum"):
+                        if name in b.outer:
+                            self.col.all_gather(full, b.outer[name][b.lo:b.hi].to(e.device).contiguous(), group=b.group)
+                            b.outer[name].copy_(full)
+                if not b.master_aliases_params:
+                    b.full.copy_(b.master)
+            elif e.zero == 3:
+                if not b.master_aliases_params:
+                    b.param_shard.copy_(b.master)
+            else:
+                b.full[b.lo:b.hi].copy_(b.master)
+                if b.n > 1:
+                    self.col.all_gather(b.full, b.full[b.lo:b.hi].clone(), group=b.group)
+
+    # --- joining ------------------------------------------------------------------------
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """What a joiner receives, per bucket: global parameters, outer momentum, inner optimizer state."""
+        out = []
+        for b in self.buckets:
+            out.append(self._owned(b, b.outer["global"]))
+            if "momentum" in b.outer:
+                out.append(self._owned(b, b.outer["momentum"]))
+            out += [self._owned(b, b.state[n]) for n in sorted(b.state)]
+        return out
+
+    def _donate(self, q: Quorum) -> None:
+        self._send_state(q, donor=q.contributors[0])
+
+    def _join(self, q: Quorum) -> None:
+        """Receive the global state from the quorum's first contributor."""
+        with torch.no_grad():
+            self.link.use(q)
+            self._send_state(q, donor=q.contributors[0])
+            for b in self.buckets:
+                self._owned(b, b.master).copy_(self._owned(b, b.outer["global"]))
+                if "residual" in b.outer:
+                    b.outer["residual"].zero_()
+            self._refresh()
+        self.rejoin = False
+        self.history.append({"step": q.step, "members": list(q.members), "joiners": list(q.joiners),
+                             "attempts": 1, "bytes": 0, "joined": True})
+
+    def _send_state(self, q: Quorum, donor: int) -> None:
+        e = self.inner
+        head = torch.tensor([self.outer_steps, e.step_count], dtype=torch.int64)
+        self.link.broadcast([head], donor)
+        self.outer_steps, e.step_count = int(head[0]), int(head[1])
+        for t in self._state_tensors():
+            host = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().cpu().contiguous()
+            self.link.broadcast([host], donor)
+            if host is not t:
+                t.copy_(host)
+
+    # --- agreement within the island ------------------------------------------------------
+    def _agree(self, step: int, *, attempt: int = 0, joiner: bool = False) -> Quorum:
+        """The quorum of outer step ``step`` (try ``attempt``), the same on every rank of the island:
+        decided by its first rank, broadcast inside the island."""
+        k = self.count
+        vec = torch.zeros(3 + 2 * k, dtype=torch.int64)
+        if self.col.rank() == 0:
+            serial = step * 1000 + attempt
+            self.link.announce(str(serial), joiner)
+            q = self.link.decide(str(serial), step, serial)
+            vec[0], vec[1], vec[2] = q.step, q.group_id, 1
+            for m in q.members:
+                vec[3 + m] = 1
+            for j in q.joiners:
+                vec[3 + k + j] = 1
+        if self.col.world_size() > 1:
+            dev = vec.to(self.inner.device)
+            self.col.broadcast(dev, 0)
+            vec = dev.cpu()
+        members = tuple(i for i in range(k) if vec[3 + i])
+        joiners = tuple(i for i in range(k) if vec[3 + k + i])
+        return Quorum(int(vec[0]), members, joiners, int(vec[1]))
+
+    def _all_ok(self, ok: int) -> bool:
+        if self.col.world_size() == 1:
+            return bool(ok)
+        t = torch.tensor([ok], dtype=torch.int64, device=self.inner.device)
+        self.col.all_reduce(t, "min")
+        return bool(int(t))
+
+    def _share_int(self, value: int | None) -> int:
+        t = torch.tensor([value or 0], dtype=torch.int64, device=self.inner.device)
+        if self.col.world_size() > 1:
+            self.col.broadcast(t, 0)
+        return int(t)
+
+    def _owned(self, b, t: torch.Tensor) -> torch.Tensor:
+        """The slice of ``t`` (shaped like ``b.master``) this rank exchanges: ZeRO 0 holds the whole
+        bucket on every dp rank, so each exchanges its own 1/dp of it."""
+        return t[b.lo:b.hi] if self.inner.zero == 0 else t
+
+    # --- reporting -----------------------------------------------------------------------
+    def summary(self) -> dict:
+        calls, nbytes, seconds = self.link.totals()
+        return {"island": self.island, "count": self.count, "sync_every": self.every,
+                "outer_steps": self.outer_steps, "pseudo_grad_dtype": self.dtype,
+                "outer_optimizer": self.cfg.islands.outer_optimizer, "outer_lr": self.lr,
+                "cross_island": {"calls": calls, "bytes": nbytes, "seconds": seconds},
+                "quorums": self.history}
+
+
+def _ordered_sum(parts) -> torch.Tensor:
+    """A sum in the islands' order: the same bits on every island."""
+    total = None
+    for p in parts:
+        total = p.clone() if total is None else total.add_(p)
+    return total
+
+
+class _Heartbeat:
+    """A counter on the store this island bumps every :data:`HEARTBEAT_S` (its own store client):
+    quorums wait for islands whose counter moves, not for dead ones."""
+
+    def __init__(self, link: IslandLink, island: int):
+        self._stop = threading.Event()
+        self._store = link.clone_store()
+        self._key = f"hb/{island}"
+        self._store.add(self._key, 1)
+        self._thread = threading.Thread(target=self._run, name=f"chipset-island-{island}-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # noqa: BLE001 - the store went away with the job: nothing to report to
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
