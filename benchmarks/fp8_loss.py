@@ -11,35 +11,29 @@ difference over the last 20 steps.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
-import os
 
 MODEL = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 128}
 
 
-BACKEND = None
+@functools.cache
+def _backend():
+    """CHIPSET_BACKEND (else the best available), its device and a process group of one, once."""
+    from chipset.train.rank import start
 
-
-def _start(load):
-    global BACKEND
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29619"}.items():
-        os.environ.setdefault(k, v)
-    BACKEND = load()
-    BACKEND.collective.init_process_group()
-    return BACKEND
+    return start()
 
 
 def run(fp8: str, dtype: str, steps: int) -> list[float]:
-    from chipset.loader import backend as load
     from chipset.train import train
     from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict({"model": MODEL, "train": {
         "steps": steps, "global_batch": 8, "seq_len": 32, "lr": 3e-3, "seed": 3, "dtype": dtype,
         "fp8": fp8}}).validate(world_size=1)
-    backend = BACKEND or _start(load)
+    backend = _backend()
     return train(cfg, backend, None, out=io.StringIO()).losses
 
 

@@ -10,35 +10,29 @@ Trains the same tiny model for ``--steps`` steps with float32, bfloat16 and int8
 from __future__ import annotations
 
 import argparse
+import functools
 import io
-import os
 
 MODEL = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 128}
 
 
-BACKEND = None
+@functools.cache
+def _backend():
+    """CHIPSET_BACKEND (else the best available), its device and a process group of one, once."""
+    from chipset.train.rank import start
 
-
-def _start(load):
-    global BACKEND
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29617"}.items():
-        os.environ.setdefault(k, v)
-    BACKEND = load()
-    BACKEND.collective.init_process_group()
-    return BACKEND
+    return start()
 
 
 def run(optimizer: str, state_dtype: str, steps: int) -> tuple[list[float], int]:
-    from chipset.loader import backend as load
     from chipset.train import build, train
     from chipset.train.config import RunConfig
 
     cfg = RunConfig.from_dict({"model": MODEL, "train": {
         "steps": steps, "global_batch": 8, "seq_len": 32, "lr": 3e-3, "seed": 3, "optimizer": optimizer,
         "optimizer_state_dtype": state_dtype}}).validate(world_size=1)
-    backend = BACKEND or _start(load)
+    backend = _backend()
     engine, _, _ = build(cfg, backend)
     state_bytes = sum(t.nbytes for b in engine.buckets for t in b.state.values())  # int8: codes + scales
     losses = train(cfg, backend, None, out=io.StringIO()).losses

@@ -24,13 +24,10 @@ import pytest
 import torch
 
 import multirank
+import testenv
 
 HERE = Path(__file__).resolve()
-BASE = {
-    "model": {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 64},
-    "train": {"steps": 8, "global_batch": 4, "seq_len": 16, "lr": 1e-2, "seed": 7},
-}
+BASE = testenv.TINY_RUN
 REL_TOL = 2 / 254
 
 

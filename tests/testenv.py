@@ -14,6 +14,13 @@ import os
 import threading
 
 TEST_BACKEND = os.environ.get("CHIPSET_BACKEND", "").strip()
+
+TINY_RUN = {
+    "model": {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64},
+    "train": {"steps": 8, "global_batch": 4, "seq_len": 16, "lr": 1e-2, "seed": 7},
+}
+"""A one-process run of the built-in transformer small enough for a unit test (8 steps)."""
 """The backend the run asked for (empty: the default, cpu_sim by automatic selection)."""
 
 
