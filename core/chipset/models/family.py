@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chipset.parallel.meta import on_meta
 from chipset.parallel.plan import LAYOUTS, PLAN_STYLES, plan_matches
 
 __all__ = ["LAYOUTS", "ModelFamily", "TransformerFamily", "bind", "build_for_run", "family_data", "layout_problems", "meta_model"]
@@ -229,7 +230,7 @@ class ModelFamily:
     def flops_per_sample(self, cfg) -> float:
         """Training FLOPs (forward + backward) of one sample, for MFU and the planner.
         Default: 6 x parameters, the dense rule of thumb, counted on the meta device."""
-        with torch.device("meta"):
+        with on_meta():
             model = self.build(cfg)
         return 6.0 * sum(p.numel() for p in model.parameters())
 
@@ -317,7 +318,7 @@ def build_for(family: ModelFamily, cfg, kernels=None) -> nn.Module:
 def meta_model(family: ModelFamily, cfg, kernels=None) -> nn.Module:
     """``family``'s model for ``cfg`` on the meta device (shapes and names only, nothing
     allocated), bound to the family; ``kernels`` is the built-in transformer's kernel set."""
-    with torch.device("meta"):
+    with on_meta():
         return bind(family, build_for(family, cfg, kernels), cfg)
 
 
@@ -325,7 +326,7 @@ def meta_model(family: ModelFamily, cfg, kernels=None) -> nn.Module:
 def meta_unit_shapes(family: ModelFamily, cfg, inputs: torch.Tensor) -> list[torch.Size]:
     """The output shape of each of ``family.pipeline_units`` for a micro-batch shaped like
     ``inputs``, from the unsplit model built and run on the meta device."""
-    with torch.device("meta"):
+    with on_meta():
         model = family.build(cfg)
     x = torch.empty(inputs.shape, dtype=inputs.dtype, device="meta")
     shapes = []
@@ -413,7 +414,7 @@ def build_for_run(family, cfg, kernels=None) -> nn.Module:
     or initialises the whole model."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
-        with torch.device("meta") if cfg.model.init_from else contextlib.nullcontext():
+        with on_meta() if cfg.model.init_from else contextlib.nullcontext():
             return build_for(family, cfg, kernels)
 
 
@@ -425,7 +426,7 @@ def plan_problems(family: ModelFamily, cfg) -> list[str]:
     if bad:
         return [f"model family {family.name!r}: tp_plan entries {', '.join(bad)}: expected "
                 f"{', '.join(PLAN_STYLES)}"]
-    with torch.device("meta"):
+    with on_meta():
         model = family.build(cfg)
     modules = dict(model.named_modules())
     matched = plan_matches(model, plan)

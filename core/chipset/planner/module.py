@@ -62,11 +62,13 @@ def profile_module(spec: str, input_shape: tuple[int, ...], input_dtype: str = "
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from chipset.parallel.meta import on_meta
+
     factory = load_factory(spec)
     dtype = getattr(torch, input_dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"--input-dtype {input_dtype!r} is not a torch dtype (for example float32 or int64)")
-    with torch.device("meta"):
+    with on_meta():
         module = factory()
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"--module {spec!r}: the factory returned {type(module).__name__}, expected an nn.Module")

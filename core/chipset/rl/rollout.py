@@ -20,6 +20,7 @@ from chipset.models.family import build_for
 from chipset.models.hf.config import SUPPORTED_ARCHITECTURES, _family_of
 from chipset.models.hf.names import expert_names, from_hf, to_hf
 from chipset.models.sampling import sample
+from chipset.parallel.meta import on_meta
 
 __all__ = ["SamplingParams", "RolloutEngine", "LocalRollout", "stream_weights", "hf_namer"]
 
@@ -82,7 +83,7 @@ class LocalRollout:
     built once, weights from :meth:`load_weights`), with a KV cache where the family has one."""
 
     def __init__(self, family, cfg, device: torch.device, kernels=None):
-        with torch.device("meta"):
+        with on_meta():
             model = build_for(family, cfg, kernels)
         self.model = model.to_empty(device=device).eval()
         self.cfg = cfg
