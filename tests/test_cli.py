@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from conftest import run_cli
 from plugin_factory import make_plugin
@@ -104,3 +106,26 @@ def test_backends_verbose_prints_plugin_tracebacks(site):
 def test_version_flag():
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.startswith("chipset ")
+
+
+def test_the_command_ends_like_sys_exit_without_the_interpreters_teardown(tmp_path):
+    """chipset._process.exit_process (the ``chipset`` command's and torchrun agent's end): threads
+    joined, atexit run, output flushed, the status kept (an int, None as 0, a message as 1)."""
+    script = (
+        "import atexit, sys, threading, time\n"
+        "from pathlib import Path\n"
+        "from chipset._process import exit_process\n"
+        "out = Path(sys.argv[1])\n"
+        "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), (out / 'thread').write_text('done'))).start()\n"
+        "sys.stdout.write('unflushed')\n"
+        "exit_process(eval(sys.argv[2]))\n")
+    for code, status in (("3", 3), ("None", 0), ("'bad input'", 1)):
+        out = tmp_path / str(status)
+        out.mkdir()
+        proc = subprocess.run([sys.executable, "-c", script, str(out), code], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == status, proc.stderr
+        assert proc.stdout == "unflushed"
+        assert (out / "atexit").read_text() == "ran" and (out / "thread").read_text() == "done"
+        assert ("bad input" in proc.stderr) == (status == 1)

@@ -1,4 +1,4 @@
-"""Ending a rank's process."""
+"""Ending a process: a rank's, and a command line's (the ``chipset`` command, torchrun's agent)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,34 @@ def exit_rank(code: int) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def exit_process(code: object = 0) -> NoReturn:
+    """End a command-line process (the ``chipset`` command, torchrun's agent) as ``sys.exit(code)``
+    does, minus the interpreter's teardown of its modules.
+
+    Everything an orderly exit owes is still done, in the interpreter's order: non-daemon threads
+    are joined, ``atexit`` functions run (logging's flush among them), stdout and stderr are
+    flushed. What is skipped is freeing every module and object one by one: with torch loaded that
+    took 0.6-0.7 s of CPU per process (2026-12-05), paid by the launcher and the agent of every job.
+    """
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # sys.exit("message"): the message on stderr, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

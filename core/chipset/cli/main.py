@@ -87,5 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def entry() -> None:
+    """The ``chipset`` command: :func:`main`, then the process ends without the interpreter's
+    teardown (chipset._process.exit_process). Call :func:`main` to run a command in-process."""
+    from chipset._process import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

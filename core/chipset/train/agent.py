@@ -56,4 +56,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from chipset._process import exit_process
+
+    try:
+        main()
+    except SystemExit as exc:
+        exit_process(exc.code)
+    exit_process(0)  # a failed worker group raises (torch's traceback and exit 1, as before)
