@@ -53,15 +53,19 @@ def straggler(recs, summary):
         extra = mine - peers
         cause = ("input pipeline" if wait and sum(wait) / len(wait) > 0.5 * extra else "device (compute)")
         ratio = mine / peers if peers > 0 else math.inf
+        # A rank slowed by its own input is the data loader's finding (data_loader_stall has the
+        # numbers); here it is a warning, so the stall ranks first.
+        severe = ratio >= 1.5 and cause != "input pipeline"
         out.append(dict(
-            kind="straggler", severity="error" if ratio >= 1.5 else "warning", rank=r, step=slow[0]["step"],
+            kind="straggler", severity="error" if severe else "warning", rank=r, step=slow[0]["step"],
             title=f"rank {r} is a straggler: compute {ratio:.2f}x its slowest peer in {len(slow)} of "
                   f"{len(rows)} steady steps ({cause})",
             evidence={"rank": r, "cause": cause, "mean_compute_s": mine, "peer_compute_s": peers,
                       "ratio": ratio, "slow_steps": [x["step"] for x in slow], "first_step": slow[0]["step"],
                       "peer_idle_s": sum(sum(x["idle_s"]) for x in rows if "idle_s" in x) / len(rows)},
             confidence=round(share, 3),
-            advice=(f"rank {r}'s input pipeline is slow: raise data workers / prefetch or move the data local"
+            advice=(f"rank {r}'s input pipeline is slow (see data_loader_stall): raise data workers / "
+                    "prefetch or move the data local"
                     if cause == "input pipeline" else
                     f"rank {r}'s device is slower than its peers (thermal throttling, a shared or faulty "
                     "device, another process on it): check it and move the job off it")))
@@ -149,21 +153,36 @@ def _spikes(recs, key, factor):
     return out
 
 
+def _worst(spikes):
+    """The largest spike (a non-finite value first); ``(step, value, baseline, ratio)``."""
+    rated = [(s, v, b, (v / b) if b else math.inf) for s, v, b in spikes]
+    return max(rated, key=lambda t: (t[2] is None, t[3]))
+
+
 def health(recs, summary):
     out = []
+    loss_steps: list[int] = []
     for key, factor, kind, what in (("loss", LOSS_SPIKE, "loss_spike", "loss"),
                                     ("grad_norm", GRAD_EXPLOSION, "grad_norm_explosion", "gradient norm")):
         sp = _spikes(recs, key, factor)
         if not sp:
             continue
-        step, v, base = sp[0]
-        ratio = (v / base) if base else math.inf
+        step, v, base, ratio = _worst(sp)
+        evidence = {"step": step, "value": v if math.isfinite(v) else str(v), "baseline": base,
+                    "ratio": ratio if math.isfinite(ratio) else None, "spike_steps": [s[0] for s in sp],
+                    "first_step": sp[0][0]}
+        if kind == "loss_spike":
+            loss_steps = evidence["spike_steps"]
+        elif step in loss_steps:  # one event: the loss spike's finding carries the gradient norm
+            out[0]["evidence"]["grad_norm"] = evidence["value"]
+            out[0]["evidence"]["grad_norm_ratio"] = evidence["ratio"]
+            continue
         out.append(dict(
             kind=kind, severity="error" if base is None or ratio >= 2 * factor else "warning", step=step,
             title=f"{what} spike at step {step}: {v:.4g}"
-                  + (f" ({ratio:.1f}x the median of the 5 steps before)" if base else " (not finite)"),
-            evidence={"step": step, "value": v if math.isfinite(v) else str(v), "baseline": base,
-                      "ratio": ratio if math.isfinite(ratio) else None, "spike_steps": [s[0] for s in sp]},
+                  + (f" ({ratio:.1f}x the median of the 5 steps before)" if base else " (not finite)")
+                  + (f"; {len(sp)} spikes from step {sp[0][0]}" if len(sp) > 1 else ""),
+            evidence=evidence,
             confidence=1.0 if base is None else round(min(1.0, ratio / (2 * factor)), 3),
             advice="look at the batch of that step (bad or repeated data), lower the learning rate or "
                    "lengthen warmup, clip gradients (train.grad_clip), prefer bf16 over fp16"))
