@@ -89,16 +89,29 @@ def diagnose_records(records: list[dict[str, Any]], summary: dict[str, Any] | No
         found, missing = rule(records, summary)
         diag.findings += [Finding(**f) for f in found]
         diag.missing += missing
+    _rank(diag)
+    return diag
+
+
+def _rank(diag: Diagnosis) -> None:
     order = {s: i for i, s in enumerate(SEVERITIES)}
     diag.findings.sort(key=lambda f: (order[f.severity], -f.confidence))
-    return diag
 
 
 def diagnose_run(run_dir: str | Path) -> Diagnosis:
     """Read a run directory and diagnose it; UsageError (exit 2) only when nothing can be read."""
+    from chipset.diagnose.layout import layout_check
     from chipset.diagnose.read import read_run
 
     records, summary, missing = read_run(Path(run_dir))
     diag = diagnose_records(records, summary, str(run_dir))
-    diag.missing = missing + diag.missing
+    comm = [f for f in diag.findings if f.kind == "communication_bound"]
+    found, more = layout_check(Path(run_dir), summary, bool(comm)) if summary else ([], [])
+    diag.findings += [Finding(**f) for f in found]
+    for f in found:
+        for c in comm:  # the communication finding points at the layout that would communicate less
+            c.evidence["planner_recommends"] = f["evidence"]["recommended"]
+            c.advice += f"; 'chipset plan' recommends {f['evidence']['recommended']} here (see the layout finding)"
+    _rank(diag)
+    diag.missing = missing + diag.missing + more
     return diag
