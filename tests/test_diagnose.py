@@ -104,7 +104,7 @@ def test_cli_json_and_exit_status(tmp_path, capsys):
     assert main(["diagnose", str(run), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["findings"][0]["kind"] == "straggler" and out["findings"][0]["rank"] == 0
-    assert out["has_error"] and not out["partial"]
+    assert out["has_error"] and out["missing"] == ["config.toml not found: no layout check against 'chipset plan'"]
 
 
 def test_cli_clean_run_exits_0(tmp_path, capsys):
@@ -126,6 +126,59 @@ def test_unreadable_run_dir_exits_2(tmp_path, capsys):
     assert main(["diagnose", str(tmp_path)]) == 2
     assert "nothing to diagnose" in capsys.readouterr().err
     assert main(["diagnose", str(tmp_path / "nope")]) == 2
+
+
+def test_an_empty_folder_or_a_file_exits_2_saying_what_was_expected(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to diagnose: expected metrics.jsonl step records or summary.json" in err
+    assert "metrics.jsonl not found" in err and "summary.json not found" in err
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert main(["diagnose", str(tmp_path / "metrics.jsonl")]) == 2
+    assert "a file, not a folder" in capsys.readouterr().err
+
+
+def test_summary_only_is_a_partial_diagnosis(tmp_path, capsys):
+    run = _write(tmp_path, [], summary={**SUMMARY, "world_size": 2})
+    (run / "metrics.jsonl").unlink()
+    assert main(["diagnose", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["partial"] and out["missing"][0] == "metrics.jsonl not found: no per-step findings"
+
+
+def test_a_summary_of_another_shape_is_ignored(tmp_path, capsys):
+    run = _write(tmp_path, _recs(), summary=[1, 2])
+    assert main(["diagnose", str(run), "--json"]) == 0
+    assert "summary.json is not a JSON object; ignored" in json.loads(capsys.readouterr().out)["missing"]
+
+
+def test_unreadable_fields_are_left_out_of_their_steps_and_named():
+    """A short per-rank list (a rank's numbers lost), a string, a null: only those steps lose the
+    field; the straggler is still found from the other steps."""
+    bad = {3: [0.8], 4: [0.8, "x"], 5: None}
+    d = diagnose_records(_recs(compute_s=lambda s, v: bad.get(s, [0.8, 1.6])))
+    assert (d.findings[0].kind, d.findings[0].rank) == ("straggler", 1)
+    assert d.findings[0].evidence["slow_steps"] == [2, 6, 7, 8]
+    assert "metrics.jsonl: compute_s is not 2 finite numbers (one per rank) in 3 step(s) (3, 4, 5); left out there" \
+        in d.missing
+
+
+def test_a_restarted_run_keeps_the_later_record_of_a_step():
+    # The first attempt's step 6 spiked (and the run died); resumed from step 4, it ran 5-8 again.
+    recs = _recs(n=6, loss=lambda s, v: 40.0 if s == 6 else v) + _recs(n=8)[4:]
+    d = diagnose_records(recs, SUMMARY)
+    assert d.steps == 8 and not d.findings
+    assert d.missing == ["metrics.jsonl records 2 step(s) more than once (a restart resumed from a checkpoint?): "
+                         "the later record of each kept"]
+
+
+def test_a_nan_loss_written_as_null_is_a_loss_spike():
+    """metrics.jsonl writes NaN/inf as null; a null gradient norm of a skipped fp16 step is not one."""
+    d = diagnose_records(_recs(loss=lambda s, v: None if s == 5 else v,
+                               grad_norm=lambda s, v: None if s == 3 else v, skipped=lambda s, v: s == 3))
+    assert (d.findings[0].kind, d.findings[0].step, d.findings[0].severity) == ("loss_spike", 5, "error")
+    assert d.findings[0].evidence["value"] == "nan"
+    assert "grad_norm_explosion" not in [f.kind for f in d.findings]
 
 
 def test_report_page_starts_with_the_findings(tmp_path):

@@ -34,12 +34,14 @@ def _cluster_spec(summary: dict[str, Any]) -> str | None:
 
 
 def layout_check(run_dir: Path, summary: dict[str, Any],
-                 comm_bound: bool) -> tuple[list[dict[str, Any]], list[str]]:
-    """(finding dicts, missing notes) for the run in ``run_dir``."""
+                 comm_bound: bool) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """(finding dicts, what the run directory lacked, checks that do not apply) for ``run_dir``."""
     config = run_dir / "config.toml"
     spec = _cluster_spec(summary)
-    if not config.is_file() or spec is None:
-        return [], ["config.toml or the device profile and world size in summary.json missing: no layout check"]
+    if not config.is_file():
+        return [], ["config.toml not found: no layout check against 'chipset plan'"], []
+    if spec is None:
+        return [], ["summary.json has no world_size or devices.name: no layout check against 'chipset plan'"], []
     from chipset.planner import evaluate, resolve_cluster, search
     from chipset.planner.cluster import list_profiles
     from chipset.planner.run import from_run_config
@@ -47,7 +49,7 @@ def layout_check(run_dir: Path, summary: dict[str, Any],
 
     profile = spec.partition(":")[2]
     if profile not in list_profiles():
-        return [], [f"no planner profile named {profile!r} (the run's device): no layout check"]
+        return [], [], [f"no planner profile named {profile!r} (the run's device): no layout check"]
     try:
         cfg = load_config(config)
         model, mine, train = from_run_config(cfg, summary["world_size"])
@@ -56,9 +58,9 @@ def layout_check(run_dir: Path, summary: dict[str, Any],
         ran = evaluate(model, mine, train, cluster)
     except (ChipsetError, ValueError, KeyError, AttributeError) as exc:  # another family, an old config
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return [], [f"the planner cannot plan this run's model ({why[:160]}): no layout check"]
+        return [], [], [f"the planner cannot plan this run's model ({why[:160]}): no layout check"]
     if all(getattr(best.layout, k) == getattr(mine, k) for k in DEGREES):
-        return [], []
+        return [], [], []
     comm = {"run": sum(ran.breakdown.get(k, 0.0) for k in COMM_TERMS),
             "best": sum(best.breakdown.get(k, 0.0) for k in COMM_TERMS)}
     speedup = ran.step_time_s / best.step_time_s if best.step_time_s > 0 else 1.0
@@ -67,7 +69,7 @@ def layout_check(run_dir: Path, summary: dict[str, Any],
     elif speedup >= FASTER:
         severity, why = "info", f"predicted {speedup:.2f}x faster"
     else:
-        return [], []
+        return [], [], []
     have, want = _label(mine), _label(best.layout)
     return [dict(
         kind="layout", severity=severity, rank=None, step=None,
@@ -79,4 +81,4 @@ def layout_check(run_dir: Path, summary: dict[str, Any],
         confidence=0.8 if severity == "warning" else 0.5,
         advice="rerun with the recommended layout ("
                + " ".join(f"--set parallel.{k}={getattr(best.layout, k)}" for k in (*DEGREES, "zero"))
-               + f"); the whole ranking: chipset plan {config} --cluster {spec}")], []
+               + f"); the whole ranking: chipset plan {config} --cluster {spec}")], [], []

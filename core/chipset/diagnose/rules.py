@@ -142,6 +142,8 @@ def _spikes(recs, key, factor):
     hist, out = [], []
     for x in recs:
         v = x.get(key)
+        if v is None and key in x and not x.get("skipped"):
+            v = math.nan  # metrics.jsonl writes NaN and inf as null; a skipped fp16 step is skipped_steps'
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             continue
         if not math.isfinite(v):
