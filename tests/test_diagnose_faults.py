@@ -85,10 +85,11 @@ def test_a_mislaid_run_names_its_layout_and_the_planners(runs, capsys):
     model on 1x2:sim-generic (dp moves one gradient all-reduce per step, tp two all-reduces per block)."""
     code, out = _diagnose(runs["tp_slow_link"], capsys)
     kinds = [f["kind"] for f in out["findings"]]
-    assert kinds[0] == "communication_bound", out["findings"]
-    lay = out["findings"][kinds.index("layout")]
+    assert "communication_bound" in kinds and "layout" in kinds, out["findings"]
+    comm, lay = out["findings"][kinds.index("communication_bound")], out["findings"][kinds.index("layout")]
+    assert comm["severity"] == "error" and code == 1
     assert lay["evidence"]["layout"] == "dp=1 tp=2 pp=1 ep=1 cp=1 zero=0"
     assert lay["evidence"]["recommended"].startswith("dp=2 tp=1 "), lay
     assert lay["severity"] == "warning" and lay["evidence"]["recommended_comm_s"] < lay["evidence"]["predicted_comm_s"]
-    assert out["findings"][0]["evidence"]["planner_recommends"] == lay["evidence"]["recommended"]
+    assert comm["evidence"]["planner_recommends"] == lay["evidence"]["recommended"]
     assert "layout" not in [f["kind"] for f in _diagnose(runs["clean"], capsys)[1]["findings"]]

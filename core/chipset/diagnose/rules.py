@@ -230,4 +230,6 @@ def communication(recs, summary):
                "'chipset plan', which ranks layouts by predicted step time")], []
 
 
-RULES = (straggler, memory, data_loader, health, communication)
+RULES = (health, memory, data_loader, straggler, communication)
+"""In this order; findings of equal severity and confidence keep it (the sort is stable): what the
+run computed (loss, gradients) before what it holds (memory) before how fast it went."""
