@@ -196,6 +196,10 @@ def test_live_watch_warns_once_per_straggler_and_leak():
     for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], memory_bytes=lambda s, v: [100 * MIB, s * MIB]):
         lines += watch.step(rec)
     assert len(lines) == 2 and "rank 1 is a straggler" in lines[0] and "rank 1's memory grew" in lines[1]
-    assert "(step 3)" in lines[0] and "at step 4" in lines[1]
+    assert "(step 3)" in lines[0] and "at step 4" in lines[1] and "batches" not in lines[0]
+    watch = LiveWatch()
+    lines = [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], data_wait_s=lambda s, v: [0.0, 0.7])
+             for x in watch.step(rec)]
+    assert lines and "0.7 s of it waiting for its batches (its input pipeline)" in lines[0]
     watch = LiveWatch()
     assert not [x for rec in _recs() for x in watch.step(rec)]

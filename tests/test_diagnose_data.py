@@ -95,6 +95,7 @@ def runs(tmp_path_factory):
                     *RUNS[name]]
             r = chipset_train(base / name, 2, sets, env=family_env(str(HERE)), timeout=300)
             assert r.returncode == 0, r.stdout + r.stderr
+            (base / f"{name}.out").write_text(r.stdout + r.stderr)
             return base / name
         return start
 
@@ -119,6 +120,8 @@ def test_a_slow_loader_is_a_data_loader_stall_on_its_rank(runs, capsys):
     # Its compute time is long too (the wait is inside it): a straggler blamed on its input, below.
     strag = [f for f in out["findings"] if f["kind"] == "straggler"]
     assert [(f["rank"], f["evidence"]["cause"], f["severity"]) for f in strag] == [(1, "input pipeline", "warning")]
+    console = (runs["slow_loader"].parent / "slow_loader.out").read_text()
+    assert "chipset: warning: rank 1 is a straggler" in console and "waiting for its batches" in console
 
 
 @pytest.mark.multirank
