@@ -93,3 +93,6 @@ def test_a_mislaid_run_names_its_layout_and_the_planners(runs, capsys):
     assert lay["severity"] == "warning" and lay["evidence"]["recommended_comm_s"] < lay["evidence"]["predicted_comm_s"]
     assert comm["evidence"]["planner_recommends"] == lay["evidence"]["recommended"]
     assert "layout" not in [f["kind"] for f in _diagnose(runs["clean"], capsys)[1]["findings"]]
+    from chipset.report import load_run, render_html
+
+    assert "recommends dp=2 tp=1" in render_html(load_run(runs["tp_slow_link"]))  # the report's Findings too

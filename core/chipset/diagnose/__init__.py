@@ -18,7 +18,7 @@ from chipset.diagnose.layout import layout_check
 from chipset.diagnose.read import check_records, read_run
 from chipset.diagnose.rules import RULES
 
-__all__ = ["Diagnosis", "Finding", "SEVERITIES", "diagnose_records", "diagnose_run"]
+__all__ = ["Diagnosis", "Finding", "SEVERITIES", "check_layout", "diagnose_records", "diagnose_run"]
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -111,14 +111,22 @@ def diagnose_run(run_dir: str | Path) -> Diagnosis:
     """Read a run directory and diagnose it; UsageError (exit 2) only when nothing can be read."""
     records, summary, missing = read_run(Path(run_dir))
     diag = diagnose_records(records, summary, str(run_dir))
+    check_layout(diag, Path(run_dir), summary)
+    diag.missing = missing + diag.missing
+    return diag
+
+
+def check_layout(diag: Diagnosis, run_dir: Path, summary: dict[str, Any]) -> None:
+    """Add the layout check of the run in ``run_dir`` (its config.toml against 'chipset plan') to ``diag``."""
+    if not summary:
+        return  # summary.json's absence is already in diag.missing
     comm = [f for f in diag.findings if f.kind == "communication_bound"]
-    found, more, notes = layout_check(Path(run_dir), summary, bool(comm)) if summary else ([], [], [])
+    found, missing, notes = layout_check(run_dir, summary, bool(comm))
     diag.findings += [Finding(**f) for f in found]
     for f in found:
         for c in comm:  # the communication finding points at the layout that would communicate less
             c.evidence["planner_recommends"] = f["evidence"]["recommended"]
             c.advice += f"; 'chipset plan' recommends {f['evidence']['recommended']} here (see the layout finding)"
     _rank(diag)
-    diag.missing = missing + diag.missing + more
+    diag.missing += missing
     diag.notes += notes
-    return diag
