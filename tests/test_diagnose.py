@@ -54,6 +54,24 @@ def test_a_slightly_slower_rank_is_not_a_straggler():
     assert not d.findings
 
 
+def _pp(recs, **layout):
+    return diagnose_records(recs, {**SUMMARY, "layout": {"dp": 1, "tp": 1, "pp": 2, **layout}})
+
+
+def test_pipeline_stages_are_compared_as_stages_not_as_stragglers():
+    """Rank order (pp slowest): with pp=2 dp=2, ranks 0-1 are stage 0 and ranks 2-3 stage 1."""
+    d = _pp(_recs(compute_s=lambda s, v: [0.8, 1.6]))  # pp=2 on 2 ranks: the last stage works more
+    assert [(f.kind, f.rank, f.evidence["stage"], f.severity) for f in d.findings] == [
+        ("stage_imbalance", 1, 1, "warning")]
+    d = _pp(_recs(world=4, compute_s=lambda s, v: [0.8, 0.8, 1.6, 1.6]), dp=2)
+    assert [(f.kind, f.evidence["ranks"]) for f in d.findings] == [("stage_imbalance", [2, 3])]
+    # Rank 3 is a straggler against rank 2 alone (not against stage 0's slower ranks), and stage 0
+    # (its fastest rank) is the slower stage.
+    d = _pp(_recs(world=4, compute_s=lambda s, v: [1.6, 1.6, 0.8, 1.6]), dp=2)
+    assert [(f.kind, f.rank, f.severity) for f in d.findings] == [("straggler", 3, "error"),
+                                                                   ("stage_imbalance", 0, "warning")]
+
+
 def test_leak_rate_rank_and_first_step():
     d, f = _first(_recs(memory_bytes=lambda s, v: [100 * MIB, 100 * MIB + (max(0, s - 2) * 4 * MIB)]))
     assert (f.kind, f.rank, f.step) == ("memory_leak", 1, 3)

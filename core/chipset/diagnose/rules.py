@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from statistics import median
 
+from chipset.errors import ConfigError
+from chipset.parallel.dims import ParallelDims
+
 MIB = 1024 * 1024
 WARMUP = 1
 """Steps skipped at the start: the first step compiles, allocates optimizer state and warms caches."""
@@ -32,23 +35,42 @@ def _steady(recs):
     return recs[WARMUP:] if len(recs) > WARMUP + 1 else recs
 
 
+def stages(summary, world):
+    """The pipeline stage of each of ``world`` ranks, from summary.json's layout (rank order of
+    chipset.parallel.dims); None when the run has one stage or no readable layout."""
+    lay = summary.get("layout") or {}
+    if not isinstance(lay, dict) or lay.get("pp", 1) in (1, None):
+        return None
+    try:
+        dims = ParallelDims(**{k: lay.get(k, 1) for k in ("dp", "tp", "pp", "cp", "ep")},
+                            zero=lay.get("zero", 0), world_size=world)
+    except (ConfigError, TypeError):
+        return None
+    return [dims.coords(r)["pp"] for r in range(world)]
+
+
 def straggler(recs, summary):
+    """Ranks compare with their peers: every other rank, or under pipeline parallelism the ranks of
+    the same stage (stages do different work: stage_imbalance compares them)."""
     rows = _steady(_lists(recs, "compute_s"))
     if not rows:
         return [], ["compute_s per rank not recorded: no straggler check"]
     world = len(rows[0]["compute_s"])
     if world < 2:
         return [], []
+    stage = stages(summary, world)
     out = []
     for r in range(world):
-        slow = [x for x in rows if len(x["compute_s"]) == world
-                and x["compute_s"][r] > STRAGGLER_RATIO * max(c for i, c in enumerate(x["compute_s"]) if i != r)]
+        peer_ranks = [i for i in range(world) if i != r and (stage is None or stage[i] == stage[r])]
+        if not peer_ranks:
+            continue
+        slow = [x for x in rows if x["compute_s"][r] > STRAGGLER_RATIO * max(x["compute_s"][i] for i in peer_ranks)]
         share = len(slow) / len(rows)
         if share < STRAGGLER_SHARE:
             continue
         mine = sum(x["compute_s"][r] for x in rows) / len(rows)
-        peers = sum(max(c for i, c in enumerate(x["compute_s"]) if i != r) for x in rows) / len(rows)
-        wait = [x["data_wait_s"][r] - max(w for i, w in enumerate(x["data_wait_s"]) if i != r)
+        peers = sum(max(x["compute_s"][i] for i in peer_ranks) for x in rows) / len(rows)
+        wait = [x["data_wait_s"][r] - max(x["data_wait_s"][i] for i in peer_ranks)
                 for x in rows if isinstance(x.get("data_wait_s"), list) and len(x["data_wait_s"]) == world]
         extra = mine - peers
         cause = ("input pipeline" if wait and sum(wait) / len(wait) > 0.5 * extra else "device (compute)")
@@ -70,6 +92,33 @@ def straggler(recs, summary):
                     f"rank {r}'s device is slower than its peers (thermal throttling, a shared or faulty "
                     "device, another process on it): check it and move the job off it")))
     return out, []
+
+
+def stage_imbalance(recs, summary):
+    rows = _steady(_lists(recs, "compute_s"))
+    stage = stages(summary, len(rows[0]["compute_s"])) if rows else None
+    if stage is None:
+        return [], []
+    pp = max(stage) + 1
+    # A stage's time in a step: its fastest rank's (a straggler inside a stage is the straggler rule's).
+    per = [[min(x["compute_s"][r] for r in range(len(stage)) if stage[r] == k) for k in range(pp)] for x in rows]
+    mean = [sum(p[k] for p in per) / len(per) for k in range(pp)]
+    hi, lo = max(range(pp), key=lambda k: mean[k]), min(range(pp), key=lambda k: mean[k])
+    ratio = mean[hi] / mean[lo] if mean[lo] > 0 else math.inf
+    if ratio < STRAGGLER_RATIO:
+        return [], []
+    slowest = sum(max(range(pp), key=lambda k: p[k]) == hi for p in per) / len(per)
+    ranks = [r for r in range(len(stage)) if stage[r] == hi]
+    return [dict(
+        kind="stage_imbalance", severity="warning", rank=ranks[0], step=rows[0]["step"],
+        title=f"pipeline stage {hi} (ranks {', '.join(map(str, ranks))}) computes {ratio:.2f}x stage {lo}: "
+              "the other stages wait for it",
+        evidence={"stage": hi, "ranks": ranks, "stage_compute_s": mean, "ratio": ratio, "fastest_stage": lo,
+                  "slowest_share": slowest},
+        confidence=round(slowest, 3),
+        advice=f"move work off stage {hi}: parallel.pipeline_split (units per stage) with fewer units there "
+               "(the last stage also computes the head and the loss, the first the embedding); with one "
+               "rank per stage a slow device looks the same, so check that rank's device too")], []
 
 
 def memory(recs, summary):
@@ -230,6 +279,6 @@ def communication(recs, summary):
                "'chipset plan', which ranks layouts by predicted step time")], []
 
 
-RULES = (health, memory, data_loader, straggler, communication)
+RULES = (health, memory, data_loader, straggler, stage_imbalance, communication)
 """In this order; findings of equal severity and confidence keep it (the sort is stable): what the
 run computed (loss, gradients) before what it holds (memory) before how fast it went."""
