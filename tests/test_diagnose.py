@@ -219,5 +219,7 @@ def test_live_watch_warns_once_per_straggler_and_leak():
     lines = [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], data_wait_s=lambda s, v: [0.0, 0.7])
              for x in watch.step(rec)]
     assert lines and "0.7 s of it waiting for its batches (its input pipeline)" in lines[0]
+    watch = LiveWatch(stages=[0, 1])  # pp=2: the last stage's longer compute is not a straggler
+    assert not [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6]) for x in watch.step(rec)]
     watch = LiveWatch()
     assert not [x for rec in _recs() for x in watch.step(rec)]
