@@ -104,7 +104,9 @@ def stage_imbalance(recs, summary):
     per = [[min(x["compute_s"][r] for r in range(len(stage)) if stage[r] == k) for k in range(pp)] for x in rows]
     mean = [sum(p[k] for p in per) / len(per) for k in range(pp)]
     hi, lo = max(range(pp), key=lambda k: mean[k]), min(range(pp), key=lambda k: mean[k])
-    ratio = mean[hi] / mean[lo] if mean[lo] > 0 else math.inf
+    if mean[lo] <= 0:
+        return [], []
+    ratio = mean[hi] / mean[lo]
     if ratio < STRAGGLER_RATIO:
         return [], []
     slowest = sum(max(range(pp), key=lambda k: p[k]) == hi for p in per) / len(per)
