@@ -54,6 +54,24 @@ def test_a_slightly_slower_rank_is_not_a_straggler():
     assert not d.findings
 
 
+def _pp(recs, **layout):
+    return diagnose_records(recs, {**SUMMARY, "layout": {"dp": 1, "tp": 1, "pp": 2, **layout}})
+
+
+def test_pipeline_stages_are_compared_as_stages_not_as_stragglers():
+    """Rank order (pp slowest): with pp=2 dp=2, ranks 0-1 are stage 0 and ranks 2-3 stage 1."""
+    d = _pp(_recs(compute_s=lambda s, v: [0.8, 1.6]))  # pp=2 on 2 ranks: the last stage works more
+    assert [(f.kind, f.rank, f.evidence["stage"], f.severity) for f in d.findings] == [
+        ("stage_imbalance", 1, 1, "warning")]
+    d = _pp(_recs(world=4, compute_s=lambda s, v: [0.8, 0.8, 1.6, 1.6]), dp=2)
+    assert [(f.kind, f.evidence["ranks"]) for f in d.findings] == [("stage_imbalance", [2, 3])]
+    # Rank 3 is a straggler against rank 2 alone (not against stage 0's slower ranks), and stage 0
+    # (its fastest rank) is the slower stage.
+    d = _pp(_recs(world=4, compute_s=lambda s, v: [1.6, 1.6, 0.8, 1.6]), dp=2)
+    assert [(f.kind, f.rank, f.severity) for f in d.findings] == [("straggler", 3, "error"),
+                                                                   ("stage_imbalance", 0, "warning")]
+
+
 def test_leak_rate_rank_and_first_step():
     d, f = _first(_recs(memory_bytes=lambda s, v: [100 * MIB, 100 * MIB + (max(0, s - 2) * 4 * MIB)]))
     assert (f.kind, f.rank, f.step) == ("memory_leak", 1, 3)
@@ -104,7 +122,7 @@ def test_cli_json_and_exit_status(tmp_path, capsys):
     assert main(["diagnose", str(run), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["findings"][0]["kind"] == "straggler" and out["findings"][0]["rank"] == 0
-    assert out["has_error"] and not out["partial"]
+    assert out["has_error"] and out["missing"] == ["config.toml not found: no layout check against 'chipset plan'"]
 
 
 def test_cli_clean_run_exits_0(tmp_path, capsys):
@@ -128,6 +146,59 @@ def test_unreadable_run_dir_exits_2(tmp_path, capsys):
     assert main(["diagnose", str(tmp_path / "nope")]) == 2
 
 
+def test_an_empty_folder_or_a_file_exits_2_saying_what_was_expected(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to diagnose: expected metrics.jsonl step records or summary.json" in err
+    assert "metrics.jsonl not found" in err and "summary.json not found" in err
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert main(["diagnose", str(tmp_path / "metrics.jsonl")]) == 2
+    assert "a file, not a folder" in capsys.readouterr().err
+
+
+def test_summary_only_is_a_partial_diagnosis(tmp_path, capsys):
+    run = _write(tmp_path, [], summary={**SUMMARY, "world_size": 2})
+    (run / "metrics.jsonl").unlink()
+    assert main(["diagnose", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["partial"] and out["missing"][0] == "metrics.jsonl not found: no per-step findings"
+
+
+def test_a_summary_of_another_shape_is_ignored(tmp_path, capsys):
+    run = _write(tmp_path, _recs(), summary=[1, 2])
+    assert main(["diagnose", str(run), "--json"]) == 0
+    assert "summary.json is not a JSON object; ignored" in json.loads(capsys.readouterr().out)["missing"]
+
+
+def test_unreadable_fields_are_left_out_of_their_steps_and_named():
+    """A short per-rank list (a rank's numbers lost), a string, a null: only those steps lose the
+    field; the straggler is still found from the other steps."""
+    bad = {3: [0.8], 4: [0.8, "x"], 5: None}
+    d = diagnose_records(_recs(compute_s=lambda s, v: bad.get(s, [0.8, 1.6])))
+    assert (d.findings[0].kind, d.findings[0].rank) == ("straggler", 1)
+    assert d.findings[0].evidence["slow_steps"] == [2, 6, 7, 8]
+    assert "metrics.jsonl: compute_s is not 2 finite numbers (one per rank) in 3 step(s) (3, 4, 5); left out there" \
+        in d.missing
+
+
+def test_a_restarted_run_keeps_the_later_record_of_a_step():
+    # The first attempt's step 6 spiked (and the run died); resumed from step 4, it ran 5-8 again.
+    recs = _recs(n=6, loss=lambda s, v: 40.0 if s == 6 else v) + _recs(n=8)[4:]
+    d = diagnose_records(recs, SUMMARY)
+    assert d.steps == 8 and not d.findings
+    assert d.missing == ["metrics.jsonl records 2 step(s) more than once (a restart resumed from a checkpoint?): "
+                         "the later record of each kept"]
+
+
+def test_a_nan_loss_written_as_null_is_a_loss_spike():
+    """metrics.jsonl writes NaN/inf as null; a null gradient norm of a skipped fp16 step is not one."""
+    d = diagnose_records(_recs(loss=lambda s, v: None if s == 5 else v,
+                               grad_norm=lambda s, v: None if s == 3 else v, skipped=lambda s, v: s == 3))
+    assert (d.findings[0].kind, d.findings[0].step, d.findings[0].severity) == ("loss_spike", 5, "error")
+    assert d.findings[0].evidence["value"] == "nan"
+    assert "grad_norm_explosion" not in [f.kind for f in d.findings]
+
+
 def test_report_page_starts_with_the_findings(tmp_path):
     from chipset.report import load_run, render_html
 
@@ -143,6 +214,12 @@ def test_live_watch_warns_once_per_straggler_and_leak():
     for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], memory_bytes=lambda s, v: [100 * MIB, s * MIB]):
         lines += watch.step(rec)
     assert len(lines) == 2 and "rank 1 is a straggler" in lines[0] and "rank 1's memory grew" in lines[1]
-    assert "(step 3)" in lines[0] and "at step 4" in lines[1]
+    assert "(step 3)" in lines[0] and "at step 4" in lines[1] and "batches" not in lines[0]
+    watch = LiveWatch()
+    lines = [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], data_wait_s=lambda s, v: [0.0, 0.7])
+             for x in watch.step(rec)]
+    assert lines and "0.7 s of it waiting for its batches (its input pipeline)" in lines[0]
+    watch = LiveWatch(stages=[0, 1])  # pp=2: the last stage's longer compute is not a straggler
+    assert not [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6]) for x in watch.step(rec)]
     watch = LiveWatch()
     assert not [x for rec in _recs() for x in watch.step(rec)]

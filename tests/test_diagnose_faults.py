@@ -21,7 +21,9 @@ FAULTS = {
     "slow": "slow:rank=1,ms=300",
     "slow_link": "slow_link:rank=1,ms=100",
     "leak": "leak:rank=0,mib=4,step=2",
+    "tp_slow_link": "slow_link:rank=1,ms=20",  # with parallel.tp=2: every tp collective crosses the slow link
 }
+SETS = {"tp_slow_link": ["parallel.tp=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,8 @@ def runs(tmp_path_factory):
             env["OMP_NUM_THREADS"] = "1"
             if FAULTS[name]:
                 env["CHIPSET_SIM_FAULTS"] = FAULTS[name]
-            r = testenv.chipset_train(base / name, 2, ["train.steps=6", "train.global_batch=2"], env=env, timeout=300)
+            sets = ["train.steps=6", "train.global_batch=2", *SETS.get(name, [])]
+            r = testenv.chipset_train(base / name, 2, sets, env=env, timeout=300)
             assert r.returncode == 0, r.stdout + r.stderr
             (base / f"{name}.out").write_text(r.stdout + r.stderr)
             return base / name
@@ -75,3 +78,21 @@ def test_the_console_warns_while_the_run_goes(runs, fault, line):
     out = (runs[fault].parent / f"{fault}.out").read_text()
     assert line in out and "chipset: warning" in out
     assert "chipset: warning: rank" not in (runs["clean"].parent / "clean.out").read_text()
+
+
+def test_a_mislaid_run_names_its_layout_and_the_planners(runs, capsys):
+    """tp=2 across a slow link: communication-bound, and 'chipset plan' ranks dp=2 first for the same
+    model on 1x2:sim-generic (dp moves one gradient all-reduce per step, tp two all-reduces per block)."""
+    code, out = _diagnose(runs["tp_slow_link"], capsys)
+    kinds = [f["kind"] for f in out["findings"]]
+    assert "communication_bound" in kinds and "layout" in kinds, out["findings"]
+    comm, lay = out["findings"][kinds.index("communication_bound")], out["findings"][kinds.index("layout")]
+    assert comm["severity"] == "error" and code == 1
+    assert lay["evidence"]["layout"] == "dp=1 tp=2 pp=1 ep=1 cp=1 zero=0"
+    assert lay["evidence"]["recommended"].startswith("dp=2 tp=1 "), lay
+    assert lay["severity"] == "warning" and lay["evidence"]["recommended_comm_s"] < lay["evidence"]["predicted_comm_s"]
+    assert comm["evidence"]["planner_recommends"] == lay["evidence"]["recommended"]
+    assert "layout" not in [f["kind"] for f in _diagnose(runs["clean"], capsys)[1]["findings"]]
+    from chipset.report import load_run, render_html
+
+    assert "recommends dp=2 tp=1" in render_html(load_run(runs["tp_slow_link"]))  # the report's Findings too

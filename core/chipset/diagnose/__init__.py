@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chipset.diagnose.layout import layout_check
+from chipset.diagnose.read import check_records, read_run
 from chipset.diagnose.rules import RULES
 
-__all__ = ["Diagnosis", "Finding", "SEVERITIES", "diagnose_records", "diagnose_run"]
+__all__ = ["Diagnosis", "Finding", "SEVERITIES", "check_layout", "diagnose_records", "diagnose_run"]
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -46,6 +48,10 @@ class Diagnosis:
     steps: int
     findings: list[Finding] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    """What the run directory lacked (a file, a line, a field): the diagnosis is partial."""
+    notes: list[str] = field(default_factory=list)
+    """Checks that do not apply to this run (no planner profile for its device, a model the planner
+    cannot plan): nothing was missing."""
 
     @property
     def has_error(self) -> bool:
@@ -53,7 +59,7 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_dir": self.run_dir, "steps": self.steps, "partial": bool(self.missing),
-                "missing": self.missing, "has_error": self.has_error,
+                "missing": self.missing, "notes": self.notes, "has_error": self.has_error,
                 "findings": [f.to_dict() for f in self.findings]}
 
     def to_json(self) -> str:
@@ -69,6 +75,8 @@ class Diagnosis:
             lines.append(f"   what to do: {f.advice}")
         for m in self.missing:
             lines.append(f"  partial: {m}")
+        for m in self.notes:
+            lines.append(f"  note: {m}")
         return "\n".join(lines)
 
 
@@ -84,21 +92,41 @@ def diagnose_records(records: list[dict[str, Any]], summary: dict[str, Any] | No
                      run_dir: str = "") -> Diagnosis:
     """The diagnosis of ``records`` (parsed metrics.jsonl lines, in order) and ``summary``."""
     summary = summary or {}
-    diag = Diagnosis(run_dir, len(records))
+    records, missing = check_records(records)
+    diag = Diagnosis(run_dir, len(records), missing=missing)
     for rule in RULES:
         found, missing = rule(records, summary)
         diag.findings += [Finding(**f) for f in found]
         diag.missing += missing
+    _rank(diag)
+    return diag
+
+
+def _rank(diag: Diagnosis) -> None:
     order = {s: i for i, s in enumerate(SEVERITIES)}
     diag.findings.sort(key=lambda f: (order[f.severity], -f.confidence))
-    return diag
 
 
 def diagnose_run(run_dir: str | Path) -> Diagnosis:
     """Read a run directory and diagnose it; UsageError (exit 2) only when nothing can be read."""
-    from chipset.diagnose.read import read_run
-
     records, summary, missing = read_run(Path(run_dir))
     diag = diagnose_records(records, summary, str(run_dir))
+    check_layout(diag, Path(run_dir), summary)
     diag.missing = missing + diag.missing
     return diag
+
+
+def check_layout(diag: Diagnosis, run_dir: Path, summary: dict[str, Any]) -> None:
+    """Add the layout check of the run in ``run_dir`` (its config.toml against 'chipset plan') to ``diag``."""
+    if not summary:
+        return  # summary.json's absence is already in diag.missing
+    comm = [f for f in diag.findings if f.kind == "communication_bound"]
+    found, missing, notes = layout_check(run_dir, summary, bool(comm))
+    diag.findings += [Finding(**f) for f in found]
+    for f in found:
+        for c in comm:  # the communication finding points at the layout that would communicate less
+            c.evidence["planner_recommends"] = f["evidence"]["recommended"]
+            c.advice += f"; 'chipset plan' recommends {f['evidence']['recommended']} here (see the layout finding)"
+    _rank(diag)
+    diag.missing += missing
+    diag.notes += notes

@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from statistics import median
 
+from chipset.errors import ConfigError
+from chipset.parallel.dims import ParallelDims
+
 MIB = 1024 * 1024
 WARMUP = 1
 """Steps skipped at the start: the first step compiles, allocates optimizer state and warms caches."""
@@ -32,40 +35,92 @@ def _steady(recs):
     return recs[WARMUP:] if len(recs) > WARMUP + 1 else recs
 
 
+def stages(summary, world):
+    """The pipeline stage of each of ``world`` ranks, from summary.json's layout (rank order of
+    chipset.parallel.dims); None when the run has one stage or no readable layout."""
+    lay = summary.get("layout") or {}
+    if not isinstance(lay, dict) or lay.get("pp", 1) in (1, None):
+        return None
+    try:
+        dims = ParallelDims(**{k: lay.get(k, 1) for k in ("dp", "tp", "pp", "cp", "ep")},
+                            zero=lay.get("zero", 0), world_size=world)
+    except (ConfigError, TypeError):
+        return None
+    return [dims.coords(r)["pp"] for r in range(world)]
+
+
 def straggler(recs, summary):
+    """Ranks compare with their peers: every other rank, or under pipeline parallelism the ranks of
+    the same stage (stages do different work: stage_imbalance compares them)."""
     rows = _steady(_lists(recs, "compute_s"))
     if not rows:
         return [], ["compute_s per rank not recorded: no straggler check"]
     world = len(rows[0]["compute_s"])
     if world < 2:
         return [], []
+    stage = stages(summary, world)
     out = []
     for r in range(world):
-        slow = [x for x in rows if len(x["compute_s"]) == world
-                and x["compute_s"][r] > STRAGGLER_RATIO * max(c for i, c in enumerate(x["compute_s"]) if i != r)]
+        peer_ranks = [i for i in range(world) if i != r and (stage is None or stage[i] == stage[r])]
+        if not peer_ranks:
+            continue
+        slow = [x for x in rows if x["compute_s"][r] > STRAGGLER_RATIO * max(x["compute_s"][i] for i in peer_ranks)]
         share = len(slow) / len(rows)
         if share < STRAGGLER_SHARE:
             continue
         mine = sum(x["compute_s"][r] for x in rows) / len(rows)
-        peers = sum(max(c for i, c in enumerate(x["compute_s"]) if i != r) for x in rows) / len(rows)
-        wait = [x["data_wait_s"][r] - max(w for i, w in enumerate(x["data_wait_s"]) if i != r)
+        peers = sum(max(x["compute_s"][i] for i in peer_ranks) for x in rows) / len(rows)
+        wait = [x["data_wait_s"][r] - max(x["data_wait_s"][i] for i in peer_ranks)
                 for x in rows if isinstance(x.get("data_wait_s"), list) and len(x["data_wait_s"]) == world]
         extra = mine - peers
         cause = ("input pipeline" if wait and sum(wait) / len(wait) > 0.5 * extra else "device (compute)")
         ratio = mine / peers if peers > 0 else math.inf
+        # A rank slowed by its own input is the data loader's finding (data_loader_stall has the
+        # numbers); here it is a warning, so the stall ranks first.
+        severe = ratio >= 1.5 and cause != "input pipeline"
         out.append(dict(
-            kind="straggler", severity="error" if ratio >= 1.5 else "warning", rank=r, step=slow[0]["step"],
+            kind="straggler", severity="error" if severe else "warning", rank=r, step=slow[0]["step"],
             title=f"rank {r} is a straggler: compute {ratio:.2f}x its slowest peer in {len(slow)} of "
                   f"{len(rows)} steady steps ({cause})",
             evidence={"rank": r, "cause": cause, "mean_compute_s": mine, "peer_compute_s": peers,
                       "ratio": ratio, "slow_steps": [x["step"] for x in slow], "first_step": slow[0]["step"],
                       "peer_idle_s": sum(sum(x["idle_s"]) for x in rows if "idle_s" in x) / len(rows)},
             confidence=round(share, 3),
-            advice=(f"rank {r}'s input pipeline is slow: raise data workers / prefetch or move the data local"
+            advice=(f"rank {r}'s input pipeline is slow (see data_loader_stall): raise data workers / "
+                    "prefetch or move the data local"
                     if cause == "input pipeline" else
                     f"rank {r}'s device is slower than its peers (thermal throttling, a shared or faulty "
                     "device, another process on it): check it and move the job off it")))
     return out, []
+
+
+def stage_imbalance(recs, summary):
+    rows = _steady(_lists(recs, "compute_s"))
+    stage = stages(summary, len(rows[0]["compute_s"])) if rows else None
+    if stage is None:
+        return [], []
+    pp = max(stage) + 1
+    # A stage's time in a step: its fastest rank's (a straggler inside a stage is the straggler rule's).
+    per = [[min(x["compute_s"][r] for r in range(len(stage)) if stage[r] == k) for k in range(pp)] for x in rows]
+    mean = [sum(p[k] for p in per) / len(per) for k in range(pp)]
+    hi, lo = max(range(pp), key=lambda k: mean[k]), min(range(pp), key=lambda k: mean[k])
+    if mean[lo] <= 0:
+        return [], []
+    ratio = mean[hi] / mean[lo]
+    if ratio < STRAGGLER_RATIO:
+        return [], []
+    slowest = sum(max(range(pp), key=lambda k: p[k]) == hi for p in per) / len(per)
+    ranks = [r for r in range(len(stage)) if stage[r] == hi]
+    return [dict(
+        kind="stage_imbalance", severity="warning", rank=ranks[0], step=rows[0]["step"],
+        title=f"pipeline stage {hi} (ranks {', '.join(map(str, ranks))}) computes {ratio:.2f}x stage {lo}: "
+              "the other stages wait for it",
+        evidence={"stage": hi, "ranks": ranks, "stage_compute_s": mean, "ratio": ratio, "fastest_stage": lo,
+                  "slowest_share": slowest},
+        confidence=round(slowest, 3),
+        advice=f"move work off stage {hi}: parallel.pipeline_split (units per stage) with fewer units there "
+               "(the last stage also computes the head and the loss, the first the embedding); with one "
+               "rank per stage a slow device looks the same, so check that rank's device too")], []
 
 
 def memory(recs, summary):
@@ -138,6 +193,8 @@ def _spikes(recs, key, factor):
     hist, out = [], []
     for x in recs:
         v = x.get(key)
+        if v is None and key in x and not x.get("skipped"):
+            v = math.nan  # metrics.jsonl writes NaN and inf as null; a skipped fp16 step is skipped_steps'
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             continue
         if not math.isfinite(v):
@@ -149,21 +206,36 @@ def _spikes(recs, key, factor):
     return out
 
 
+def _worst(spikes):
+    """The largest spike (a non-finite value first); ``(step, value, baseline, ratio)``."""
+    rated = [(s, v, b, (v / b) if b else math.inf) for s, v, b in spikes]
+    return max(rated, key=lambda t: (t[2] is None, t[3]))
+
+
 def health(recs, summary):
     out = []
+    loss_steps: list[int] = []
     for key, factor, kind, what in (("loss", LOSS_SPIKE, "loss_spike", "loss"),
                                     ("grad_norm", GRAD_EXPLOSION, "grad_norm_explosion", "gradient norm")):
         sp = _spikes(recs, key, factor)
         if not sp:
             continue
-        step, v, base = sp[0]
-        ratio = (v / base) if base else math.inf
+        step, v, base, ratio = _worst(sp)
+        evidence = {"step": step, "value": v if math.isfinite(v) else str(v), "baseline": base,
+                    "ratio": ratio if math.isfinite(ratio) else None, "spike_steps": [s[0] for s in sp],
+                    "first_step": sp[0][0]}
+        if kind == "loss_spike":
+            loss_steps = evidence["spike_steps"]
+        elif step in loss_steps:  # one event: the loss spike's finding carries the gradient norm
+            out[0]["evidence"]["grad_norm"] = evidence["value"]
+            out[0]["evidence"]["grad_norm_ratio"] = evidence["ratio"]
+            continue
         out.append(dict(
             kind=kind, severity="error" if base is None or ratio >= 2 * factor else "warning", step=step,
             title=f"{what} spike at step {step}: {v:.4g}"
-                  + (f" ({ratio:.1f}x the median of the 5 steps before)" if base else " (not finite)"),
-            evidence={"step": step, "value": v if math.isfinite(v) else str(v), "baseline": base,
-                      "ratio": ratio if math.isfinite(ratio) else None, "spike_steps": [s[0] for s in sp]},
+                  + (f" ({ratio:.1f}x the median of the 5 steps before)" if base else " (not finite)")
+                  + (f"; {len(sp)} spikes from step {sp[0][0]}" if len(sp) > 1 else ""),
+            evidence=evidence,
             confidence=1.0 if base is None else round(min(1.0, ratio / (2 * factor)), 3),
             advice="look at the batch of that step (bad or repeated data), lower the learning rate or "
                    "lengthen warmup, clip gradients (train.grad_clip), prefer bf16 over fp16"))
@@ -209,4 +281,6 @@ def communication(recs, summary):
                "'chipset plan', which ranks layouts by predicted step time")], []
 
 
-RULES = (straggler, memory, data_loader, health, communication)
+RULES = (health, memory, data_loader, straggler, stage_imbalance, communication)
+"""In this order; findings of equal severity and confidence keep it (the sort is stable): what the
+run computed (loss, gradients) before what it holds (memory) before how fast it went."""

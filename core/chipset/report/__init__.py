@@ -186,9 +186,10 @@ def _table(rows: list[tuple[str, Any]]) -> str:
 
 def _findings(run: Run) -> str:
     """The run doctor's ranked findings (chipset diagnose, docs/diagnose.md) as a table."""
-    from chipset.diagnose import diagnose_records
+    from chipset.diagnose import check_layout, diagnose_records
 
     diag = diagnose_records(run.records, run.summary, str(run.path))
+    check_layout(diag, run.path, run.summary)
     if not diag.findings:
         return '<p class="muted">no findings: nothing in the recorded metrics stands out (chipset diagnose)</p>'
     rows = "".join(

@@ -15,7 +15,9 @@ LEAK_BYTES = 512 * 1024
 class LiveWatch:
     """Fed one gathered record per step on rank 0; returns the console lines to print (each once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages: list[int] | None = None) -> None:
+        self.stages = stages
+        """Each rank's pipeline stage: a rank is compared with the ranks of its own stage (None: all)."""
         self._slow: dict[int, int] = {}
         self._grow: dict[int, int] = {}
         self._mem: list[int] | None = None
@@ -24,14 +26,21 @@ class LiveWatch:
     def step(self, rec: dict) -> list[str]:
         out = []
         compute, mem, step = rec.get("compute_s") or [], rec.get("memory_bytes") or [], rec.get("step")
+        wait = rec.get("data_wait_s") or []
         for r, c in enumerate(compute):
-            peers = [x for i, x in enumerate(compute) if i != r]
+            same = [i for i in range(len(compute)) if i != r
+                    and (self.stages is None or len(self.stages) != len(compute) or self.stages[i] == self.stages[r])]
+            peers = [compute[i] for i in same]
             slow = bool(peers) and c > RATIO * max(peers)
             self._slow[r] = self._slow.get(r, 0) + 1 if slow else 0
             if self._slow[r] >= STREAK and ("straggler", r) not in self._said:
                 self._said.add(("straggler", r))
+                # As chipset diagnose: its input pipeline when its wait for batches explains most of it.
+                waited = wait[r] - max(wait[i] for i in same) if len(wait) == len(compute) else 0.0
+                cause = (f", {wait[r]:.3g} s of it waiting for its batches (its input pipeline)"
+                         if waited > 0.5 * (c - max(peers)) else "")
                 out.append(f"chipset: warning: rank {r} is a straggler: compute {c:.3g} s vs at most "
-                           f"{max(peers):.3g} s on its peers for {STREAK} steps (step {step}); "
+                           f"{max(peers):.3g} s on its peers for {STREAK} steps (step {step}){cause}; "
                            "run 'chipset diagnose RUN_DIR' after the run")
         if self._mem is not None and len(self._mem) == len(mem):
             for r, (a, b) in enumerate(zip(self._mem, mem, strict=True)):
