@@ -320,9 +320,12 @@ class Islands:
         self._send_state(q, donor=q.contributors[0])
 
     def _join(self, q: Quorum) -> None:
-        """Receive the global state from the quorum's first contributor."""
+        """Receive the global state from the quorum's first contributor. The contributors first
+        exchange their pseudo-gradients over the quorum's group, joiners included: a joiner
+        takes part with zeros (otherwise its peers would wait in that all-reduce while it waits
+        in the state's broadcast), then receives the state they reach."""
         with torch.no_grad():
-            self.link.use(q)
+            self._exchange(torch.zeros_like(self._pseudo_gradient()), q, f"{q.step}/0")
             self._send_state(q, donor=q.contributors[0])
             for b in self.buckets:
                 self._owned(b, b.master).copy_(self._owned(b, b.outer["global"]))
@@ -335,9 +338,14 @@ class Islands:
 
     def _send_state(self, q: Quorum, donor: int) -> None:
         e = self.inner
-        head = torch.tensor([self.outer_steps, e.step_count], dtype=torch.int64)
+        head = torch.tensor([self.outer_steps, e.step_count, len(self.round_noise)], dtype=torch.int64)
         self.link.broadcast([head], donor)
         self.outer_steps, e.step_count = int(head[0]), int(head[1])
+        if int(head[2]):  # the job's privacy history: a restarted client reports what the job spent
+            noise = torch.tensor(self.round_noise if self.island == donor else [0.0] * int(head[2]),
+                                 dtype=torch.float64)
+            self.link.broadcast([noise], donor)
+            self.round_noise = noise.tolist()
         for t in self._state_tensors():
             host = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().cpu().contiguous()
             self.link.broadcast([host], donor)
