@@ -230,3 +230,17 @@ def test_the_diagnose_faults_parse():
         ("slow", 1, 300, 0, None), ("slow_link", 0, 50, 0, None), ("leak", 1, 0, 4, 3), ("leak", 0, 0, 2, None)]
     with pytest.raises(ConfigError, match="missing mib"):
         parse_faults("leak:rank=1")
+
+
+def test_a_kill_with_island_concerns_only_that_island(monkeypatch):
+    from chipset_cpu_sim.faults import ISLAND_ENV, parse_faults
+
+    (f,) = parse_faults("kill:rank=0,step=9,island=1")
+    assert (f.rank, f.step, f.island) == (0, 9, 1) and "island1" in f.marker_name
+    monkeypatch.setenv(ISLAND_ENV, "0")
+    assert not f.here()
+    monkeypatch.setenv(ISLAND_ENV, "1")
+    assert f.here()
+    (g,) = parse_faults("kill:rank=0,step=9")
+    monkeypatch.delenv(ISLAND_ENV)
+    assert g.island is None and g.here()

@@ -191,3 +191,35 @@ def test_int8_pseudo_gradients_round_to_half_a_step_of_their_block_scale():
     step = scale.repeat_interleave(INT8_BLOCK)[:x.numel()]
     assert torch.all((x - back).abs() <= step / 2 * (1 + 4 * torch.finfo(torch.float32).eps))
     assert torch.allclose(back.abs()[:INT8_BLOCK].max(), x.abs()[:INT8_BLOCK].max(), rtol=2 * torch.finfo(torch.float32).eps, atol=0)
+
+
+@pytest.mark.multirank
+def test_a_killed_island_rejoins_while_the_other_keeps_stepping(tmp_path):
+    """Island 1's only rank is killed as it starts step 10 (cpu_sim's fault injection); its
+    launcher restarts it. Island 0 runs steps 10 to 12 alone, and at the outer step after step
+    12 the restarted island takes part with zeros, receives the global state (parameters, outer
+    momentum, inner optimizer state, step counts) and trains on to the end: both end on the same
+    parameters after the same outer steps. What island 1 computed between step 8 (its last outer
+    step) and its death is what is lost, by design."""
+    steps, h = 24, 4
+    env = _env(CHIPSET_BACKEND="cpu_sim", CHIPSET_SIM_FAULTS="kill:rank=0,step=9,island=1",
+               CHIPSET_SIM_FAULT_DIR=str(tmp_path / "faults"))
+    env.pop("CHIPSET_DISABLE_PLUGINS", None)
+    run = tmp_path / "run"
+    sets = [*(x for x in BASE if not x.startswith("train.steps=")), f"train.steps={steps}", "islands.count=2", f"islands.sync_every={h}", "islands.quorum_timeout=300"]
+    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--max-restarts", "1",
+                        "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "fault injected (kill:rank=0,step=9,island=1)" in r.stderr
+    s = _summary(run)
+    assert [p["restarts"] for p in s["per_island"]] == [0, 1]
+    assert [p["outer_steps"] for p in s["per_island"]] == [steps // h] * 2
+    assert s["same_parameters"], s
+    steps_of = [[json.loads(x)["step"] for x in (run / f"island-{i}" / "metrics.jsonl").read_text().splitlines()]
+                for i in (0, 1)]
+    assert steps_of[0] == list(range(1, steps + 1))  # island 0 never stopped
+    assert steps_of[1] == [*range(1, 10), *range(13, steps + 1)]  # island 1: dead for steps 10 to 12
+    q0 = {q["step"]: q for q in _summary(run / "island-0")["islands"]["quorums"]}
+    assert q0[12]["members"] == [0, 1] and q0[12]["joiners"] == [1]
+    assert all(q0[t]["joiners"] == [] and q0[t]["members"] == [0, 1] for t in (4, 8, 16, 20, 24))

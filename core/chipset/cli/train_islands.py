@@ -69,8 +69,7 @@ def run_islands(args, cfg, default_backend, run_dir: Path, family, *, preflight,
             adopt_run(island_dir(run_dir, i), args.resume, discard=args.discard_checkpoints)
         config_path = run_dir / "config.toml"
         atomic_write_text(config_path, to_toml(cfg))
-        print(f"chipset train: run directory {run_dir}, {cfg.islands.count} islands (DiLoCo, "
-              f"an outer step every {cfg.islands.sync_every} steps)", flush=True)
+        print(f"chipset train: run directory {run_dir}, {_mode(cfg.islands)}", flush=True)
         names = [backends[i].name if i in backends else "" for i in range(cfg.islands.count)]
         rc = launch_islands(cfg, islands_here=here, backends=names, nproc=per_island, run_dir=run_dir,
                             config_path=config_path, resume=args.resume, max_restarts=args.max_restarts)
@@ -83,3 +82,13 @@ def _nodes(args) -> tuple[int, int]:
     from chipset.train.checkpoint.launcher import parse_nnodes
 
     return parse_nnodes(args.nnodes)
+
+
+def _mode(isl) -> str:
+    from chipset.train.islands.config import federated
+
+    if not federated(isl):
+        return f"{isl.count} islands (DiLoCo, an outer step every {isl.sync_every} steps)"
+    extras = [x for x, on in (("secure aggregation", isl.secure_aggregation),
+                              (f"DP noise {isl.noise_multiplier} x clip {isl.clip_norm}", isl.noise_multiplier > 0)) if on]
+    return f"{isl.count} federated clients (a round every {isl.sync_every} steps; {', '.join(extras)})"

@@ -238,7 +238,7 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     engine, data, dims = build(cfg, backend)
     from chipset.train.islands.outer import islands_for_run
 
-    islands = islands_for_run(cfg, backend, engine)  # None outside an islands job (docs/islands.md)
+    islands = islands_for_run(cfg, backend, engine, run_dir)  # None outside an islands job (docs/islands.md)
     tr, par = cfg.train, cfg.parallel
     device = engine.device
     run_dir = Path(run_dir) if run_dir is not None else None

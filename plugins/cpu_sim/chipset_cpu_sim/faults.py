@@ -4,6 +4,7 @@ Grammar: ``;``-separated entries ``kind:key=value,key=value``::
 
     kill:rank=1,step=7          rank 1 dies (SIGKILL) when the engine starts step 7 (0-based)
     kill:rank=1,collective=12   rank 1 dies instead of issuing its collective #12 (0-based)
+    kill:rank=0,step=9,island=1 in an islands job (docs/islands.md), rank 0 of island 1 only
     kill_node:step=7            the node dies for good when its ranks start step 7: the torchrun
                                 agent of this process and all its ranks (SIGKILL). Give the
                                 variable to one node only, or add rank=R for the node of rank R
@@ -52,11 +53,13 @@ __all__ = ["FAULTS_ENV", "FAULT_DIR_ENV", "Fault", "FaultPlan", "parse_faults"]
 
 FAULTS_ENV = "CHIPSET_SIM_FAULTS"
 FAULT_DIR_ENV = "CHIPSET_SIM_FAULT_DIR"
+ISLAND_ENV = "CHIPSET_ISLAND"
+"""Set by chipset train on every rank of island ``i`` of an islands job (chipset.train.islands.link)."""
 HANG_GRACE_S = 10.0
 
 # kind -> (required keys, alternative "when" keys (exactly one), optional keys)
 _SCHEMA: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "kill": (("rank",), ("step", "collective"), ()),
+    "kill": (("rank",), ("step", "collective"), ("island",)),
     "kill_node": ((), ("step",), ("rank",)),
     "delay": (("rank", "ms"), (), ()),
     "hang": (("rank",), ("collective",), ()),
@@ -80,18 +83,24 @@ class Fault:
     ms: int = 0
     spec: str = ""
     mib: int = 0
+    island: int | None = None
+    """The island it concerns in an islands job (``CHIPSET_ISLAND``); None: every island."""
+
+    def here(self) -> bool:
+        """Whether this process is in the fault's island (always, for a fault without one)."""
+        return self.island is None or os.environ.get(ISLAND_ENV, "").strip() == str(self.island)
 
     @property
     def marker_name(self) -> str:
         when = f"step{self.step}" if self.step is not None else f"collective{self.collective}"
-        who = "" if self.rank == ANY_RANK else f"-rank{self.rank}"
+        who = ("" if self.rank == ANY_RANK else f"-rank{self.rank}") + ("" if self.island is None else f"-island{self.island}")
         return f"{self.kind}{who}-{when}.done"
 
 
 def _bad(entry: str, why: str) -> ConfigError:
     return ConfigError(
         f"{FAULTS_ENV}: entry {entry!r} is invalid: {why}. Expected ';'-separated entries "
-        f"'kind:key=value,...' with kind kill (rank, step|collective), kill_node (step, optional rank), "
+        f"'kind:key=value,...' with kind kill (rank, step|collective, optional island), kill_node (step, optional rank), "
         f"delay (rank, ms), hang (rank, collective), slow (rank, ms), slow_link (rank, ms) or leak (rank, mib, "
         f"optional step), e.g. {_EXAMPLE!r}."
     )
@@ -138,7 +147,7 @@ def parse_faults(text: str | None) -> list[Fault]:
         if when and len(chosen) != 1:
             raise _bad(entry, f"give exactly one of {' or '.join(when)}")
         faults.append(Fault(kind, values.get("rank", ANY_RANK), values.get("step"), values.get("collective"),
-                            values.get("ms", 0), entry, values.get("mib", 0)))
+                            values.get("ms", 0), entry, values.get("mib", 0), values.get("island")))
     return faults
 
 
@@ -193,7 +202,7 @@ class FaultPlan:
                 import torch  # charged by the simulator's memory accounting like any tensor of the run
 
                 self._held.append(torch.empty(f.mib * 1024 * 1024, dtype=torch.uint8))
-            if f.kind == "kill" and f.rank == rank and f.step == step:
+            if f.kind == "kill" and f.rank == rank and f.step == step and f.here():
                 self._kill(f)
             elif f.kind == "kill_node" and f.rank in (rank, ANY_RANK) and f.step == step:
                 self._kill(f, node=True)
@@ -208,7 +217,7 @@ class FaultPlan:
                 continue
             if f.kind == "delay":
                 time.sleep(f.ms / 1000.0)
-            elif f.kind == "kill" and f.collective == index:
+            elif f.kind == "kill" and f.collective == index and f.here():
                 self._kill(f)
             elif f.kind == "hang" and f.collective == index:
                 time.sleep(timeout_s + HANG_GRACE_S)

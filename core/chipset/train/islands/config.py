@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["IslandsConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "island_problems", "island_backends"]
+__all__ = ["IslandsConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "federated", "island_problems", "island_backends"]
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
@@ -38,6 +38,16 @@ class IslandsConfig:
     """HOST:PORT of the store the islands meet at (multi-node jobs: the node running island 0 hosts it); empty = the launcher hosts one on loopback."""
     quorum_timeout: float = 60.0
     """Seconds an outer step waits for every island; islands still missing then are left out of that step (and rejoin later); 0 = wait for all, forever."""
+    secure_aggregation: bool = False
+    """Federated: the islands (clients, one rank each) send their updates masked by pairwise masks that cancel in the sum, so the outer all-reduce only ever holds masked vectors and the sum (docs/islands.md#federated-secure-aggregation-and-differential-privacy); updates are clipped to clip_norm."""
+    noise_multiplier: float = 0.0
+    """Federated differential privacy: Gaussian noise of noise_multiplier * clip_norm on the sum of the clients' clipped updates, every outer step (each client adds its 1/sqrt(clients) share); the (epsilon, dp_delta) spent is reported by an RDP accountant. 0 = no noise (>= 0)."""
+    clip_norm: float = 1.0
+    """L2 norm each client's update (its pseudo-gradient) is clipped to, with secure_aggregation or noise_multiplier > 0 (> 0): the sensitivity of the sum to one client."""
+    dp_delta: float = 1e-5
+    """The delta at which the epsilon spent is reported (in (0, 1); well below 1 / clients)."""
+    wire_log: bool = False
+    """Audit: every rank writes each tensor it hands to the link between islands (and, in federated runs, its own update before masking, which never leaves) to RUN_DIR/island-<i>/wire/."""
 
 
 def island_backends(isl: IslandsConfig) -> list[str]:
@@ -64,6 +74,7 @@ def island_problems(isl: IslandsConfig, world_size: int | None, dp: int,
         problems.append(f"islands.pseudo_grad_dtype = {isl.pseudo_grad_dtype!r}: expected one of {', '.join(PSEUDO_GRAD_DTYPES)}")
     if isl.quorum_timeout < 0:
         problems.append(f"islands.quorum_timeout = {isl.quorum_timeout!r}: expected seconds >= 0 (0 = wait for every island)")
+    problems += _federated_problems(isl, world_size)
     backends = island_backends(isl)
     if backends and len(backends) != isl.count:
         problems.append(f"islands.backends = {isl.backends!r} names {len(backends)} backend(s) for islands.count = "
@@ -80,4 +91,35 @@ def island_problems(isl: IslandsConfig, world_size: int | None, dp: int,
         problems.append(f"train.global_batch ({global_batch}) must be divisible by islands.count*dp*micro_batches "
                         f"({isl.count}*{dp}*{micro_batches}): the global batch is split over the islands, then "
                         "over each island's dp ranks and micro-batches")
+    return problems
+
+
+def federated(isl: IslandsConfig) -> bool:
+    """Whether the islands run as federated clients (secure aggregation and/or DP noise)."""
+    return isl.secure_aggregation or isl.noise_multiplier > 0
+
+
+def _federated_problems(isl: IslandsConfig, world_size: int | None) -> list[str]:
+    problems = []
+    if not isl.noise_multiplier >= 0:
+        problems.append(f"islands.noise_multiplier = {isl.noise_multiplier!r}: expected a noise multiplier >= 0 "
+                        "(the noise on the sum is noise_multiplier * clip_norm; 0 = no differential privacy)")
+    if not isl.clip_norm > 0:
+        problems.append(f"islands.clip_norm = {isl.clip_norm!r}: expected an L2 norm > 0 that each client's update "
+                        "is clipped to (e.g. 1.0)")
+    if not 0 < isl.dp_delta < 1:
+        problems.append(f"islands.dp_delta = {isl.dp_delta!r}: expected a value in (0, 1), e.g. 1e-5")
+    if not federated(isl):
+        return problems
+    if isl.count < 2:
+        problems.append(f"islands.count = {isl.count}: secure aggregation and noise_multiplier need at least 2 "
+                        "islands (clients); set islands.count")
+    if isl.secure_aggregation and isl.pseudo_grad_dtype != "fp32":
+        problems.append(f"islands.pseudo_grad_dtype = {isl.pseudo_grad_dtype!r} with secure_aggregation: bf16 and "
+                        "int8 are all-gathered, which hands every client's update to every other; use \"fp32\" "
+                        "(secure aggregation sends 48-bit fixed point in int64)")
+    if world_size is not None and isl.count > 1 and world_size % isl.count == 0 and world_size > isl.count:
+        problems.append(f"world size {world_size} with islands.count = {isl.count} and federated keys "
+                        "(secure_aggregation / noise_multiplier): a federated client is an island of one rank; "
+                        f"run with --nproc {isl.count}")
     return problems

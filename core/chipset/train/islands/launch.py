@@ -131,6 +131,17 @@ def launch_islands(cfg, *, islands_here: list[int], backends: list[str], nproc: 
     return next((c for c in codes.values() if c != 0), 0)  # an island lost for good fails the job
 
 
+def _island_summaries(cfg, run_dir: Path) -> list[dict | None]:
+    """Each island's ``summary.json`` (None where it has none on this node)."""
+    out = []
+    for i in range(cfg.islands.count):
+        try:
+            out.append(json.loads((island_dir(run_dir, i) / "summary.json").read_text()))
+        except (OSError, ValueError):
+            out.append(None)
+    return out
+
+
 def _signal_tree(pid: int, signum: int) -> None:
     from chipset.train.signals import _children
 
@@ -145,11 +156,8 @@ def merge_summaries(cfg, run_dir: Path, backends: list[str], restarts: dict[int,
     """``RUN_DIR/summary.json`` from the islands' own (those on this node): losses, the bytes that
     crossed between islands, and whether every island ended on the same parameters."""
     per = []
-    for i in range(cfg.islands.count):
-        f = island_dir(run_dir, i) / "summary.json"
-        try:
-            s = json.loads(f.read_text())
-        except (OSError, ValueError):
+    for i, s in enumerate(_island_summaries(cfg, run_dir)):
+        if s is None:
             continue
         isl = s.get("islands", {})
         per.append({"island": i, "backend": s.get("backend", backends[i] if i < len(backends) else None),
@@ -166,6 +174,10 @@ def merge_summaries(cfg, run_dir: Path, backends: list[str], restarts: dict[int,
                "steps": cfg.train.steps, "final_loss": sum(losses) / len(losses) if losses else None,
                "cross_island_bytes": sum((p["cross_island"] or {}).get("bytes", 0) for p in per),
                "same_parameters": len(digests) == 1, "per_island": per}
+    privacy = next((s["islands"]["privacy"] for s in _island_summaries(cfg, run_dir)
+                    if s and "privacy" in s.get("islands", {})), None)
+    if privacy is not None:
+        summary["privacy"] = privacy  # the same on every client: rounds and noise are the job's
     if "eval_loss" in per[0]:
         summary["eval_loss"] = per[0]["eval_loss"]
     from chipset.train.rundir import atomic_write_text, strict_dumps

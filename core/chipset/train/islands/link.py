@@ -114,6 +114,9 @@ class IslandLink:
         self._groups: dict[str, tuple] = {}
         self.group = None
         self.quorum: Quorum | None = None
+        self.wire_dir = None
+        """``islands.wire_log``: a folder that gets a copy of every tensor this rank hands to the link."""
+        self._wire_seq = 0
 
     def clone_store(self):
         """Another client connection to the islands' store (for a thread of its own)."""
@@ -222,10 +225,12 @@ class IslandLink:
         opts = dist.BroadcastOptions()
         opts.rootRank = self.quorum.members.index(src_island)
         for t in tensors:
-            self._op("broadcast", [t], lambda t=t: self.group.broadcast([t], opts))
+            self._op("broadcast", [t], lambda t=t: self.group.broadcast([t], opts), sends=src_island == self.island)
 
-    def _op(self, op: str, tensors: list[torch.Tensor], fn) -> None:
+    def _op(self, op: str, tensors: list[torch.Tensor], fn, sends: bool = True) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if self.wire_dir is not None and sends:  # a broadcast's receivers hand over a buffer to fill
+            self.record(op, tensors)
         t0 = time.perf_counter()
         try:
             fn().wait()
@@ -235,6 +240,15 @@ class IslandLink:
                                   ) from exc
         finally:
             self._count(op, nbytes, time.perf_counter() - t0)
+
+    def record(self, op: str, tensors: list[torch.Tensor], sent: bool = True) -> None:
+        """Write ``tensors`` to the wire log as ``<seq>-<op>.pt`` (``sent``: handed to the link;
+        False: kept here, for an audit to compare with what was sent)."""
+        self.wire_dir.mkdir(parents=True, exist_ok=True)
+        self._wire_seq += 1
+        torch.save({"op": op, "sent": sent, "members": list(self.quorum.members) if self.quorum else [],
+                    "tensors": [t.detach().cpu().clone() for t in tensors]},
+                   self.wire_dir / f"{self._wire_seq:06d}-{op}.pt")
 
     def _count(self, op: str, nbytes: int, seconds: float) -> None:
         c = self.stats.counter(op)

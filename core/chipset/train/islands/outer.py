@@ -18,24 +18,32 @@ logical names (``outer.global.<param>``, ...) and reshard it like the optimizer 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 
 import torch
 
 from chipset.errors import CollectiveError
 from chipset.runtime.optim import SGD
+from chipset.train.islands.config import federated
 from chipset.train.islands.link import HEARTBEAT_S, IslandLink, Quorum
+from chipset.train.islands.privacy import rounds_spent
+from chipset.train.islands.secure import SecureSum, decode_sum, scale_for
 
 __all__ = ["Islands", "INT8_BLOCK", "quantize_int8", "dequantize_int8", "islands_for_run"]
 
 log = logging.getLogger(__name__)
 
+SIGMAS = 64
+"""Secure aggregation's fixed-point range covers the noise on the sum up to this many standard deviations."""
+
 INT8_BLOCK = 2048
 """Elements per int8 scale: one float32 scale per block of the flat pseudo-gradient (0.2% extra bytes)."""
 
 
-def islands_for_run(cfg, backend, engine) -> Islands | None:
-    """This rank's :class:`Islands` in an islands job (``CHIPSET_ISLAND`` set by the launcher), else None."""
+def islands_for_run(cfg, backend, engine, run_dir=None) -> Islands | None:
+    """This rank's :class:`Islands` in an islands job (``CHIPSET_ISLAND`` set by the launcher), else None.
+    ``run_dir``: the island's run directory (``islands.wire_log`` writes under it)."""
     import os
 
     from chipset.errors import ConfigError
@@ -53,6 +61,10 @@ def islands_for_run(cfg, backend, engine) -> Islands | None:
     local_rank = backend.collective.rank()
     link = IslandLink(os.environ[STORE_ENV], island=island, count=cfg.islands.count, local_rank=local_rank,
                       timeout_s=timeout, quorum_timeout_s=cfg.islands.quorum_timeout)
+    if cfg.islands.wire_log and run_dir is not None:
+        from pathlib import Path
+
+        link.wire_dir = Path(run_dir) / "wire" / f"rank-{local_rank}"
     return Islands(cfg, backend, engine, link, island, rejoin=os.environ.get(REJOIN_ENV) == "1")
 
 
@@ -100,6 +112,13 @@ class Islands:
                     b.outer["momentum"] = torch.zeros_like(b.master)
                 if self.dtype != "fp32":
                     b.outer["residual"] = torch.zeros_like(b.master)
+        self.federated = federated(isl)
+        self.secure = SecureSum(link.store, island, self.count, self.col.rank()) if isl.secure_aggregation else None
+        self.clip, self.noise = isl.clip_norm, isl.noise_multiplier
+        self.round_noise: list[float] = []
+        """The noise multiplier each outer step's sum carried (lower when fewer clients took part)."""
+        self._noise_gen = torch.Generator().manual_seed(secrets.randbits(63))  # unpredictable, never logged
+        self._group_seen = None
         self._beat = None
         if self.col.rank() == 0:
             self._beat = _Heartbeat(link, island)
@@ -156,6 +175,8 @@ class Islands:
         """The outer step after ``step`` completed inner steps (call when :meth:`due`)."""
         with torch.no_grad():
             x = self._pseudo_gradient()
+            if self.federated:  # clipped (and noised) once per round: a retry resends the same update
+                x = self._privatize(x)
         attempt = 0
         while True:
             q = self._agree(step, attempt=attempt)
@@ -167,7 +188,7 @@ class Islands:
                 return
             sent0 = self.link.totals()[1]
             try:
-                avg, sent = self._exchange(x, q)
+                avg, sent = self._exchange(x, q, f"{step}/{attempt}")
                 ok = 1
             except CollectiveError as exc:  # an island died mid-exchange: a new quorum without it
                 log.warning("island %d: outer step at %d failed (%s); forming a new quorum", self.island, step, exc)
@@ -201,11 +222,26 @@ class Islands:
             parts.append(d.float().cpu())
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def _exchange(self, x: torch.Tensor, q: Quorum) -> tuple[torch.Tensor, torch.Tensor]:
+    def _privatize(self, x: torch.Tensor) -> torch.Tensor:
+        """The update this client contributes: clipped to L2 norm ``clip_norm``, plus its share of
+        the round's Gaussian noise (std ``noise_multiplier * clip_norm / sqrt(count)`` per element)."""
+        norm = float(torch.linalg.vector_norm(x.double()))
+        u = x * (self.clip / max(norm, self.clip))
+        if self.noise > 0:
+            u = u + torch.randn(u.shape, generator=self._noise_gen) * (self.noise * self.clip / self.count ** 0.5)
+        if self.link.wire_dir is not None:
+            self.link.record("update", [u], sent=False)
+        return u
+
+    def _exchange(self, x: torch.Tensor, q: Quorum, round_key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the contributors' average pseudo-gradient, what this island's share decoded to)."""
         self.link.use(q)
         n = len(q.contributors)
         mine = x if self.island in q.contributors else torch.zeros_like(x)
+        if self.noise > 0:  # the sum's noise: n shares of variance (noise * clip)^2 / count
+            self.round_noise.append(self.noise * (self.count / n) ** 0.5)
+        if self.secure is not None:
+            return self._secure_sum(mine, q, round_key) / n, mine
         if self.dtype == "fp32":
             t = mine.clone()
             self.link.all_reduce(t)
@@ -218,6 +254,17 @@ class Islands:
         all_codes, all_scales = self.link.all_gather(codes), self.link.all_gather(scale)
         total = _ordered_sum(dequantize_int8(c, s) for c, s in zip(all_codes, all_scales, strict=True))
         return total / n, dequantize_int8(codes, scale)
+
+    def _secure_sum(self, mine: torch.Tensor, q: Quorum, round_key: str) -> torch.Tensor:
+        """The sum of the members' updates, with only masked vectors on the link (secure.py)."""
+        if q.group_id != self._group_seen:  # members changed: a restarted client has a new key
+            self.secure.forget()
+            self._group_seen = q.group_id
+        bound = len(q.members) * self.clip + SIGMAS * self.noise * self.clip
+        scale = scale_for(bound)
+        t = self.secure.masked(mine, scale, q.members, round_key)
+        self.link.all_reduce(t)
+        return decode_sum(t, scale)
 
     def _apply(self, avg: torch.Tensor, x: torch.Tensor, sent: torch.Tensor) -> None:
         self.outer_steps += 1
@@ -265,16 +312,20 @@ class Islands:
             out.append(self._owned(b, b.outer["global"]))
             if "momentum" in b.outer:
                 out.append(self._owned(b, b.outer["momentum"]))
-            out += [self._owned(b, b.state[n]) for n in sorted(b.state)]
+            if not self.federated:  # a client's inner state comes from its private data: it stays
+                out += [self._owned(b, b.state[n]) for n in sorted(b.state)]
         return out
 
     def _donate(self, q: Quorum) -> None:
         self._send_state(q, donor=q.contributors[0])
 
     def _join(self, q: Quorum) -> None:
-        """Receive the global state from the quorum's first contributor."""
+        """Receive the global state from the quorum's first contributor. The contributors first
+        exchange their pseudo-gradients over the quorum's group, joiners included: a joiner
+        takes part with zeros (otherwise its peers would wait in that all-reduce while it waits
+        in the state's broadcast), then receives the state they reach."""
         with torch.no_grad():
-            self.link.use(q)
+            self._exchange(torch.zeros_like(self._pseudo_gradient()), q, f"{q.step}/0")
             self._send_state(q, donor=q.contributors[0])
             for b in self.buckets:
                 self._owned(b, b.master).copy_(self._owned(b, b.outer["global"]))
@@ -287,9 +338,14 @@ class Islands:
 
     def _send_state(self, q: Quorum, donor: int) -> None:
         e = self.inner
-        head = torch.tensor([self.outer_steps, e.step_count], dtype=torch.int64)
+        head = torch.tensor([self.outer_steps, e.step_count, len(self.round_noise)], dtype=torch.int64)
         self.link.broadcast([head], donor)
         self.outer_steps, e.step_count = int(head[0]), int(head[1])
+        if int(head[2]):  # the job's privacy history: a restarted client reports what the job spent
+            noise = torch.tensor(self.round_noise if self.island == donor else [0.0] * int(head[2]),
+                                 dtype=torch.float64)
+            self.link.broadcast([noise], donor)
+            self.round_noise = noise.tolist()
         for t in self._state_tensors():
             host = t if t.device.type == "cpu" and t.is_contiguous() else t.detach().cpu().contiguous()
             self.link.broadcast([host], donor)
@@ -344,7 +400,16 @@ class Islands:
                 "outer_steps": self.outer_steps, "pseudo_grad_dtype": self.dtype,
                 "outer_optimizer": self.cfg.islands.outer_optimizer, "outer_lr": self.lr,
                 "cross_island": {"calls": calls, "bytes": nbytes, "seconds": seconds},
-                "quorums": self.history}
+                "quorums": self.history, **({"privacy": self.privacy()} if self.federated else {})}
+
+    def privacy(self) -> dict:
+        """What the federated run protects and, with noise, the (epsilon, delta) it spent (privacy.py)."""
+        isl = self.cfg.islands
+        out = {"secure_aggregation": isl.secure_aggregation, "clip_norm": isl.clip_norm,
+               "noise_multiplier": isl.noise_multiplier}
+        if self.noise > 0:
+            out.update(rounds_spent(self.round_noise, isl.dp_delta).to_dict())
+        return out
 
 
 def _ordered_sum(parts) -> torch.Tensor:
