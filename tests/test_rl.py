@@ -148,10 +148,10 @@ def _env():
     return e
 
 
-def _rl(run_dir, sets, nproc=1, timeout=600):
+def _rl(run_dir, sets, nproc=1, timeout=600, args=(), env_extra=None):
     return subprocess.run([sys.executable, "-m", "chipset.cli.main", "rl", "--nproc", str(nproc), "--run-dir",
-                           str(run_dir), *[a for s in sets for a in ("--set", s)]],
-                          capture_output=True, text=True, env=_env(), timeout=timeout)
+                           str(run_dir), *args, *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, env={**_env(), **(env_extra or {})}, timeout=timeout)
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -160,7 +160,7 @@ def _metrics(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-    """A model briefly supervised on the addition task's format, exported (tests/rl_jobs.py sft)."""
+    """A model briefly (30 steps) supervised on the sort task's format, exported (tests/rl_jobs.py sft)."""
     out = tmp_path_factory.mktemp("rl")
     p = subprocess.run([sys.executable, str(JOBS), "sft", str(out)], capture_output=True, text=True, env=_env(),
                        timeout=600)
@@ -171,41 +171,65 @@ def warm(tmp_path_factory):
 def _sets(warm, **extra):
     base = {f"model.{k}": v for k, v in MODEL.items()}
     base.update({"model.init_from": str(warm / "hf"), "train.lr": 1e-3, "train.global_batch": 128,
-                 "rl.group_size": 8, "rl.max_new_tokens": 3, "rl.updates_per_batch": 2,
+                 "rl.task": "sort", "rl.group_size": 8, "rl.max_new_tokens": 4, "rl.updates_per_batch": 2,
                  "train.checkpoint_every": 0})
     base.update(extra)
     return [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in base.items()]
 
 
+def _window(rewards: list[float], part: slice) -> float:
+    w = rewards[part]
+    return sum(w) / len(w)
+
+
 def test_grpo_raises_the_reward_of_a_warmed_up_model(warm, tmp_path):
-    """docs/rl.md, "What the test shows": 60 supervised steps leave the addition reward near 0.3
-    (format right, a quarter of the sums); 100 GRPO steps (16 prompts x 8 completions, two updates
-    each, lr 1e-3) lift the mean of the last ten steps above the first ten by > 0.1 (0.29 -> 0.50
-    with this seed). Rewards are means of 128 completions, so a window of ten has a standard error
-    near 0.04: the margin is more than twice that."""
+    """The acceptance of docs/rl.md, "What the test shows": from the 30-step warm-up, 100 GRPO steps
+    of examples/rl-sort.toml (16 prompts x 8 completions, two updates each, lr 1e-3) raise the mean
+    reward of the first ten steps, below 0.3, to above 0.7 over the last ten (0.21 -> 0.86 with this
+    seed; 0.10-0.21 -> 0.84-0.91 with four other seeds of the warm-up and the run). A ten-step
+    window averages 1280 completions (reward std <= 0.5): its standard error is below 0.02, and
+    every seed tried cleared both thresholds by more than 0.09 (over 4 standard errors). With the advantages' sign flipped
+    the reward falls instead (checked by hand)."""
     p = _rl(tmp_path / "run", _sets(warm, **{"train.steps": 100}))
     assert p.returncode == 0, p.stdout + p.stderr
-    r = [m["reward_mean"] for m in _metrics(tmp_path / "run")]
-    first, last = sum(r[:10]) / 10, sum(r[-10:]) / 10
-    assert first < 0.35, first
-    assert last > first + 0.1, (first, last)
-    rec = _metrics(tmp_path / "run")[-1]
-    for key in ("reward_std", "reward/addition_mean", "kl", "entropy", "clip_frac", "response_length", "loss"):
-        assert key in rec
+    recs = _metrics(tmp_path / "run")
+    r = [m["reward_mean"] for m in recs]
+    assert [m["step"] for m in recs] == list(range(1, 101))
+    first, last = _window(r, slice(0, 10)), _window(r, slice(-10, None))
+    assert first < 0.3, (first, last)
+    assert last > 0.7, (first, last)
+    for key in ("reward_std", "reward/sort_mean", "kl", "entropy", "clip_frac", "response_length", "loss"):
+        assert key in recs[-1]
 
 
-@pytest.mark.multirank
-def test_dp2_zero3_and_tp2_match_one_process(warm, tmp_path):
-    """Three steps (two updates each, KL to the reference on) of one process, of dp=2 ZeRO-3 and of
-    tp=2: the same rewards, losses, KL and gradient norms (tests/parity.py's bounds). A gradient
-    counted twice (the tp logits gathered with a summing backward, or the loss's dp factor
-    dropped) fails the gradient-norm check by a factor of 2."""
+PARITY_STEPS = 4
+
+
+def _parity_sets(warm):
+    """Four steps of 32 completions, two updates each, KL to the reference on."""
+    return _sets(warm, **{"train.steps": PARITY_STEPS, "train.global_batch": 32, "rl.kl_coef": 0.05})
+
+
+@pytest.fixture(scope="module")
+def zero3(warm, tmp_path_factory):
+    """An uninterrupted dp=2 ZeRO-3 run: the parity test's and the restart test's reference."""
     import multirank
 
     multirank.require(2)
-    sets = _sets(warm, **{"train.steps": 3, "train.global_batch": 32, "rl.kl_coef": 0.05})
+    run = tmp_path_factory.mktemp("zero3") / "run"
+    p = _rl(run, [*_parity_sets(warm), "parallel.zero=3"], nproc=2)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return run
+
+
+@pytest.mark.multirank
+def test_dp2_zero3_and_tp2_match_one_process(warm, zero3, tmp_path):
+    """Four steps (two updates each, KL to the reference on) of one process, of dp=2 ZeRO-3 and of
+    tp=2: the same rewards, losses, KL and gradient norms (tests/parity.py's bounds). A gradient
+    counted twice (the tp logits gathered with a summing backward, or the loss's dp factor
+    dropped) fails the gradient-norm check by a factor of 2."""
+    sets = _parity_sets(warm)
     runs = {"one": _rl(tmp_path / "one", sets),
-            "zero3": _rl(tmp_path / "zero3", [*sets, "parallel.zero=3"], nproc=2),
             "tp2": _rl(tmp_path / "tp2", [*sets, "parallel.tp=2"], nproc=2)}
     for name, p in runs.items():
         assert p.returncode == 0, name + p.stdout + p.stderr
@@ -213,8 +237,8 @@ def test_dp2_zero3_and_tp2_match_one_process(warm, tmp_path):
     n = max(32 * 16, MODEL["vocab_size"], MODEL["intermediate_size"])
     depth = model_depth(2)
     eps64 = torch.finfo(torch.float64).eps
-    for name, layout in (("zero3", {"dp": 2, "zero": 3}), ("tp2", {"tp": 2})):
-        b = _metrics(tmp_path / name)
+    for name, run, layout in (("zero3", zero3, {"dp": 2, "zero": 3}), ("tp2", tmp_path / "tp2", {"tp": 2})):
+        b = _metrics(run)
         # Rollouts are seeded per prompt group, so both sample the same completions: equal rewards
         # and lengths, up to the order of a float64 sum of 32 terms (partial sums, then the all-reduce).
         for x, y in zip(a, b, strict=True):
@@ -226,8 +250,33 @@ def test_dp2_zero3_and_tp2_match_one_process(warm, tmp_path):
             tol = trajectory_rtol(n, depth, step)
             assert abs(x["loss"] - y["loss"]) <= tol, (name, step, x["loss"], y["loss"])
             assert abs(x["kl"] - y["kl"]) <= tol * max(abs(x["kl"]), 1.0) + EPS32, (name, step, x["kl"], y["kl"])
-        got = json.loads((tmp_path / name / "summary.json").read_text())["layout"]
+        got = json.loads((run / "summary.json").read_text())["layout"]
         assert {k: got[k] for k in layout} == layout
+
+
+@pytest.mark.multirank
+def test_a_killed_rank_restarts_and_the_reward_curve_continues(warm, zero3, tmp_path):
+    """The ZeRO-3 run again, checkpointing every 2 steps, with rank 1 killed as it starts step 4
+    (cpu_sim's kill fault) and ``--max-restarts 1``: torchrun restarts both ranks, they resume from
+    step 2, replay step 3 (its first record is dropped) and finish. Rollouts are seeded by (seed,
+    step, prompt) and the checkpoint holds weights and optimizer state, so the curve continues
+    exactly: every record and the final weights equal the uninterrupted run's, bit for bit."""
+    run = tmp_path / "run"
+    p = _rl(run, [*_parity_sets(warm), "parallel.zero=3", "train.checkpoint_every=2"], nproc=2,
+            args=("--max-restarts", "1"),
+            env_extra={"CHIPSET_SIM_FAULTS": "kill:rank=1,step=3", "CHIPSET_SIM_FAULT_DIR": str(tmp_path / "faults")})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "fault injected (kill:rank=1,step=3)" in p.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["restarts"] == 1
+    assert summary["resumed_step"] == 2 and summary["resumed_from"].endswith("step-00000002")
+    ref = json.loads((zero3 / "summary.json").read_text())
+    assert summary["params_digest"] == ref["params_digest"]
+    got, want = _metrics(run), _metrics(zero3)
+    assert [m["step"] for m in got] == list(range(1, PARITY_STEPS + 1))  # step 3 once, step 4 there
+    timing = ("step_time_s",)
+    assert [{k: v for k, v in m.items() if k not in timing} for m in got] == \
+        [{k: v for k, v in m.items() if k not in timing} for m in want]
 
 
 def test_a_bad_reward_is_exit_2_naming_it(warm, tmp_path):
