@@ -6,6 +6,9 @@
 * ``double OUT HF``: a short GRPO run from ``HF`` whose rollouts come from :class:`StreamDouble`, a
   stand-in for an external rollout engine (vLLM/SGLang, which this machine cannot run); it writes
   what the double received to ``OUT/double.json``.
+* ``replica OUT``: for an MoE model and a LoRA model, one training step, then the in-process
+  rollout engine's replica loaded from the weight stream; the replica's logits and the engine's
+  on the same tokens go to ``OUT/replica.json``.
 """
 
 from __future__ import annotations
@@ -76,7 +79,36 @@ def double(out: Path, hf: str) -> None:
     api.finish_rank(backend)
 
 
+REPLICAS = {"moe": {"num_experts": 4, "num_experts_per_tok": 2}, "lora": {"lora_rank": 4}}
+
+
+def replica(out: Path) -> None:
+    import torch
+
+    from chipset import api
+    from chipset.models.registry import resolve_family
+    from chipset.rl.rollout import LocalRollout
+
+    found = {}
+    backend = None
+    for name, extra in REPLICAS.items():
+        cfg = api.config(model={**MODEL, "num_key_value_heads": 2, **extra},
+                         train={"steps": 1, "global_batch": 4, "seq_len": 12, "lr": 1e-2})
+        backend = backend or api.init(cfg)
+        engine = api.parallelize(cfg, backend)
+        tokens = torch.randint(0, 128, (4, 13), generator=torch.Generator().manual_seed(0))
+        api.step(engine, [(tokens[:, :-1], tokens[:, 1:])], 1e-2)  # moves LoRA's B off its zero start
+        ro = LocalRollout(resolve_family("transformer"), cfg, backend.device.torch_device(), backend.kernels)
+        ro.load_weights(api.stream_weights(engine, cfg))
+        with torch.no_grad():
+            engine.model.eval()
+            want, got = engine.model(tokens).float(), ro.model(tokens).float()
+        found[name] = {"diff": float((got - want).abs().max()), "scale": float(want.abs().max())}
+    (out / "replica.json").write_text(json.dumps(found))
+    api.finish_rank(backend)
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    sft(out) if mode == "sft" else double(out, sys.argv[3])
+    {"sft": sft, "replica": replica}[mode](out) if mode != "double" else double(out, sys.argv[3])

@@ -5,6 +5,7 @@ reward is exit 2, an external rollout engine (a test double) gets the weights af
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,23 @@ def test_reward_failures_name_the_function():
                          Reward("two", lambda p, c, answer, **_: [float(x == a) for x, a in zip(c, answer, strict=True)], 2.0)],
                         ["a", "b"], ["x", "y"], {"answer": ["x", "z"]})
     assert total == [2.5, 0.0] and each["two"] == [1.0, 0.0]
+
+
+def test_what_chipset_rl_does_not_run_is_refused_naming_the_key():
+    from chipset.errors import ConfigError
+    from chipset.rl.loop import check
+    from chipset.train.config import load_config
+
+    cases = {"parallel.pp=2": "parallel.pp = 2: chipset rl runs dp, ZeRO 0-3, tp",
+             "parallel.cp=2": "not context parallelism; set parallel.cp = 1",
+             "islands.count=2": "islands.count = 2: chipset rl runs one job-wide layout",
+             'model.family="resnet"': "model.family = 'resnet' reads its own data, not token sequences",
+             "train.global_batch=12": "must be a multiple of rl.group_size (8)"}
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check(load_config(None, ["rl.group_size=8", "train.global_batch=16", override]), 2)
+    for ok in ("parallel.tp=2", "parallel.zero=3", "model.num_experts=4"):  # accepted (runs: docs/rl.md)
+        check(load_config(None, ["rl.group_size=8", "train.global_batch=16", ok]), 2)
 
 
 # --- whole runs ------------------------------------------------------------------------------------
@@ -292,6 +310,20 @@ def test_a_bad_reward_is_exit_2_naming_it(warm, tmp_path):
     assert "reward my_rewards:wrong returned 1 values for 16 completions" in p.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # stopped before any update
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+
+
+def test_the_rollout_replica_of_an_moe_or_lora_policy_computes_the_policy(tmp_path):
+    """The in-process rollout engine samples from a replica filled by the weight stream (HF names,
+    each expert of a stacked MoE tensor by its own name, LoRA adapters by theirs): after a
+    training step its logits are the engine's, up to fp32 rounding of the model's reductions
+    (<= 128 terms, depth 2) relative to the logits' scale. The replica without its LoRA
+    adapters, or with two experts swapped, misses this by orders of magnitude (checked by hand)."""
+    p = subprocess.run([sys.executable, str(JOBS), "replica", str(tmp_path)], capture_output=True, text=True,
+                       env=_env(), timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    found = json.loads((tmp_path / "replica.json").read_text())
+    for name, r in found.items():
+        assert r["diff"] <= reduction_rtol(128, model_depth(2)) * r["scale"], (name, r)
 
 
 def test_an_external_rollout_engine_gets_hf_weights_after_each_update(warm, tmp_path):
