@@ -157,6 +157,20 @@ def test_what_chipset_rl_does_not_run_is_refused_naming_the_key():
         check(load_config(None, ["rl.group_size=8", "train.global_batch=16", ok]), 2)
 
 
+def test_warm_up_batches_teach_completions_the_task_rewards_fully():
+    """sft_batch's targets, decoded, are completions its task's reward scores 1 (target_sum's
+    ``answer`` is the target, so its batches use ``demo``: with the answer they would score 0)."""
+    from chipset.rl.tasks import TASKS, PromptSource, decode, sft_batch
+
+    for task, (_, reward) in TASKS.items():
+        source = PromptSource(task=task, seed=5)
+        _, y = sft_batch(source, 0, 32, 12)
+        prompts = [source.prompt(j) for j in range(32)]
+        completions = [decode([int(t) for t in row if t >= 0]) for row in y]
+        meta = {k: [p.meta[k] for p in prompts] for k in prompts[0].meta}
+        assert reward([p.text for p in prompts], completions, **meta) == [1.0] * 32, task
+
+
 # --- whole runs ------------------------------------------------------------------------------------
 
 def _env():
