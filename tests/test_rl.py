@@ -157,6 +157,13 @@ def test_what_chipset_rl_does_not_run_is_refused_naming_the_key():
         check(load_config(None, ["rl.group_size=8", "train.global_batch=16", ok]), 2)
 
 
+def test_chipset_rl_refuses_a_pipeline_layout_with_exit_2_before_launch(tmp_path):
+    p = _rl(tmp_path / "run", ["parallel.pp=2"], nproc=2)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "parallel.pp = 2: chipset rl runs dp, ZeRO 0-3, tp" in p.stderr
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
 def test_warm_up_batches_teach_completions_the_task_rewards_fully():
     """sft_batch's targets, decoded, are completions its task's reward scores 1 (target_sum's
     ``answer`` is the target, so its batches use ``demo``: with the answer they would score 0)."""

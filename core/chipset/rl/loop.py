@@ -69,8 +69,8 @@ def check(cfg: RunConfig, world_size: int) -> None:
                             f"parallel.micro_batches ({par.micro_batches}) equal micro-batches")
     family = resolve_family(cfg.model.family)
     if family.throughput(cfg)[0] != "tokens":
-        problems.append(f"model.family = {cfg.model.family!r} reads its own data, not token sequences: "
-                        "chipset rl post-trains decoders (token ids in, next-token logits out: transformer, gpt2, "
+        problems.append(f"model.family = {cfg.model.family!r} reads its own data, not token sequences "
+                        "(its throughput() counts samples, not tokens): chipset rl post-trains decoders (token ids in, next-token logits out: transformer, gpt2, "
                         "a Hugging Face decoder or your own decoder family)")
     if rl.task and cfg.model.vocab_size < 128:
         problems.append(f"model.vocab_size = {cfg.model.vocab_size}: the built-in tasks use a byte vocabulary "
