@@ -239,6 +239,13 @@ def test_grpo_raises_the_reward_of_a_warmed_up_model(warm, tmp_path):
     assert last > 0.7, (first, last)
     for key in ("reward_std", "reward/sort_mean", "kl", "entropy", "clip_frac", "response_length", "loss"):
         assert key in recs[-1]
+    from chipset.report import RL_PLOTS, write_report
+
+    page = write_report(tmp_path / "run", png=False)[0].read_text()  # the curve in chipset report
+    for pid in RL_PLOTS:
+        figure = page.split(f'id="{pid}"', 1)[1].split("</figure>", 1)[0]
+        assert "<polyline" in figure and "no data" not in figure, pid
+    assert f"{r[0]:.4f} -&gt; {r[-1]:.4f}" in page
 
 
 PARITY_STEPS = 4
