@@ -34,7 +34,7 @@ RUNNABLE = {
 def test_examples_exist():
     names = {p.name for p in CONFIGS}
     assert {"tiny.toml", "moe-tiny.toml", "long-context.toml", "llama-1b.toml", "resnet-tiny.toml",
-            "gpt2-tiny.toml", "rl-addition.toml"} <= names
+            "gpt2-tiny.toml", "rl-addition.toml", "rl-sort.toml"} <= names
 
 
 def test_rl_example_runs(tmp_path):

@@ -19,10 +19,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from chipset.report import PLOTS, write_report
+    from chipset.report import load_run, plots_of, write_report
 
     html, pngs = write_report(args.run_dir, args.out, png=not args.no_png)
-    print(f"chipset report: wrote {html} ({len(PLOTS)} plots, self-contained: open it in any browser, offline)")
+    n = len(plots_of(load_run(args.run_dir)))
+    print(f"chipset report: wrote {html} ({n} plots, self-contained: open it in any browser, offline)")
     if pngs:
         print(f"chipset report: PNG plots in {pngs[0].parent}")
     elif not args.no_png:

@@ -22,7 +22,7 @@ from chipset.preflight import check_output_file, read_text_file
 from chipset.report.checks import check_record, parse_summary
 from chipset.report.svg import _num, line_chart
 
-__all__ = ["PLOTS", "Run", "load_run", "render_html", "write_report", "write_pngs"]
+__all__ = ["PLOTS", "RL_PLOTS", "Run", "is_rl", "load_run", "plots_of", "render_html", "write_report", "write_pngs"]
 
 PLOTS = {
     "plot-loss": "Loss",
@@ -36,6 +36,12 @@ PLOTS = {
     "plot-time-split": "Step time: compute / communication / idle (mean over ranks)",
 }
 """Every plot the page carries, by element id (each is present even when its data is not)."""
+RL_PLOTS = {
+    "plot-reward": "Reward: mean over the step's completions, and each reward's",
+    "plot-rl": "KL to the reference, entropy per token, clip fraction",
+    "plot-response-length": "Response length (tokens per completion)",
+}
+"""The plots added after PLOTS for a ``chipset rl`` run (its records have ``reward_mean``)."""
 _METRICS = "the JSON lines chipset train writes (one object per step)"
 
 
@@ -101,6 +107,16 @@ def load_run(run_dir: str | Path) -> Run:
 
 
 # --- series ------------------------------------------------------------------------
+def is_rl(run: Run) -> bool:
+    """Whether ``run`` is a ``chipset rl`` run (a record has ``reward_mean``)."""
+    return any("reward_mean" in r for r in run.records)
+
+
+def plots_of(run: Run) -> dict[str, str]:
+    """The plots of ``run``'s page, element id -> title: PLOTS, and RL_PLOTS for an RL run."""
+    return {**PLOTS, **RL_PLOTS} if is_rl(run) else PLOTS
+
+
 def _series(run: Run) -> dict[str, dict[str, list[tuple[float, float]]]]:
     recs = run.records
     world = max((len(r.get("peak_memory_bytes_per_rank", [])) for r in recs), default=0)
@@ -116,6 +132,20 @@ def _series(run: Run) -> dict[str, dict[str, list[tuple[float, float]]]]:
                 out.append((r["step"], float(v)))
         return out
 
+    rl = {}
+    if is_rl(run):
+        names = sorted({k[len("reward/"):-len("_mean")] for r in recs for k in r
+                        if k.startswith("reward/") and k.endswith("_mean")})
+        rl = {"plot-reward": {"reward": pts(lambda r: r["reward_mean"]),
+                              **({n: pts(lambda r, n=n: r[f"reward/{n}_mean"]) for n in names} if len(names) > 1
+                                 else {})},
+              "plot-rl": {"KL": pts(lambda r: r["kl"]), "entropy": pts(lambda r: r["entropy"]),
+                          "clip fraction": pts(lambda r: r["clip_frac"])},
+              "plot-response-length": {"tokens": pts(lambda r: r["response_length"])}}
+    return {**_train_series(recs, pts, world), **rl}
+
+
+def _train_series(recs, pts, world) -> dict[str, dict[str, list[tuple[float, float]]]]:
     ops = sorted({op for r in recs for op in r.get("comm", {})})
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     memory = ({f"rank {i}": pts(lambda r, i=i: r["peak_memory_bytes_per_rank"][i]) for i in range(world)}
@@ -214,6 +244,8 @@ def render_html(run: Run) -> str:
         ("steps recorded", len(recs)),
         ("loss first -> final", f"{_fixed(recs[0].get('loss'), 4)} -> {_fixed(last.get('loss'), 4)}"
          if recs else "no steps"),
+        *([("reward first -> final", f"{_fixed(recs[0].get('reward_mean'), 4)} -> "
+            f"{_fixed(last.get('reward_mean'), 4)}")] if is_rl(run) else []),
         ("tokens/s (steady)", _fixed(s.get("tokens_per_s"), 0)),
         ("MFU (mean)", f"{100 * mfu:.3g} %" if isinstance(mfu, (int, float)) else "n/a (no declared peak)"),
         ("peak memory per rank", ", ".join(_bytes(x) for x in s.get("peak_memory_bytes") or []) or "?"),
@@ -235,7 +267,7 @@ def render_html(run: Run) -> str:
     plots = "\n".join(
         line_chart(pid, title, series[pid], y_label=_UNITS.get(pid, ""),
                    y_format=_bytes if _UNITS.get(pid) == "bytes" else _num)
-        for pid, title in PLOTS.items()
+        for pid, title in plots_of(run).items()
     )
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -285,13 +317,14 @@ def write_pngs(run: Run, folder: Path) -> list[Path]:
         return []
     folder.mkdir(parents=True, exist_ok=True)
     written = []
+    titles = plots_of(run)
     for pid, series in _series(run).items():
         fig, ax = plt.subplots(figsize=(6.4, 2.8), dpi=100)
         for name, pts in series.items():
             pts = [(x, y) for x, y in pts if math.isfinite(y)]
             if pts:
                 ax.plot([x for x, _ in pts], [y for _, y in pts], label=name)
-        ax.set_title(PLOTS[pid])
+        ax.set_title(titles[pid])
         ax.set_xlabel("step")
         ax.set_ylabel(_UNITS.get(pid, ""))
         if any(series.values()):

@@ -5,7 +5,7 @@ rank samples ``rl.group_size`` completions for each of its prompts (``train.glob
 group_size`` prompts per step, split over dp; every tp rank of a dp index samples the same);
 the rewards score them; advantages are formed per group; the sampling policy's (and the
 reference's) log-probabilities are taken by a forward-only pass; then ``rl.updates_per_batch``
-optimizer updates minimise the GRPO loss through the engine (any dp/ZeRO/tp layout). Rank 0
+optimizer updates minimise the GRPO loss through the engine (dp, ZeRO 0-3, tp, ep; not pp or cp). Rank 0
 writes metrics.jsonl and summary.json; checkpoints and resume are those of ``chipset train``.
 """
 
@@ -48,9 +48,13 @@ def check(cfg: RunConfig, world_size: int) -> None:
     """The [rl] rules tied to the layout and the model; ConfigError listing every problem."""
     par, tr, rl = cfg.parallel, cfg.train, cfg.rl
     problems = []
-    if par.pp > 1 or par.cp > 1:
-        problems.append(f"parallel.pp = {par.pp}, parallel.cp = {par.cp}: chipset rl runs dp, ZeRO 0-3 and tp "
-                        "layouts; set parallel.pp = 1 and parallel.cp = 1")
+    for key, degree, what in (("pp", par.pp, "pipeline"), ("cp", par.cp, "context")):
+        if degree > 1:
+            problems.append(f"parallel.{key} = {degree}: chipset rl runs dp, ZeRO 0-3, tp (with or without sequence "
+                            f"parallelism) and ep layouts, not {what} parallelism; set parallel.{key} = 1")
+    if cfg.islands.count > 1:
+        problems.append(f"islands.count = {cfg.islands.count}: chipset rl runs one job-wide layout, not islands; "
+                        "set islands.count = 1")
     if tr.global_batch % rl.group_size:
         problems.append(f"train.global_batch ({tr.global_batch}) counts completions per step and must be a "
                         f"multiple of rl.group_size ({rl.group_size})")
@@ -63,6 +67,11 @@ def check(cfg: RunConfig, world_size: int) -> None:
         elif (prompts // dp * rl.group_size) % par.micro_batches:
             problems.append(f"each rank's {prompts // dp * rl.group_size} completions must split into "
                             f"parallel.micro_batches ({par.micro_batches}) equal micro-batches")
+    family = resolve_family(cfg.model.family)
+    if family.throughput(cfg)[0] != "tokens":
+        problems.append(f"model.family = {cfg.model.family!r} reads its own data, not token sequences "
+                        "(its throughput() counts samples, not tokens): chipset rl post-trains decoders (token ids in, next-token logits out: transformer, gpt2, "
+                        "a Hugging Face decoder or your own decoder family)")
     if rl.task and cfg.model.vocab_size < 128:
         problems.append(f"model.vocab_size = {cfg.model.vocab_size}: the built-in tasks use a byte vocabulary "
                         "(ASCII); set model.vocab_size >= 128 (256 for any byte)")
@@ -83,8 +92,10 @@ def _reference(cfg, backend, dims, family):
     return wrap(model, cfg, backend, dims)
 
 
-def _pad(rows: list[torch.Tensor], device) -> torch.Tensor:
-    n = max(r.numel() for r in rows)
+def _pad(rows: list[torch.Tensor], device, multiple: int = 1) -> torch.Tensor:
+    """Right-padded with 0 to a length that is a multiple of ``multiple`` (sequence parallelism
+    splits the sequence over tp); the padding is outside every completion mask."""
+    n = -(-max(r.numel() for r in rows) // multiple) * multiple
     out = torch.zeros(len(rows), n, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :r.numel()] = r
@@ -229,11 +240,12 @@ def _step(cfg, engine, ref, rollout, params, source, rewards, step: int, prompt_
     # 3. micro-batches: prompt + completion, right-padded; old (and reference) log-probs
     mb = engine.micro_batches
     per = len(rows) // mb
+    multiple = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
     scale = mb * engine.dp
     batches, ent_sum = [], 0.0
     for m in range(mb):
         sl = slice(m * per, (m + 1) * per)
-        tokens = _pad(rows[sl], dev)
+        tokens = _pad(rows[sl], dev, multiple)
         s = tokens.shape[1] - 1
         mask = torch.zeros(per, s, device=dev)
         weights = torch.zeros(per, s, device=dev)

@@ -18,8 +18,9 @@ import torch
 
 from chipset.models.family import build_for
 from chipset.models.hf.config import SUPPORTED_ARCHITECTURES, _family_of
-from chipset.models.hf.names import expert_names, from_hf, to_hf
+from chipset.models.hf.names import expert_names, to_hf
 from chipset.models.sampling import sample
+from chipset.parallel.lora import apply_lora, lora_of
 from chipset.parallel.meta import on_meta
 
 __all__ = ["SamplingParams", "RolloutEngine", "LocalRollout", "stream_weights", "hf_namer"]
@@ -79,33 +80,45 @@ def stream_weights(engine, cfg=None, hf_names: bool = True) -> Iterator[tuple[st
 
 
 class LocalRollout:
-    """Sampling in this process from an unsharded replica of the policy (the family's model,
-    built once, weights from :meth:`load_weights`), with a KV cache where the family has one."""
+    """Sampling in this process from an unsharded replica of the policy (the family's model with
+    the run's LoRA adapters, built once, weights from :meth:`load_weights`), with a KV cache where
+    the family has one. It takes a stream by chipset's names or by the Hugging Face names of
+    :func:`stream_weights` (each expert of a stacked MoE tensor by its own name)."""
 
     def __init__(self, family, cfg, device: torch.device, kernels=None):
         with on_meta():
             model = build_for(family, cfg, kernels)
+            lora = lora_of(cfg, family)
+            if lora is not None:
+                apply_lora(model, lora, seed=cfg.train.seed)
         self.model = model.to_empty(device=device).eval()
         self.cfg = cfg
         self.vocab_size = cfg.model.vocab_size
-        self._family = hf_namer(cfg)[1] if cfg.model.family in ("transformer", "") else None
-        own = dict(self.model.named_parameters())
+        # destination of each streamed name: a parameter, or a view of one (an expert's slice)
+        self._into: dict[str, tuple[str, torch.Tensor]] = {}
+        self._parts: dict[str, int] = {}
+        namer = hf_namer(cfg)[0] if cfg.model.family in ("transformer", "") else None
+        for name, p in self.model.named_parameters():
+            pieces = namer(name, p.data) if namer is not None else []
+            self._into[name] = (name, p.data)
+            self._into.update({hf: (name, view) for hf, view in pieces if hf != name})
+            self._parts[name] = max(len(pieces), 1)
         for name, buf in self.model.named_buffers():  # non-persistent tables stay as built
-            own.setdefault(name, buf)
-        self._own = own
+            self._into.setdefault(name, (name, buf))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        seen = set()
+        got: dict[str, int] = {}
         for name, t in weights:
-            local = from_hf(name) if self._family is not None and name not in self._own else name
-            if local not in self._own:
-                raise KeyError(f"LocalRollout: no parameter {name!r} ({local!r}) in the replica")
-            self._own[local].copy_(t)
-            seen.add(local)
-        missing = [n for n, p in self.model.named_parameters() if n not in seen]
+            if name not in self._into:
+                raise KeyError(f"LocalRollout: no parameter {name!r} in the replica (expected chipset's or "
+                               "Hugging Face's names, as chipset.rl.rollout.stream_weights yields them)")
+            local, dst = self._into[name]
+            dst.copy_(t)
+            got[local] = got.get(local, 0) + (self._parts[local] if name == local else 1)
+        missing = [n for n, k in self._parts.items() if got.get(n, 0) < k]
         if missing:
-            raise KeyError(f"LocalRollout: the weight stream had no {missing[:3]}")
+            raise KeyError(f"LocalRollout: the weight stream had no {missing[:3]} (or not every expert of them)")
 
     def generate(self, prompts: list[torch.Tensor], n: int, params: SamplingParams, seeds: list[int]):
         """Prompts of equal length are sampled in one batch, each group from its own seed."""

@@ -8,6 +8,7 @@ completion format is the answer followed by a newline (token 10, ``rl.stop_ids``
   a number that is wrong, 0 otherwise.
 * ``sort``: ``"sort 312:"`` -> ``"123\\n"``, three digits; reward: the fraction of positions right.
 * ``target_sum``: ``"sum 7:"`` -> two digits adding up to 7 (``"34\\n"``); reward 1 if they do.
+  Its ``answer`` is the target; ``demo`` is one right completion (for :func:`sft_batch`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _sort(rng: random.Random) -> Prompt:
 
 def _target_sum(rng: random.Random) -> Prompt:
     t = rng.randrange(19)
-    return Prompt(f"sum {t}:", {"answer": str(t)})
+    a = rng.randrange(max(0, t - 9), min(t, 9) + 1)
+    return Prompt(f"sum {t}:", {"answer": str(t), "demo": f"{a}{t - a}"})
 
 
 def addition_reward(prompts, completions, answer, **_):
@@ -152,18 +154,21 @@ def prompt_source(rl, seed: int) -> PromptSource:
 
 def sft_batch(source: PromptSource, step: int, batch: int, seq_len: int) -> tuple:
     """A supervised batch in the task's format, for a warm-up before RL: ``(inputs, targets)``
-    of ``batch`` rows ``prompt + answer + "\\n"`` (byte ids, zero-padded to ``seq_len + 1``), the
+    of ``batch`` rows ``prompt + completion + "\\n"`` (byte ids, zero-padded to ``seq_len + 1``), the
     targets -100 (ignored) on the prompt and the padding. Prompts ``step * batch ...`` of the
-    source, whose metadata must hold an ``answer``."""
+    source; the completion is the prompt's ``demo`` (a right completion, where ``answer`` is not
+    one: target_sum's answer is the target) or else its ``answer``."""
     import torch
 
     x = torch.zeros(batch, seq_len, dtype=torch.long)
     y = torch.full((batch, seq_len), -100, dtype=torch.long)
     for j in range(batch):
         p = source.prompt(step * batch + j)
-        if "answer" not in p.meta:
-            raise ConfigError("a supervised warm-up needs prompts with an \"answer\" field")
-        prompt, full = encode(p.text), encode(p.text + str(p.meta["answer"]) + "\n")
+        demo = p.meta.get("demo", p.meta.get("answer"))
+        if demo is None:
+            raise ConfigError(f"prompt {p.text!r}: a supervised warm-up needs a \"demo\" or \"answer\" field "
+                              f"(the completion to learn), found only {sorted(p.meta)}")
+        prompt, full = encode(p.text), encode(p.text + str(demo) + "\n")
         if len(full) > seq_len + 1:
             raise ConfigError(f"prompt {p.text!r} and its answer need {len(full)} tokens; raise seq_len")
         row = torch.tensor(full)
