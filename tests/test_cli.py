@@ -129,3 +129,18 @@ def test_the_command_ends_like_sys_exit_without_the_interpreters_teardown(tmp_pa
         assert proc.stdout == "unflushed"
         assert (out / "atexit").read_text() == "ran" and (out / "thread").read_text() == "done"
         assert ("bad input" in proc.stderr) == (status == 1)
+
+
+def test_importing_chipset_and_asking_the_command_for_help_import_no_torch():
+    """chipset's package imports torch on first use of a name that needs it (chipset/__init__.py):
+    ``chipset --version`` and ``--help`` answer without it, and every public name still resolves."""
+    code = ("import sys\n"
+            "import chipset\n"
+            "from chipset.cli.main import build_parser\n"
+            "build_parser()\n"
+            "before = 'torch' in sys.modules\n"
+            "missing = [n for n in chipset.__all__ if getattr(chipset, n, None) is None]\n"
+            "print(before, missing, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "[]", "True"], proc.stdout

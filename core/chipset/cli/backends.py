@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 
 from chipset._version import API_VERSION
-from chipset.discovery.build import build_report, explain
-from chipset.discovery.records import discover
-from chipset.discovery.select import select
 from chipset.errors import BackendSelectionError
 
 
@@ -19,6 +16,10 @@ def add_parser(sub) -> None:
 
 
 def report() -> dict:
+    from chipset.discovery.build import build_report
+    from chipset.discovery.records import discover
+    from chipset.discovery.select import select
+
     records = discover()
     try:
         sel = select(None, records)
@@ -36,6 +37,8 @@ def report() -> dict:
 
 
 def run(args) -> int:
+    from chipset.discovery.build import explain
+
     rep = report()
     records = rep.pop("_records")
     if args.json:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-from chipset.loader import backend
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("info", help="show the selected backend's devices, memory and capabilities")
@@ -14,6 +12,8 @@ def add_parser(sub) -> None:
 
 
 def collect() -> dict:
+    from chipset.loader import backend
+
     b = backend()
     devices = []
     for i in range(b.device.device_count()):

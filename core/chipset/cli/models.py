@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-from chipset.parallel.plan import LAYOUTS
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("models", help="list model families, the layouts each supports, and why one is unusable")
@@ -16,6 +14,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from chipset.models.registry import discover_families
+    from chipset.parallel.plan import LAYOUTS
 
     records = discover_families()
     if args.json:
