@@ -12,6 +12,7 @@ every window. This file is also the jobs' script (``__main__`` below).
 from __future__ import annotations
 
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -49,6 +50,12 @@ VARIANTS = {  # name -> (overrides, reference, ranks)
     "cp4_ulysses_kv1": ({"parallel": {"cp": 4, "cp_attention": "ulysses"}, **KV1}, "ref_kv1", 4),
     "cp4_ring_docs_full_recompute": (_merge(DOCS, {"parallel": {"cp": 4, "cp_attention": "ring"},
                                                    "train": {"recompute": "full"}}), "ref_docs", 4),
+    # hybrid: Ulysses inside pairs of cp ranks, ring across the two pairs; one kv head repeated
+    # for the pair, and document masks through both axes.
+    "cp4_hybrid_kv1": ({"parallel": {"cp": 4, "cp_attention": "hybrid", "cp_ulysses": 2}, **KV1}, "ref_kv1", 4),
+    "cp4_hybrid_docs": (_merge(DOCS, {"parallel": {"cp": 4, "cp_attention": "hybrid", "cp_ulysses": 2}}),
+                        "ref_docs", 4),
+    "cp4_allgather": ({"parallel": {"cp": 4}}, "ref", 4),
 }
 
 
@@ -177,12 +184,20 @@ def test_chunked_loss_and_offloaded_activations_equal_the_plain_step():
      "train.offload_activations needs parallel.pp = 1 (found 2)"),
     ({"parallel": {"cp": 3, "cp_attention": "ulysses"}, "train": {"seq_len": 36}},
      "heads per tp rank (4/1) must be divisible by cp (3)"),
-], ids=["negative_chunk", "no_eos", "pp", "ulysses_heads"])
+    ({"parallel": {"cp": 4, "cp_attention": "hybrid"}},
+     "parallel.cp_attention = 'hybrid' needs parallel.cp_ulysses, the Ulysses degree, to be a divisor of cp (4) "
+     "between 2 and cp/2 (found 0)"),
+    ({"parallel": {"cp": 4, "cp_attention": "ring", "cp_ulysses": 2}},
+     "parallel.cp_ulysses = 2 applies only with cp_attention = 'hybrid' (found 'ring')"),
+    ({"parallel": {"cp": 6, "cp_attention": "hybrid", "cp_ulysses": 3}, "train": {"seq_len": 36}},
+     "heads per tp rank (4/1) must be divisible by cp_ulysses (3)"),
+], ids=["negative_chunk", "no_eos", "pp", "ulysses_heads", "hybrid_no_degree", "ulysses_degree_not_hybrid",
+        "hybrid_heads"])
 def test_long_context_keys_refuse_what_they_cannot_do(over, expect):
     from chipset.errors import ConfigError
     from chipset.train.config import RunConfig
 
-    with pytest.raises(ConfigError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(expect)):
         RunConfig.from_dict(_merge(BASE, over)).validate(world_size=None)
 
 
