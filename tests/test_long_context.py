@@ -221,5 +221,30 @@ def test_context_plan_recommends_the_savers_only_when_memory_needs_them():
     assert plain and not any(p.fits for p in plain)
 
 
+def test_hybrid_plan_keeps_ulysses_inside_a_node_and_rings_across():
+    """planner/comm.py on 2 nodes of 4: a hybrid cp of 8 as 4 Ulysses x 2 ring all-to-alls over the
+    node's fast links and passes K/V between nodes; Ulysses over all 8 would all-to-all across nodes.
+    The context plan offers the hybrid where the heads divide by its Ulysses degree."""
+    from chipset.planner.cluster import resolve_cluster
+    from chipset.planner.comm import communication
+    from chipset.planner.context import context_layouts
+    from chipset.planner.layout import Layout, TrainSpec
+    from chipset.planner.model import ModelSpec
+
+    m = ModelSpec(name="t", layers=4, hidden=512, heads=8, kv_heads=2, ffn_hidden=1376, vocab=2048,
+                  seq_len=65536).validate()
+    train = TrainSpec(global_batch=2)
+    cl = resolve_cluster("2x4:sim-generic")
+    hybrid = Layout(cp=8, cp_attention="hybrid", cp_ulysses=4).check()
+    cp = {i.op: i for i in communication(m, hybrid, train, cl) if i.dim == "cp"}
+    assert (cp["all_to_all"].group_size, cp["all_to_all"].intra_node) == (4, True)
+    assert (cp["all_gather"].group_size, cp["all_gather"].intra_node) == (2, False)
+    ulysses = [i for i in communication(m, Layout(cp=8, cp_attention="ulysses").check(), train, cl) if i.dim == "cp"]
+    assert [(i.op, i.group_size, i.intra_node) for i in ulysses] == [("all_to_all", 8, False)]
+    offered = {(p.layout.cp, p.layout.cp_ulysses) for p in context_layouts(m, train, cl, 65536)
+               if p.layout.cp_attention == "hybrid"}
+    assert offered == {(4, 2), (8, 2), (8, 4)}
+
+
 if __name__ == "__main__":
     _job(sys.argv[1], sys.argv[2])

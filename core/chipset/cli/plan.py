@@ -338,6 +338,8 @@ def _context(args, model, train, cluster, a) -> int:
     for i, p in enumerate(shown, 1):
         lay = p.layout
         attention = lay.cp_attention if lay.cp > 1 else "-"
+        if lay.cp_attention == "hybrid":
+            attention = f"hybrid{lay.cp_ulysses}x{lay.cp // lay.cp_ulysses}"
         print(f"{i:>2} {lay.dp:>4} {lay.cp:>3} {attention:<9} {lay.recompute:<9} {lay.zero:>4} "
               f"{lay.loss_chunk:>10} {str(lay.offload_activations).lower():<7} {_gib(p.memory.total):>10} "
               f"{p.step_time_s:>9.4g} {p.breakdown['offload']:>9.3g}{'' if p.fits else '  DOES NOT FIT'}")
@@ -350,6 +352,8 @@ def _context(args, model, train, cluster, a) -> int:
     sets = [f"parallel.cp={lay.cp}", f"train.recompute={lay.recompute}", f"parallel.zero={lay.zero}"]
     if lay.cp > 1:
         sets.append(f"parallel.cp_attention={lay.cp_attention}")
+        if lay.cp_attention == "hybrid":
+            sets.append(f"parallel.cp_ulysses={lay.cp_ulysses}")
     if lay.loss_chunk:
         sets.append(f"train.loss_chunk={lay.loss_chunk}")
     if lay.offload_activations:

@@ -10,7 +10,9 @@ sequence parallelism the projections reading one norm (q, k, v; gate, up) share 
 contiguous copy of the gathered sequence;
 ring attention (cp) keeps only its inputs, its output and the float32 log-sum-exp (the
 blockwise kernels, kernels/blockwise.py); Ulysses keeps q and k, v repeated to the local
-query heads, all of the whole sequence for heads/cp heads, its output and the log-sum-exp.
+query heads, all of the whole sequence for heads/cp heads, its output and the log-sum-exp;
+hybrid (Ulysses over ``u = cp_ulysses``, ring across) keeps what the ring keeps on its
+head-split inputs: q, k and v (kv heads repeated up to a multiple of u), output, log-sum-exp.
 Activation offload (``offload_activations``) keeps no block's saved tensors on the device
 but the one whose backward runs; a chunked loss (``loss_chunk``) keeps the head's input
 and one chunk's logits at a time.
@@ -23,6 +25,8 @@ they say otherwise. ``E`` is the compute dtype's size, ``F = 4`` (float32).
 
 from __future__ import annotations
 
+import math
+
 from chipset.kernels.blockwise import TILE_SCORES
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
@@ -31,6 +35,15 @@ __all__ = ["block_bytes_per_token", "mask_bytes", "head_bytes_per_token", "embed
            "loss_backward_bytes_per_token", "block_backward_bytes", "attention_tile_bytes", "F"]
 
 F = 4
+BLOCKWISE = ("ring", "ulysses", "hybrid")
+"""cp attentions that run the blockwise kernels (no mask, no score matrix)."""
+
+
+def hybrid_kv_width(m: ModelSpec, lay: Layout) -> float:
+    """Width of k (or v) per local token after the hybrid's all-to-all: kv heads per tp rank
+    repeated up to a multiple of the Ulysses degree (parallel/hybrid.py)."""
+    kv_heads = max(1, round(m.kv_dim / m.head_dim / lay.tp))
+    return math.lcm(kv_heads, lay.cp_ulysses) * m.head_dim
 
 
 def _norm(m: ModelSpec, lay: Layout, e: int) -> float:
@@ -52,6 +65,8 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
         core = (e * (2 * h + 2 * m.kv_dim) + F * a) / t
     elif lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k and v on the local heads' query width, output, lse
         core = (4 * e * h + F * a) / t
+    elif lay.cp > 1 and lay.cp_attention == "hybrid":  # q, k, v after the all-to-all, the output and lse
+        core = (2 * e * h + 2 * e * hybrid_kv_width(m, lay) + F * a) / t
     else:  # float32 q, k and v (k, v repeated to every head and gathered over cp), softmax and its clean copy
         core = F * h / t * (1 + 2 * lay.cp) + 2 * F * (a / t) * seq_len
     attn_out = e * h / t
@@ -71,7 +86,7 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
 
 def mask_bytes(m: ModelSpec, lay: Layout, seq_len: int) -> float:
     """The boolean causal mask one block builds per micro-batch (local queries x all keys)."""
-    if lay.recompute != "none" or (lay.cp > 1 and lay.cp_attention in ("ring", "ulysses")):
+    if lay.recompute != "none" or (lay.cp > 1 and lay.cp_attention in BLOCKWISE):
         return 0.0
     return seq_len / lay.cp * seq_len
 
@@ -116,11 +131,13 @@ def attention_tile_bytes(m: ModelSpec, lay: Layout, tokens: float) -> float:
     """Ring and Ulysses attention through the reference block kernels (kernels/blockwise.py):
     the float32 scores and probabilities of one query tile, both alive while the tile's
     gradients are computed (at most ``TILE_SCORES`` elements each)."""
-    if lay.cp == 1 or lay.cp_attention not in ("ring", "ulysses"):
+    if lay.cp == 1 or lay.cp_attention not in BLOCKWISE:
         return 0.0
     s_local = tokens / lay.micro_batch
     if lay.cp_attention == "ring":  # the own block: local queries x local keys
         heads, sq = m.heads / lay.tp, s_local
+    elif lay.cp_attention == "hybrid":  # the ring's own block: the Ulysses group's tokens on heads / u
+        heads, sq = m.heads / lay.tp / lay.cp_ulysses, s_local * lay.cp_ulysses
     else:  # the whole sequence on heads / cp heads
         heads, sq = m.heads / lay.tp / lay.cp, s_local * lay.cp
     return 2 * F * min(TILE_SCORES, lay.micro_batch * heads * sq * sq)
