@@ -14,7 +14,8 @@ query heads, all of the whole sequence for heads/cp heads, its output and the lo
 hybrid (Ulysses over ``u = cp_ulysses``, ring across) keeps what the ring keeps on its
 head-split inputs: q, k and v (kv heads repeated up to a multiple of u), output, log-sum-exp.
 Activation offload (``offload_activations``) keeps no block's saved tensors on the device
-but the one whose backward runs; a chunked loss (``loss_chunk``) keeps the head's input
+but the one whose backward runs, and of that one (with blockwise cp attention) only the
+running node's (:func:`offloaded_block_backward_bytes`); a chunked loss (``loss_chunk``) keeps the head's input
 and one chunk's logits at a time.
 Each count below was checked tensor by tensor against ``torch.autograd.graph.saved_tensors_hooks``
 on the engine's model (docs/planner.md, "Validation: peak memory").
