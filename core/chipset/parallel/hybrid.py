@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from chipset.errors import ConfigError
 from chipset.interfaces import Collective, Group
 from chipset.parallel.ring import expand_kv, ring_attention
 from chipset.parallel.ulysses import _ToHeads, _ToSeq
@@ -50,6 +51,9 @@ def hybrid_attention(q, k, v, cp, docs=None):
     """Causal attention of this rank's tokens (all heads): Ulysses over ``cp.heads``, ring over ``cp.ring``."""
     heads, ring = cp.heads, cp.ring
     u = heads.size
+    if q.shape[1] % u:  # a family whose own checks did not catch it (the transformer's do, before launch)
+        raise ConfigError(f"cp_attention = 'hybrid' splits heads over cp_ulysses: {q.shape[1]} query heads on this "
+                          f"rank are not divisible by cp_ulysses ({u}); choose another parallel.cp_ulysses")
     kv = k.shape[1]
     grow = math.lcm(kv, u) // kv
     k, v = expand_kv(k, grow), expand_kv(v, grow)
