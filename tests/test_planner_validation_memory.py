@@ -71,6 +71,7 @@ JOBS = {
     4: {
         "dp2 x pp2 zero1 1f1b, 4 micro-batches": {"parallel": {"dp": 2, "pp": 2, "zero": 1, "micro_batches": 4}},
         "dp2 x pp2 zero3 1f1b, 2 micro-batches": {"parallel": {"dp": 2, "pp": 2, "zero": 3, "micro_batches": 2}},
+        "cp4 hybrid (Ulysses 2 x ring 2)": {"parallel": {"cp": 4, "cp_attention": "hybrid", "cp_ulysses": 2}},
     },
 }
 ALL = {name: over for job in JOBS.values() for name, over in job.items()}

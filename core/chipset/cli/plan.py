@@ -333,12 +333,14 @@ def _context(args, model, train, cluster, a) -> int:
         return 0
     print(f"model {model.name}, seq {model.seq_len}, global batch {train.global_batch}, "
           f"{cluster.world_size} x {cluster.profile}: context layouts, fastest that fits first")
-    print(f"{'#':>2} {'dp':>4} {'cp':>3} {'attention':<9} {'recompute':<9} {'zero':>4} {'loss_chunk':>10} "
+    print(f"{'#':>2} {'dp':>4} {'cp':>3} {'attention':<10} {'recompute':<9} {'zero':>4} {'loss_chunk':>10} "
           f"{'offload':<7} {'mem/dev':>10} {'step s':>9} {'offload s':>9}")
     for i, p in enumerate(shown, 1):
         lay = p.layout
         attention = lay.cp_attention if lay.cp > 1 else "-"
-        print(f"{i:>2} {lay.dp:>4} {lay.cp:>3} {attention:<9} {lay.recompute:<9} {lay.zero:>4} "
+        if lay.cp_attention == "hybrid":
+            attention = f"hybrid{lay.cp_ulysses}x{lay.cp // lay.cp_ulysses}"
+        print(f"{i:>2} {lay.dp:>4} {lay.cp:>3} {attention:<10} {lay.recompute:<9} {lay.zero:>4} "
               f"{lay.loss_chunk:>10} {str(lay.offload_activations).lower():<7} {_gib(p.memory.total):>10} "
               f"{p.step_time_s:>9.4g} {p.breakdown['offload']:>9.3g}{'' if p.fits else '  DOES NOT FIT'}")
     best = shown[0]
@@ -350,6 +352,8 @@ def _context(args, model, train, cluster, a) -> int:
     sets = [f"parallel.cp={lay.cp}", f"train.recompute={lay.recompute}", f"parallel.zero={lay.zero}"]
     if lay.cp > 1:
         sets.append(f"parallel.cp_attention={lay.cp_attention}")
+        if lay.cp_attention == "hybrid":
+            sets.append(f"parallel.cp_ulysses={lay.cp_ulysses}")
     if lay.loss_chunk:
         sets.append(f"train.loss_chunk={lay.loss_chunk}")
     if lay.offload_activations:

@@ -132,6 +132,7 @@ def train_config_text(args, spec, train, cluster, pred) -> str:
         "schedule": lay.schedule,  # the planner plans chipset train's schedules by their names
         "virtual_stages": lay.v,
         "cp_attention": lay.cp_attention,
+        "cp_ulysses": lay.cp_ulysses,
     }
     from chipset.planner.stages import pipeline_split
 

@@ -41,16 +41,18 @@ def _tiles(q, k):
 
 
 def _scores(q, k, mask, causal, scale, lo, docs=None):
-    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    """A tile's float32 scores, masked in place: one tile-sized tensor (and the masks' booleans)."""
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)).mul_(scale)
     if docs is not None:
         qd, kd = docs
-        same = qd[:, lo:lo + q.shape[-2]].unsqueeze(-1) == kd.unsqueeze(-2)
-        s = s.masked_fill(~same.unsqueeze(1), float("-inf"))
+        other = qd[:, lo:lo + q.shape[-2]].unsqueeze(-1) != kd.unsqueeze(-2)
+        s.masked_fill_(other.unsqueeze(1), float("-inf"))
+        del other
     if causal:
         rows = torch.arange(lo, lo + q.shape[-2], device=q.device).unsqueeze(1)
-        s = s.masked_fill(torch.arange(k.shape[-2], device=q.device).unsqueeze(0) > rows, float("-inf"))
+        s.masked_fill_(torch.arange(k.shape[-2], device=q.device).unsqueeze(0) > rows, float("-inf"))
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        s.masked_fill_(~mask, float("-inf"))
     return s
 
 
@@ -76,8 +78,9 @@ def attention_block(q, k, v, mask=None, causal=False, scale=None, docs=None):
         s = _scores(q[..., lo:hi, :], k, _tile_mask(mask, lo, hi), causal, scale, lo, docs)
         lse = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        outs.append(torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.float()))
+        outs.append(torch.matmul(s.sub_(safe.unsqueeze(-1)).exp_(), v.float()))  # in place: one tile alive
         lses.append(lse)
+        del s
     return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1)
 
 
@@ -89,16 +92,18 @@ def attention_block_backward(do, q, k, v, out, lse, mask=None, causal=False, sca
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for lo, hi in _tiles(q, k):
+    for lo, hi in _tiles(q, k):  # two tile-sized tensors alive at most: the probabilities and their gradient
         qt, dot = q[..., lo:hi, :].float(), do[..., lo:hi, :].float()
-        s = _scores(qt, kf, _tile_mask(mask, lo, hi), causal, scale, lo, docs)
         lt = lse[..., lo:hi]
-        p = torch.exp(s - torch.where(torch.isinf(lt), torch.zeros_like(lt), lt).unsqueeze(-1))
+        p = _scores(qt, kf, _tile_mask(mask, lo, hi), causal, scale, lo, docs)
+        p.sub_(torch.where(torch.isinf(lt), torch.zeros_like(lt), lt).unsqueeze(-1)).exp_()
         delta = (dot * out[..., lo:hi, :].float()).sum(-1, keepdim=True)
         dv += p.transpose(-2, -1) @ dot
-        ds = p * (dot @ vf.transpose(-2, -1) - delta)
+        ds = torch.matmul(dot, vf.transpose(-2, -1)).sub_(delta).mul_(p)
+        del p
         dq[..., lo:hi, :] = ds @ kf * scale
         dk += ds.transpose(-2, -1) @ qt * scale
+        del ds
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -84,6 +84,12 @@ def tp_cp_problems(m, par, tr) -> list[str]:
             f"cp_attention = 'ulysses' splits heads over cp: heads per tp rank ({m.num_attention_heads}/{par.tp}) "
             f"must be divisible by cp ({par.cp}); choose another parallel.cp or cp_attention = 'ring'"
         )
+    ulysses = getattr(par, "cp_ulysses", 0)
+    if par.cp > 1 and par.cp_attention == "hybrid" and ulysses > 1 and (m.num_attention_heads // max(par.tp, 1)) % ulysses:
+        problems.append(
+            f"cp_attention = 'hybrid' splits heads over cp_ulysses: heads per tp rank ({m.num_attention_heads}/{par.tp}) "
+            f"must be divisible by cp_ulysses ({ulysses}); choose another parallel.cp_ulysses or cp_attention = 'ring'"
+        )
     return problems
 
 

@@ -13,7 +13,9 @@ embeddings use global positions too (``Transformer.forward(tokens, positions)``)
 attention block per step by log-sum-exp (parallel/ring.py), so no rank ever holds the whole
 sequence's K/V nor a block's score matrix. ``attention="ulysses"`` all-to-alls q, k, v from
 a sequence split to a head split, attends over the whole sequence on its heads and
-all-to-alls back (parallel/ulysses.py): heads / cp must be whole.
+all-to-alls back (parallel/ulysses.py): heads / cp must be whole. ``attention="hybrid"``
+runs Ulysses inside groups of ``ulysses`` adjacent cp ranks and the ring across them
+(parallel/hybrid.py), on the two sub-groups ``subgroups`` (parallel/hybrid.py ``hybrid_groups``).
 
 Document masks: ``attend(q, k, v, docs)`` with ``docs`` the document id of every token of
 the whole sequences (``(b, s)``) keeps each query within its own document, in every mode.
@@ -34,15 +36,19 @@ from chipset.layers.documents import document_mask
 
 __all__ = ["ContextParallel", "apply_cp", "CP_ATTENTION"]
 
-CP_ATTENTION = ("allgather", "ring", "ulysses")
+CP_ATTENTION = ("allgather", "ring", "ulysses", "hybrid")
 
 
 class ContextParallel:
     """This rank's share of every sequence (``model.seq_layout``) and the attention over all of it."""
 
-    def __init__(self, collective: Collective, group: Group, kernels, *, attention: str = "allgather"):
+    def __init__(self, collective: Collective, group: Group, kernels, *, attention: str = "allgather",
+                 subgroups: tuple[Group, Group] | None = None):
         if attention not in CP_ATTENTION:
             raise ConfigError(f"context-parallel attention {attention!r}: expected one of {', '.join(CP_ATTENTION)}")
+        if (attention == "hybrid") != (subgroups is not None):
+            raise ConfigError("context-parallel attention 'hybrid' needs its (Ulysses, ring) sub-groups "
+                              "(parallel/hybrid.py hybrid_groups), and only it takes them")
         self.collective = collective
         self.group = group
         self.size = group.size
@@ -50,6 +56,9 @@ class ContextParallel:
         self.kernels = kernels
         self.attention = attention
         self._masks: dict[tuple[int, str], torch.Tensor] = {}
+        if subgroups is not None:  # the inner Ulysses axis and the outer ring (parallel/hybrid.py)
+            self.heads = ContextParallel(collective, subgroups[0], kernels, attention="ulysses")
+            self.ring = ContextParallel(collective, subgroups[1], kernels, attention="ring")
 
     def _chunks(self, rank: int) -> tuple[int, int]:
         return rank, 2 * self.size - 1 - rank
@@ -95,6 +104,7 @@ class ContextParallel:
                ) -> torch.Tensor:
         """Causal attention of local queries over the whole sequence's keys/values ((b, h, s, d));
         ``docs``: document ids of the whole sequences (b, s), or None for one document each."""
+        from chipset.parallel.hybrid import hybrid_attention
         from chipset.parallel.ring import ring_attention
         from chipset.parallel.tensor import all_gather_along
         from chipset.parallel.ulysses import ulysses_attention
@@ -103,6 +113,8 @@ class ContextParallel:
             return ring_attention(q, k, v, self, docs)
         if self.attention == "ulysses":
             return ulysses_attention(q, k, v, self, docs)
+        if self.attention == "hybrid":
+            return hybrid_attention(q, k, v, self, docs)
         k_all = all_gather_along(k, 2, self.collective, self.group)
         v_all = all_gather_along(v, 2, self.collective, self.group)
         if docs is None:

@@ -38,8 +38,10 @@ def _rotate(cp, t: torch.Tensor):
 
 
 def _wait(handles) -> None:
+    """Wait for a rotation; clears ``handles``, whose work objects keep the sent block alive."""
     for h in handles:
         h.wait()
+    handles.clear()
 
 
 def expand_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
@@ -87,6 +89,7 @@ class _RingAttention(torch.autograd.Function):
             qq = q[:, :, rows]
             blk_o, blk_lse = kern.attention_block(qq, kk, vv, causal=causal, docs=pair)
             o[:, :, rows], lse[:, :, rows] = merge_blocks(o[:, :, rows], lse[:, :, rows], blk_o, blk_lse)
+            del kk, vv, blk_o, blk_lse
             if pending is not None:
                 buf, handles = pending
                 _wait(handles)
@@ -119,6 +122,7 @@ class _RingAttention(torch.autograd.Function):
             dq[:, :, rows] += dqq.float()
             blk[2][:, :, cols] += fold_kv(dkk.float(), rep)
             blk[3][:, :, cols] += fold_kv(dvv.float(), rep)
+            del kk, vv, dqq, dkk, dvv  # not alive during the next step's kernel
             if step < cp.size - 1:
                 buf, handles = _rotate(cp, blk)
             else:  # the last hop brings the finished gradients home

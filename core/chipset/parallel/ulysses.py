@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from chipset.errors import ConfigError
 from chipset.kernels.blockwise import BlockAttention
 from chipset.parallel.ring import expand_kv
 
@@ -71,6 +72,9 @@ class _ToSeq(torch.autograd.Function):
 def ulysses_attention(q, k, v, cp, docs=None):
     """Causal attention of this rank's tokens (all heads), computed head-parallel over the cp group."""
     n = cp.size
+    if q.shape[1] % n:  # a family whose own checks did not catch it (the transformer's do, before launch)
+        raise ConfigError(f"cp_attention = 'ulysses' splits heads over cp: {q.shape[1]} query heads on this rank "
+                          f"are not divisible by cp ({n}); choose another parallel.cp or cp_attention = 'ring'")
     kv = k.shape[1]
     grow = math.lcm(kv, n) // kv
     k, v = expand_kv(k, grow), expand_kv(v, grow)

@@ -113,10 +113,11 @@ class CommItem:
 
 
 def _item(cl: Cluster, lay: Layout, dim: str, op: str, what: str, n: int, size: float, calls: int,
-          phase: str) -> CommItem | None:
+          phase: str, stride: int = 0) -> CommItem | None:
+    """``stride``: rank distance within the group when it is not ``dim``'s own (hybrid cp's ring)."""
     if n <= 1 or calls <= 0 or size <= 0:
         return None
-    intra = is_intra_node(n, group_stride(lay, dim), cl.devices_per_node)
+    intra = is_intra_node(n, stride or group_stride(lay, dim), cl.devices_per_node)
     d = cl.device
     bw = d.intra_node_bandwidth if intra else d.inter_node_bandwidth
     lat = d.intra_node_latency if intra else d.inter_node_latency
@@ -221,12 +222,21 @@ def stage_micro_items(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster, 
         out.append(_item(cl, lay, "ep", "all_to_all", "tokens", lay.ep, tokens, a2a, "micro"))
 
     # --- context parallel ---------------------------------------------------------------
-    if lay.cp_attention == "ulysses":  # q, k, v to the head split and the output back; as many in backward
+    if lay.cp_attention in ("ulysses", "hybrid"):  # q, k, v to the head split and the output back; as many in backward
+        u = lay.cp if lay.cp_attention == "ulysses" else lay.cp_ulysses
         kv_heads = max(1, round(m.kv_dim / m.head_dim / t))
-        kv_width = math.lcm(kv_heads, lay.cp) * m.head_dim  # kv heads repeated up to a multiple of cp
+        kv_width = math.lcm(kv_heads, u) * m.head_dim  # kv heads repeated up to a multiple of u
         mean = P * b * s * (2 * h / t + 2 * kv_width) / 4  # one call's buffer, averaged over the four
         calls = (12 if lay.recompute == "full" else 8) * blocks * mb
-        out.append(_item(cl, lay, "cp", "all_to_all", "q, k, v, out", lay.cp, mean, calls, "cp"))
+        out.append(_item(cl, lay, "cp", "all_to_all", "q, k, v, out", u, mean, calls, "cp"))
+        if lay.cp_attention == "ulysses":
+            return [i for i in out if i is not None]
+        # hybrid: the ring over cp/u groups passes the head-split K/V of u ranks' tokens (the whole
+        # sequence's K/V on kv_width/u per token), ranks u * (cp stride) apart
+        kv = 2 * P * b * (seq_len or m.seq_len) * kv_width / u
+        rounds = (4 if lay.recompute == "full" else 3) * blocks * mb
+        out.append(_item(cl, lay, "cp", "all_gather", "kv (ring across Ulysses groups)", lay.cp // u, kv, rounds,
+                         "cp", stride=group_stride(lay, "cp") * u))
         return [i for i in out if i is not None]
     kv = 2 * P * b * (seq_len or m.seq_len) * max(m.kv_dim / t, m.head_dim)
     rounds = (4 if lay.recompute == "full" else 3) * blocks * mb

@@ -88,7 +88,7 @@ def stage_of(cfg: Any, rank: int) -> str:
 def _engine_units(item: CommItem, cp_attention: str) -> dict[str, float]:
     """One planner item as the engine's accounting counts it."""
     n, total = item.group_size, item.buffer * item.calls
-    if item.op == "send" or (item.dim == "cp" and cp_attention == "ring"):
+    if item.op == "send" or (item.dim == "cp" and item.op == "all_gather" and cp_attention in ("ring", "hybrid")):
         return {"batch_p2p": 2 * item.bytes}  # every byte sent is a byte received by the peer
     if item.op == "all_gather":
         return {"all_gather": total / n}

@@ -57,7 +57,11 @@ class Layout:
     cp_attention: str = DEFAULT_CP_ATTENTION
     """With cp > 1: "ring" (K/V blocks passed round the ring, Liu et al. 2023), "allgather" (K/V
     gathered whole: the default, as in ``parallel.cp_attention``) or "ulysses"
-    (all-to-all to a head split and back, Jacobs et al. 2023)."""
+    (all-to-all to a head split and back, Jacobs et al. 2023) or "hybrid" (Ulysses inside groups
+    of ``cp_ulysses`` adjacent cp ranks, the ring across them; Fang and Zhao 2024, USP)."""
+    cp_ulysses: int = 0
+    """With ``cp_attention = "hybrid"``: the Ulysses degree inside the cp group (``parallel.cp_ulysses``);
+    the ring runs over ``cp / cp_ulysses`` ranks. 0 otherwise."""
     offload_activations: bool = False
     """Each block's saved activations wait in host memory (``train.offload_activations``): one
     block's on the device, the others' copied out and back (``offload`` time)."""
@@ -95,6 +99,10 @@ class Layout:
             problems.append(f"parallel.schedule must be one of {', '.join(SCHEDULES)} (found {self.schedule!r})")
         if self.cp_attention not in CP_ATTENTION:
             problems.append(f"parallel.cp_attention must be one of {', '.join(CP_ATTENTION)} (found {self.cp_attention!r})")
+        if self.cp_attention == "hybrid" and self.cp > 1 and not (
+                1 < self.cp_ulysses < self.cp and self.cp % self.cp_ulysses == 0):
+            problems.append(f"parallel.cp_ulysses must divide cp ({self.cp}) and lie between 2 and cp/2 with "
+                            f"cp_attention hybrid (found {self.cp_ulysses!r})")
         if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             problems.append(f"train.loss_chunk must be an integer >= 0 (found {self.loss_chunk!r})")
         if self.recompute not in RECOMPUTE:

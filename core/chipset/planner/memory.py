@@ -294,6 +294,8 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     redo = block_activation_bytes(m, dataclasses.replace(lay, recompute="none"), s, train) - block
     if lay.offload_activations:  # every block's saved tensors on the host; the one in backward back on the device
         redo, block = redo + block, 0.0
+    # Where modelled, node by node instead: the block's saved tensors come back one node at a time.
+    offloaded = ref.offloaded_block_backward_bytes(m, lay, tokens, train)
     loss_stage = stage in ("only", "last")
     embed = tokens * ref.embed_bytes_per_token(lay) if stage in ("only", "first") else 0.0
     logit_tokens = ref.loss_tokens(lay, tokens, lay.micro_batch)
@@ -334,8 +336,11 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
         if loss_stage:
             moments.append(("loss backward", acts + stage_out + head * mbs,
                             logit_tokens * ref.loss_backward_bytes_per_token(m, lay) + grads + chunk_grads, 0.0))
-        moments.append(("block backward", acts + stage_out + head * (mbs - 1) + redo,
-                        ref.block_backward_bytes(m, lay, tokens, train) + grads, z3))
+        if offloaded is None:
+            moments.append(("block backward", acts + stage_out + head * (mbs - 1) + redo,
+                            ref.block_backward_bytes(m, lay, tokens, train) + grads, z3))
+        else:
+            moments.append(("block backward", acts + stage_out + head * (mbs - 1), offloaded + grads, z3))
     mbs = max(1, chunks // lay.v) if lay.v > 1 else chunks
     bucket = train.bucket_mb * 2**20 / e if lay.zero < 3 else local / max(1, blocks)
     bucket = min(local, bucket)

@@ -10,9 +10,12 @@ sequence parallelism the projections reading one norm (q, k, v; gate, up) share 
 contiguous copy of the gathered sequence;
 ring attention (cp) keeps only its inputs, its output and the float32 log-sum-exp (the
 blockwise kernels, kernels/blockwise.py); Ulysses keeps q and k, v repeated to the local
-query heads, all of the whole sequence for heads/cp heads, its output and the log-sum-exp.
+query heads, all of the whole sequence for heads/cp heads, its output and the log-sum-exp;
+hybrid (Ulysses over ``u = cp_ulysses``, ring across) keeps what the ring keeps on its
+head-split inputs: q, k and v (kv heads repeated up to a multiple of u), output, log-sum-exp.
 Activation offload (``offload_activations``) keeps no block's saved tensors on the device
-but the one whose backward runs; a chunked loss (``loss_chunk``) keeps the head's input
+but the one whose backward runs, and of that one (with blockwise cp attention) only the
+running node's (:func:`offloaded_block_backward_bytes`); a chunked loss (``loss_chunk``) keeps the head's input
 and one chunk's logits at a time.
 Each count below was checked tensor by tensor against ``torch.autograd.graph.saved_tensors_hooks``
 on the engine's model (docs/planner.md, "Validation: peak memory").
@@ -23,14 +26,26 @@ they say otherwise. ``E`` is the compute dtype's size, ``F = 4`` (float32).
 
 from __future__ import annotations
 
+import math
+
 from chipset.kernels.blockwise import TILE_SCORES
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 
 __all__ = ["block_bytes_per_token", "mask_bytes", "head_bytes_per_token", "embed_bytes_per_token", "loss_tokens",
-           "loss_backward_bytes_per_token", "block_backward_bytes", "attention_tile_bytes", "F"]
+           "loss_backward_bytes_per_token", "block_backward_bytes", "attention_tile_bytes",
+           "offloaded_attention_backward_bytes", "offloaded_block_backward_bytes", "F"]
 
 F = 4
+BLOCKWISE = ("ring", "ulysses", "hybrid")
+"""cp attentions that run the blockwise kernels (no mask, no score matrix)."""
+
+
+def hybrid_kv_width(m: ModelSpec, lay: Layout) -> float:
+    """Width of k (or v) per local token after the hybrid's all-to-all: kv heads per tp rank
+    repeated up to a multiple of the Ulysses degree (parallel/hybrid.py)."""
+    kv_heads = max(1, round(m.kv_dim / m.head_dim / lay.tp))
+    return math.lcm(kv_heads, lay.cp_ulysses) * m.head_dim
 
 
 def _norm(m: ModelSpec, lay: Layout, e: int) -> float:
@@ -38,22 +53,31 @@ def _norm(m: ModelSpec, lay: Layout, e: int) -> float:
     return ((F + e) * m.hidden + F) / (lay.tp if lay.sp else 1)
 
 
-def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec) -> float:
-    """Saved bytes of one block per local token (without the attention mask, see :func:`mask_bytes`)."""
-    e, h, t, a = train.param_bytes, m.hidden, lay.tp, m.heads
-    if lay.recompute == "full":  # the checkpoint keeps the block input only
-        return e * h / (t if lay.sp else 1)
-    # The norm's output, saved by q, k and v; under sp gathered once into one contiguous tensor
-    # they share (parallel/tensor.py, enter_region).
-    attn_in = e * h
+def _core(m: ModelSpec, lay: Layout, seq_len: int, e: int) -> float:
+    """What the attention core saves per local token."""
+    h, t, a = m.hidden, lay.tp, m.heads
     if lay.recompute == "selective":  # the checkpointed core keeps q, k, v as they came out of the projections
         core = e * (h + 2 * m.kv_dim) / t
     elif lay.cp > 1 and lay.cp_attention == "ring":  # q, the local k, v, the output and float32 log-sum-exp
         core = (e * (2 * h + 2 * m.kv_dim) + F * a) / t
     elif lay.cp > 1 and lay.cp_attention == "ulysses":  # q, k and v on the local heads' query width, output, lse
         core = (4 * e * h + F * a) / t
+    elif lay.cp > 1 and lay.cp_attention == "hybrid":  # q, k, v after the all-to-all, the output and lse
+        core = (2 * e * h + F * a) / t + 2 * e * hybrid_kv_width(m, lay)
     else:  # float32 q, k and v (k, v repeated to every head and gathered over cp), softmax and its clean copy
         core = F * h / t * (1 + 2 * lay.cp) + 2 * F * (a / t) * seq_len
+    return core
+
+
+def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec) -> float:
+    """Saved bytes of one block per local token (without the attention mask, see :func:`mask_bytes`)."""
+    e, h, t = train.param_bytes, m.hidden, lay.tp
+    if lay.recompute == "full":  # the checkpoint keeps the block input only
+        return e * h / (t if lay.sp else 1)
+    # The norm's output, saved by q, k and v; under sp gathered once into one contiguous tensor
+    # they share (parallel/tensor.py, enter_region).
+    attn_in = e * h
+    core = _core(m, lay, seq_len, e)
     attn_out = e * h / t
     dense_mlp = e * h + 5 * e * m.ffn / t
     mlp = dense_mlp
@@ -71,7 +95,7 @@ def block_bytes_per_token(m: ModelSpec, lay: Layout, seq_len: int, train: TrainS
 
 def mask_bytes(m: ModelSpec, lay: Layout, seq_len: int) -> float:
     """The boolean causal mask one block builds per micro-batch (local queries x all keys)."""
-    if lay.recompute != "none" or (lay.cp > 1 and lay.cp_attention in ("ring", "ulysses")):
+    if lay.recompute != "none" or (lay.cp > 1 and lay.cp_attention in BLOCKWISE):
         return 0.0
     return seq_len / lay.cp * seq_len
 
@@ -112,15 +136,52 @@ def block_backward_bytes(m: ModelSpec, lay: Layout, tokens: float, train: TrainS
     return e * tokens * (h + f / t) + e * h * m.ffn / t + attention_tile_bytes(m, lay, tokens)
 
 
+def offloaded_block_backward_bytes(m: ModelSpec, lay: Layout, tokens: float, train: TrainSpec) -> float | None:
+    """With activation offload: the most one block's backward holds at once (total bytes), node by node
+    (autograd copies a node's saved tensors back when that node runs, and drops them after): the larger
+    of the attention's backward (:func:`offloaded_attention_backward_bytes`) and the SwiGLU product's
+    (its incoming gradient, the two saved factors and their two gradients, f wide each, and the residual
+    stream's gradient). None where this is not modelled (dense attention, MoE, recompute): there every
+    saved tensor of the block counts as back on the device."""
+    if (not lay.offload_activations or lay.cp == 1 or lay.cp_attention not in BLOCKWISE or m.is_moe
+            or lay.recompute != "none"):
+        return None
+    e, h, t = train.param_bytes, m.hidden, lay.tp
+    mlp = tokens * (5 * e * m.ffn / t + e * h / (t if lay.sp else 1)) + e * h * m.ffn / t
+    return max(offloaded_attention_backward_bytes(m, lay, tokens, train), mlp)
+
+
+def offloaded_attention_backward_bytes(m: ModelSpec, lay: Layout, tokens: float, train: TrainSpec) -> float:
+    """With activation offload and blockwise cp attention: what the attention's backward holds (total
+    bytes). Autograd copies a node's saved tensors back only when that node runs, so the attention
+    node has on the device its own saved tensors (:func:`_core`), the incoming gradients (the residual
+    stream's and the attention output's; Ulysses and hybrid also that one after its all-to-all) and its
+    working set: the ring's float32 query gradient and travelling (k, v, dk, dv) block, kv heads
+    repeated to the query heads, the kernel's float32 dq, dk, dv, and the score tiles."""
+    e, h, t = train.param_bytes, m.hidden, lay.tp
+    q = h / t  # local query width
+    kv = hybrid_kv_width(m, lay) if lay.cp_attention == "hybrid" else m.kv_dim / t
+    grads = e * h / (t if lay.sp else 1) + e * q
+    kernel = 3 * F * q
+    if lay.cp_attention == "ulysses":  # one block kernel over q, k, v already repeated to the query heads
+        work = e * q + kernel
+    else:  # ring (alone, or across the hybrid's Ulysses groups: then after an all-to-all of the gradient)
+        repeated = 2 * e * q if kv < q else 0.0
+        work = F * q + 4 * F * kv + repeated + kernel + (e * q if lay.cp_attention == "hybrid" else 0.0)
+    return tokens * (_core(m, lay, 0, e) + grads + work) + attention_tile_bytes(m, lay, tokens)
+
+
 def attention_tile_bytes(m: ModelSpec, lay: Layout, tokens: float) -> float:
     """Ring and Ulysses attention through the reference block kernels (kernels/blockwise.py):
     the float32 scores and probabilities of one query tile, both alive while the tile's
     gradients are computed (at most ``TILE_SCORES`` elements each)."""
-    if lay.cp == 1 or lay.cp_attention not in ("ring", "ulysses"):
+    if lay.cp == 1 or lay.cp_attention not in BLOCKWISE:
         return 0.0
     s_local = tokens / lay.micro_batch
     if lay.cp_attention == "ring":  # the own block: local queries x local keys
         heads, sq = m.heads / lay.tp, s_local
+    elif lay.cp_attention == "hybrid":  # the ring's own block: the Ulysses group's tokens on heads / u
+        heads, sq = m.heads / lay.tp / lay.cp_ulysses, s_local * lay.cp_ulysses
     else:  # the whole sequence on heads / cp heads
         heads, sq = m.heads / lay.tp / lay.cp, s_local * lay.cp
     return 2 * F * min(TILE_SCORES, lay.micro_batch * heads * sq * sq)

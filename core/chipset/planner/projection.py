@@ -68,6 +68,7 @@ def _ops_by_dim(lay, zero: int, sp: bool, cp_attention: str) -> dict[str, set[st
         out["tp"] = {"all_gather", "reduce_scatter", "all_reduce"} if sp else {"all_reduce"}
     if lay.cp > 1:
         out["cp"] = ({"all_gather"} if cp_attention == "allgather" else {"all_to_all"} if cp_attention == "ulysses"
+                     else {"all_to_all", "batch_p2p", "send", "recv"} if cp_attention == "hybrid"
                      else {"batch_p2p", "send", "recv"})
     if lay.ep > 1:
         out["ep"] = {"all_to_all"}

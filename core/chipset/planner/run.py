@@ -55,6 +55,7 @@ def from_run_config(cfg: Any, world_size: int | None = None,
                  schedule=par.schedule, virtual_stages=par.virtual_stages,
                  recompute=tr.recompute, sequence_parallel=par.sequence_parallel,
                  cp_attention=getattr(par, "cp_attention", "allgather"),
+                 cp_ulysses=int(getattr(par, "cp_ulysses", 0)),
                  offload_activations=bool(getattr(tr, "offload_activations", False)),
                  loss_chunk=int(getattr(tr, "loss_chunk", 0)))
     train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e,

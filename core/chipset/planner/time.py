@@ -270,8 +270,9 @@ def _slot(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster, a: Assumptio
     t_tp = _sum(micro, dim="tp") / mb
     t_ep = _sum(micro, dim="ep") / mb
     t_cp = _sum(micro, dim="cp") / mb
-    if a.cp_overlap and lay.cp_attention == "ring":
-        t_cp = max(0.0, t_cp - sc.attention_s)
+    if a.cp_overlap and lay.cp_attention in ("ring", "hybrid"):  # the ring's hops hide behind the steps
+        ring = sum(i.time_s for i in micro if i.dim == "cp" and i.op == "all_gather") / mb
+        t_cp = t_cp - ring + max(0.0, ring - sc.attention_s)
     t_slot = t_compute + t_tp + t_ep + t_pp + t_cp
     return t_slot, sc, t_gemm, t_mem, t_launch, t_compute, micro, t_tp, t_ep, t_cp
 

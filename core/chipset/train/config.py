@@ -80,7 +80,9 @@ class ParallelConfig:
     sequence_parallel: bool = DEFAULT_SEQUENCE_PARALLEL
     """With tp > 1: split norm regions along the sequence over tp (reduce-scatter/all-gather instead of all-reduce)."""
     cp_attention: str = DEFAULT_CP_ATTENTION
-    """With cp > 1: allgather (all-gather K/V over cp), ring (pass K/V blocks around the cp ring, one fused attention block per step merged by log-sum-exp) or ulysses (all-to-all from a sequence split to a head split and back; heads/tp must divide by cp). docs/long-context.md says which to use."""
+    """With cp > 1: allgather (all-gather K/V over cp), ring (pass K/V blocks around the cp ring, one fused attention block per step merged by log-sum-exp), ulysses (all-to-all from a sequence split to a head split and back; heads/tp must divide by cp) or hybrid (Ulysses inside groups of cp_ulysses adjacent cp ranks, ring across them). docs/long-context.md says which to use."""
+    cp_ulysses: int = 0
+    """With cp_attention = "hybrid": the Ulysses degree inside the cp group (adjacent cp ranks; heads/tp must divide by it); the ring runs over cp/cp_ulysses groups. 0 = not hybrid."""
     schedule: str = "1f1b"
     """With pp > 1: pipeline schedule gpipe, 1f1b or interleaved_1f1b (docs/engine.md, `chipset train --print-schedule`)."""
     virtual_stages: int = 1
@@ -607,6 +609,13 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
     if par.cp_attention not in CP_ATTENTION:
         problems.append(f"parallel.cp_attention = {par.cp_attention!r}: expected "
                         f"{', '.join(CP_ATTENTION[:-1])} or {CP_ATTENTION[-1]}")
+    if par.cp_attention == "hybrid" and not (1 < par.cp_ulysses < par.cp and par.cp % par.cp_ulysses == 0):
+        problems.append(f"parallel.cp_attention = 'hybrid' needs parallel.cp_ulysses, the Ulysses degree, to be a "
+                        f"divisor of cp ({par.cp}) between 2 and cp/2 (found {par.cp_ulysses!r}); set it, or use "
+                        "cp_attention = 'ulysses' or 'ring' for one kind alone")
+    elif par.cp_attention != "hybrid" and par.cp_ulysses:
+        problems.append(f"parallel.cp_ulysses = {par.cp_ulysses!r} applies only with cp_attention = 'hybrid' "
+                        f"(found {par.cp_attention!r}); remove it or set cp_attention = 'hybrid'")
     # The schedule is built to check it: only for degrees the rules below do not refuse anyway
     # (pp beyond the world, more micro-batches than sequences).
     if 1 < par.pp <= (world_size or par.pp) and par.micro_batches <= max(tr.global_batch, 1):

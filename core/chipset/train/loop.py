@@ -26,6 +26,7 @@ from chipset.parallel.context import ContextParallel, apply_cp
 from chipset.parallel.dims import ParallelDims
 from chipset.parallel.experts import apply_ep
 from chipset.parallel.fp8 import apply_fp8, check_fp8, fp8_targets
+from chipset.parallel.hybrid import hybrid_groups
 from chipset.parallel.lora import apply_lora, lora_of
 from chipset.parallel.moe import apply_cp_moe
 from chipset.parallel.offload import apply_offload
@@ -118,7 +119,11 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
         check_fp8(tr.fp8, backend)
         apply_fp8(model, fp8_targets(model, family, cfg), backend.kernels, tr.fp8)
     if dims.cp_enabled:
-        cp = ContextParallel(col, dims.group("cp", col), backend.kernels, attention=par.cp_attention)
+        group = dims.group("cp", col)
+        subgroups = None
+        if par.cp_attention == "hybrid":  # after the cp groups: every rank creates groups in one order
+            subgroups = hybrid_groups(col, dims.group_ranks("cp"), par.cp_ulysses)
+        cp = ContextParallel(col, group, backend.kernels, attention=par.cp_attention, subgroups=subgroups)
         apply_cp(model, family.attention(model), cp=cp)
         apply_cp_moe(model, cp=cp)
     if dims.ep_enabled:
