@@ -109,8 +109,9 @@ def test_version_flag():
 
 
 def test_the_command_ends_like_sys_exit_without_the_interpreters_teardown(tmp_path):
-    """chipset._process.exit_process (the ``chipset`` command's and torchrun agent's end): threads
-    joined, atexit run, output flushed, the status kept (an int, None as 0, a message as 1)."""
+    """chipset._process.exit_process (the ``chipset`` command's and torchrun agent's end): an idle
+    executor shut down, threads joined, atexit run, output flushed, the status kept (an int, None
+    as 0, a message as 1)."""
     script = (
         "import atexit, sys, threading, time\n"
         "from pathlib import Path\n"
@@ -118,6 +119,9 @@ def test_the_command_ends_like_sys_exit_without_the_interpreters_teardown(tmp_pa
         "out = Path(sys.argv[1])\n"
         "atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
         "threading.Thread(target=lambda: (time.sleep(0.3), (out / 'thread').write_text('done'))).start()\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "pool = ThreadPoolExecutor(2)\n"  # idle workers, never shut down (as torch.compile leaves them)
+        "pool.submit(lambda: None).result()\n"
         "sys.stdout.write('unflushed')\n"
         "exit_process(eval(sys.argv[2]))\n")
     for code, status in (("3", 3), ("None", 0), ("'bad input'", 1)):

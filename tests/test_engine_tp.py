@@ -189,7 +189,7 @@ def test_cli_trains_tp_sp_cp_through_torchrun_like_one_process(runs, tmp_path):
     (["--nproc", "2", "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true", "--set", "train.seq_len=15"],
      "train.seq_len/cp (15/1) must be divisible by tp (2)"),
     (["--nproc", "2", "--set", "parallel.cp=2", "--set", "parallel.cp_attention=flash"],
-     "parallel.cp_attention = 'flash': expected allgather, ring or ulysses"),
+     "parallel.cp_attention = 'flash': expected allgather, ring, ulysses or hybrid"),
 ])
 def test_layouts_the_model_cannot_take_are_refused_before_launch(tmp_path, capsys, args, expect):
     from chipset.cli.main import main
