@@ -716,7 +716,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
     dp = par.dp if par.dp > 0 else None
     problems += island_problems(cfg.islands, whole_world,
                                 dp or 0, par.micro_batches, tr.global_batch)
-    problems += client_data_problems(cfg.islands, da, lambda path: _client_data_path_problems(da.source, path, m.vocab_size))
+    problems += client_data_problems(cfg.islands, da)
     if dp and par.micro_batches > 0 and tr.global_batch > 0 and islands == 1:
         if tr.global_batch % (dp * par.micro_batches):
             problems.append(
@@ -831,13 +831,21 @@ def _tokenizer_vocab_problems(tokenizer: str, vocab_size: int) -> list[str]:
     return []
 
 
-def _client_data_path_problems(source: str, path: str, vocab_size: int) -> list[str]:
-    """One entry of islands.client_data, read as data.source reads data.path."""
-    if source == "tokens":
-        return _token_data_problems(path, vocab_size)
-    if not Path(path).exists():
-        return [f"{path!r}: no such file or directory; give a text file or a folder of them"]
-    return []
+def client_data_path_problems(cfg: RunConfig, islands: list[int]) -> list[str]:
+    """Whether the ``islands.client_data`` entries of ``islands`` (those run on this node: a
+    client's data need not exist anywhere else) can be read as data.source reads data.path."""
+    paths = client_paths(cfg.islands)
+    problems = []
+    for i in islands:
+        if i >= len(paths):
+            continue  # the count mismatch is validate()'s
+        path = paths[i]
+        if cfg.data.source == "tokens":
+            found = _token_data_problems(path, cfg.model.vocab_size)
+        else:
+            found = [] if Path(path).exists() else [f"{path!r}: no such file or directory; give a text file or a folder of them"]
+        problems += [f"islands.client_data entry {i} (island {i}): {msg}" for msg in found]
+    return problems
 
 
 def _token_data_problems(path: str, vocab_size: int) -> list[str]:

@@ -44,7 +44,7 @@ class IslandsConfig:
     secure_aggregation: bool = False
     """Federated: the islands (clients, one rank each) send their updates masked by pairwise masks that cancel in the sum, so the outer all-reduce only ever holds masked vectors and the sum (docs/islands.md#federated-secure-aggregation-and-differential-privacy); updates are clipped to clip_norm."""
     noise_multiplier: float = 0.0
-    """Federated differential privacy: Gaussian noise of noise_multiplier * clip_norm on the sum of the clients' clipped updates, every outer step (each client adds its 1/sqrt(clients) share); the (epsilon, dp_delta) spent is reported by an RDP accountant. 0 = no noise (>= 0)."""
+    """Federated differential privacy: Gaussian noise of noise_multiplier * clip_norm on the sum of the clients' clipped updates, every outer step (each client of the round adds its 1/sqrt(clients per round) share); the (epsilon, dp_delta) spent is reported by an RDP accountant. 0 = no noise (>= 0)."""
     clip_norm: float = 1.0
     """L2 norm each client's update (its pseudo-gradient) is clipped to, with secure_aggregation or noise_multiplier > 0 (> 0): the sensitivity of the sum to one client."""
     dp_delta: float = 1e-5
@@ -125,9 +125,10 @@ def client_paths(isl: IslandsConfig) -> list[str]:
     return [p.strip() for p in isl.client_data.split(",") if p.strip()]
 
 
-def client_data_problems(isl: IslandsConfig, da, data_problems) -> list[str]:
-    """Problems of ``islands.client_data`` with the ``[data]`` table ``da``; ``data_problems(path)``
-    returns the problems of data.source's reader on one path (config.py's checks)."""
+def client_data_problems(isl: IslandsConfig, da) -> list[str]:
+    """Problems of ``islands.client_data`` with the ``[data]`` table ``da`` (the list and the source;
+    whether each path can be read: :func:`chipset.train.config.client_data_path_problems`, on the
+    node of that island)."""
     paths = client_paths(isl)
     if not paths:
         return []
@@ -142,12 +143,9 @@ def client_data_problems(isl: IslandsConfig, da, data_problems) -> list[str]:
         problems.append(f"islands.client_data with data.source = {da.source!r}{' and data.blend' if da.blend else ''}: "
                         f"a path per client works with data.source = {' or '.join(CLIENT_DATA_SOURCES)} "
                         "(no blend); prepare each client's data with `chipset data prepare`")
-        return problems
-    if da.path and da.path not in paths:  # the worker's view holds its own entry there (client_config)
+    elif da.path and da.path not in paths:  # the worker's view holds its own entry there (client_config)
         problems.append(f"data.path = {da.path!r} and islands.client_data both given: each island reads its "
                         "entry of islands.client_data; leave data.path empty")
-    for i, p in enumerate(paths):
-        problems += [f"islands.client_data entry {i} (island {i}): {msg}" for msg in data_problems(p)]
     return problems
 
 
