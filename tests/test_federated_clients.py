@@ -195,13 +195,14 @@ def test_bad_client_config_is_refused(sets, says, tmp_path):
         resolve_config(None, [*FED, *sets], world_size=4)
 
 
+@pytest.mark.multirank  # a --nproc 4 command line, refused before any rank starts
 def test_a_missing_client_file_exits_2_before_launch(tmp_path):
     """Each command checks the data of the clients it runs (a client's data is on its node only)."""
     from testenv import chipset_train
 
     (tmp_path / "a.txt").write_text("some text " * 20)
     paths = [str(tmp_path / "a.txt")] * 3 + ["/nowhere/d.txt"]
-    r = chipset_train(tmp_path / "run", 4, [*FED, 'data.source="text"', f'islands.client_data="{", ".join(paths)}"'],
+    r = chipset_train(tmp_path / "run", 4, [*FED, 'data.source="text"', "model.vocab_size=256", f'islands.client_data="{", ".join(paths)}"'],
                       env=_env(), timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "islands.client_data entry 3 (island 3): '/nowhere/d.txt': no such file" in r.stderr, r.stderr
