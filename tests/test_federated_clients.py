@@ -195,6 +195,16 @@ def test_bad_client_config_is_refused(sets, says, tmp_path):
         resolve_config(None, [*FED, *sets], world_size=4)
 
 
+def test_client_paths_in_a_config_file_are_next_to_it_and_each_island_reads_its_own(tmp_path):
+    from chipset.train.islands.clients import client_config
+
+    tmp_path = tmp_path.resolve()  # paths are stored resolved
+    (tmp_path / "cfg.toml").write_text('[data]\nsource = "text"\n[islands]\ncount = 2\nclient_data = "a.txt, sub/b.txt"\n')
+    cfg = load_config(tmp_path / "cfg.toml")
+    assert cfg.islands.client_data == f"{tmp_path / 'a.txt'}, {tmp_path / 'sub' / 'b.txt'}"
+    assert client_config(cfg, 1).data.path == str(tmp_path / "sub" / "b.txt")
+
+
 @pytest.mark.multirank  # a --nproc 4 command line, refused before any rank starts
 def test_a_missing_client_file_exits_2_before_launch(tmp_path):
     """Each command checks the data of the clients it runs (a client's data is on its node only)."""
