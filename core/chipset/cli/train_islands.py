@@ -52,6 +52,12 @@ def run_islands(args, cfg, default_backend, run_dir: Path, family, *, preflight,
     from chipset.train.rundir import RunLock, atomic_write_text
 
     here = check_island_args(args, cfg, *_nodes(args))
+    from chipset.errors import ConfigError
+    from chipset.train.config import client_data_path_problems
+
+    unreadable = client_data_path_problems(cfg, here)  # the data of the clients this command runs
+    if unreadable:
+        raise ConfigError("\n".join(unreadable))
     per_island = args.nproc if args.island is not None else args.nproc // cfg.islands.count
     backends = island_backends(cfg, here, default_backend)
     for i, b in backends.items():

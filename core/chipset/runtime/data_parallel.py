@@ -289,6 +289,8 @@ class Bucket:
             # float32 gradient on the optimizer's device needs no copy (it took one per step).
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
+            for term in e.grad_terms:  # extra loss terms on the weights (FedProx: train/islands/outer.py)
+                term(self, g)
             # A lighter state (train.optimizer_state_dtype) is updated as float32 and rounded back.
             state = {n: t.float() for n, t in self.state.items()}
             if self.matrices is not None:
@@ -393,6 +395,10 @@ class DataParallel:
         self._live: dict[int, Bucket] = {}
         self.launch_log: list[tuple[int, int]] = []
         """(bucket index, buckets still computing gradients) per gradient launch of the last step."""
+        self.grad_terms: list = []
+        """Gradients of extra loss terms that depend on the weights alone: each ``term(bucket, grad)`` adds
+        its gradient to ``grad``, the bucket's owned float32 gradient (shaped like ``bucket.master``),
+        after unscaling and clipping and before the optimizer reads it. Empty: nothing is added."""
         self.norm_groups: list[Group] = []
         """Extra groups whose ranks hold disjoint parts of the model (pipeline stages): the squared
         gradient norm and the overflow flag are summed over each, so clipping sees the whole model."""

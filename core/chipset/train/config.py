@@ -29,7 +29,12 @@ from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
 from chipset.runtime.optim import OPTIMIZERS, STATE_DTYPES
 from chipset.runtime.precision import DTYPE_BY_NAME
-from chipset.train.islands.config import IslandsConfig, island_problems
+from chipset.train.islands.config import (
+    IslandsConfig,
+    client_data_problems,
+    client_paths,
+    island_problems,
+)
 
 log = logging.getLogger(__name__)
 
@@ -543,6 +548,10 @@ def _absolute_data_paths(cfg: RunConfig, base: Path) -> None:
         value = getattr(cfg.data, key)
         if isinstance(value, str) and value and value.isprintable() and not Path(value).is_absolute():
             setattr(cfg.data, key, str((base / value).resolve()))
+    isl = cfg.islands
+    if isinstance(isl.client_data, str) and isl.client_data.isprintable() and isl.client_data.strip():
+        isl.client_data = ", ".join(p if Path(p).is_absolute() else str((base / p).resolve())
+                                    for p in client_paths(isl))
     value = cfg.rl.prompts
     if isinstance(value, str) and value and value.isprintable() and not Path(value).is_absolute():
         cfg.rl.prompts = str((base / value).resolve())
@@ -657,7 +666,9 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
             "set --set model.vocab_size=256"
         )
     elif da.source == "tokens":
-        problems += [] if da.blend else _token_data_problems(da.path, m.vocab_size)  # blend: data/sources.py
+        # blend: data/sources.py; a path per client: islands.client_data, below
+        skip = da.blend or (client_paths(cfg.islands) and not da.path)
+        problems += [] if skip else _token_data_problems(da.path, m.vocab_size)
     elif da.source == "hf":
         from chipset.data import hf, streaming
 
@@ -705,6 +716,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
     dp = par.dp if par.dp > 0 else None
     problems += island_problems(cfg.islands, whole_world,
                                 dp or 0, par.micro_batches, tr.global_batch)
+    problems += client_data_problems(cfg.islands, da)
     if dp and par.micro_batches > 0 and tr.global_batch > 0 and islands == 1:
         if tr.global_batch % (dp * par.micro_batches):
             problems.append(
@@ -817,6 +829,23 @@ def _tokenizer_vocab_problems(tokenizer: str, vocab_size: int) -> list[str]:
         return [f"model.vocab_size ({vocab_size}) is smaller than data.tokenizer's vocabulary ({vocab}); "
                 f"set --set model.vocab_size={vocab}"]
     return []
+
+
+def client_data_path_problems(cfg: RunConfig, islands: list[int]) -> list[str]:
+    """Whether the ``islands.client_data`` entries of ``islands`` (those run on this node: a
+    client's data need not exist anywhere else) can be read as data.source reads data.path."""
+    paths = client_paths(cfg.islands)
+    problems = []
+    for i in islands:
+        if i >= len(paths):
+            continue  # the count mismatch is validate()'s
+        path = paths[i]
+        if cfg.data.source == "tokens":
+            found = _token_data_problems(path, cfg.model.vocab_size)
+        else:
+            found = [] if Path(path).exists() else [f"{path!r}: no such file or directory; give a text file or a folder of them"]
+        problems += [f"islands.client_data entry {i} (island {i}): {msg}" for msg in found]
+    return problems
 
 
 def _token_data_problems(path: str, vocab_size: int) -> list[str]:

@@ -244,6 +244,8 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
     from chipset.train.islands.outer import islands_for_run
 
     islands = islands_for_run(cfg, backend, engine, run_dir)  # None outside an islands job (docs/islands.md)
+    if islands is not None:
+        data = islands.watch(data)  # islands.client_data: the island's summary records what it read
     tr, par = cfg.train, cfg.parallel
     device = engine.device
     run_dir = Path(run_dir) if run_dir is not None else None

@@ -40,11 +40,12 @@ def run_rank(config_path: str, run_dir: str | None, resume: str = "none") -> int
 def _run_rank(config_path: str, run_dir: str | None, resume: str) -> int:
     from chipset.train.config import load_config, resolve_dtype
     from chipset.train.elastic import fit_world
+    from chipset.train.islands.clients import client_config
     from chipset.train.islands.link import island_index
     from chipset.train.loop import train
     from chipset.train.rank import start, stop
 
-    cfg = load_config(config_path)
+    cfg = client_config(load_config(config_path), island_index())  # islands.client_data: this island's data.path
     if run_dir is not None:  # a backend's native flight recorder dumps here on a timeout (hangs.py)
         from chipset.interfaces.collective import FLIGHT_RECORDER_ENV
         from chipset.train.checkpoint.hangs import flight_dir

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["IslandsConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "federated", "island_problems", "island_backends"]
+__all__ = ["IslandsConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "CLIENT_DATA_SOURCES", "federated", "island_problems",
+           "island_backends", "client_paths", "client_data_problems", "per_round"]
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
+CLIENT_DATA_SOURCES = ("text", "tokens")
+"""data.source values islands.client_data works with (a local file or folder per client)."""
 
 
 @dataclass
@@ -41,11 +44,17 @@ class IslandsConfig:
     secure_aggregation: bool = False
     """Federated: the islands (clients, one rank each) send their updates masked by pairwise masks that cancel in the sum, so the outer all-reduce only ever holds masked vectors and the sum (docs/islands.md#federated-secure-aggregation-and-differential-privacy); updates are clipped to clip_norm."""
     noise_multiplier: float = 0.0
-    """Federated differential privacy: Gaussian noise of noise_multiplier * clip_norm on the sum of the clients' clipped updates, every outer step (each client adds its 1/sqrt(clients) share); the (epsilon, dp_delta) spent is reported by an RDP accountant. 0 = no noise (>= 0)."""
+    """Federated differential privacy: Gaussian noise of noise_multiplier * clip_norm on the sum of the clients' clipped updates, every outer step (each client of the round adds its 1/sqrt(clients per round) share); the (epsilon, dp_delta) spent is reported by an RDP accountant. 0 = no noise (>= 0)."""
     clip_norm: float = 1.0
     """L2 norm each client's update (its pseudo-gradient) is clipped to, with secure_aggregation or noise_multiplier > 0 (> 0): the sensitivity of the sum to one client."""
     dp_delta: float = 1e-5
     """The delta at which the epsilon spent is reported (in (0, 1); well below 1 / clients)."""
+    client_data: str = ""
+    """Comma-separated data.path per island (client), one per islands.count, e.g. "clients/a.txt, clients/b.txt": island i reads only its entry (data.source text or tokens), so no client opens another's data; relative paths are resolved against the config file's folder. Empty = every island reads its share of each step's batch from data.path."""
+    prox_mu: float = 0.0
+    """FedProx (>= 0): each island's inner loss gets (prox_mu / 2) * ||w - w_global||^2, pulling its weights towards the round's global parameters (the term's gradient is added to the clipped loss gradient before the inner optimizer); 0 = FedAvg / DiLoCo as before."""
+    clients_per_round: int = 0
+    """Islands (clients) that take part in each outer step (round): a subset of this size drawn from train.seed and the round's index; the others send zeros and receive the round's global parameters. The DP accountant then uses the sampling rate clients_per_round / count. 0 = every island, every round."""
     wire_log: bool = False
     """Audit: every rank writes each tensor it hands to the link between islands (and, in federated runs, its own update before masking, which never leaves) to RUN_DIR/island-<i>/wire/."""
 
@@ -75,6 +84,18 @@ def island_problems(isl: IslandsConfig, world_size: int | None, dp: int,
     if isl.quorum_timeout < 0:
         problems.append(f"islands.quorum_timeout = {isl.quorum_timeout!r}: expected seconds >= 0 (0 = wait for every island)")
     problems += _federated_problems(isl, world_size)
+    if not isl.prox_mu >= 0 or isl.prox_mu == float("inf"):
+        problems.append(f"islands.prox_mu = {isl.prox_mu!r}: expected a finite FedProx coefficient >= 0 (0 = FedAvg; "
+                        "0.001 to 1 are usual)")
+    if isl.clients_per_round < 0 or (isl.count > 1 and isl.clients_per_round > isl.count):
+        problems.append(f"islands.clients_per_round = {isl.clients_per_round!r}: expected 0 (every island, every "
+                        f"round) or a number of islands from 1 to islands.count ({isl.count})")
+    elif isl.clients_per_round and isl.count < 2:
+        problems.append(f"islands.clients_per_round = {isl.clients_per_round} with islands.count = {isl.count}: "
+                        "sampling picks islands per round; set islands.count >= 2")
+    elif isl.secure_aggregation and isl.clients_per_round == 1:
+        problems.append("islands.clients_per_round = 1 with secure_aggregation: the sum of one client's update is "
+                        "that update; sample at least 2 clients per round")
     backends = island_backends(isl)
     if backends and len(backends) != isl.count:
         problems.append(f"islands.backends = {isl.backends!r} names {len(backends)} backend(s) for islands.count = "
@@ -91,6 +112,40 @@ def island_problems(isl: IslandsConfig, world_size: int | None, dp: int,
         problems.append(f"train.global_batch ({global_batch}) must be divisible by islands.count*dp*micro_batches "
                         f"({isl.count}*{dp}*{micro_batches}): the global batch is split over the islands, then "
                         "over each island's dp ranks and micro-batches")
+    return problems
+
+
+def per_round(isl: IslandsConfig) -> int:
+    """The islands that take part in each outer step (``clients_per_round``, 0 = all)."""
+    return isl.clients_per_round or isl.count
+
+
+def client_paths(isl: IslandsConfig) -> list[str]:
+    """``islands.client_data`` as a list (empty: none named)."""
+    return [p.strip() for p in isl.client_data.split(",") if p.strip()]
+
+
+def client_data_problems(isl: IslandsConfig, da) -> list[str]:
+    """Problems of ``islands.client_data`` with the ``[data]`` table ``da`` (the list and the source;
+    whether each path can be read: :func:`chipset.train.config.client_data_path_problems`, on the
+    node of that island)."""
+    paths = client_paths(isl)
+    if not paths:
+        return []
+    if isl.count < 2:
+        return [f"islands.client_data names {len(paths)} path(s) with islands.count = {isl.count}: a path per "
+                "island needs islands.count >= 2 (one entry per island)"]
+    problems = []
+    if len(paths) != isl.count:
+        problems.append(f"islands.client_data names {len(paths)} path(s) for islands.count = {isl.count} islands; "
+                        "give one data path per island, separated by commas")
+    if da.source not in CLIENT_DATA_SOURCES or da.blend:
+        problems.append(f"islands.client_data with data.source = {da.source!r}{' and data.blend' if da.blend else ''}: "
+                        f"a path per client works with data.source = {' or '.join(CLIENT_DATA_SOURCES)} "
+                        "(no blend); prepare each client's data with `chipset data prepare`")
+    elif da.path and da.path not in paths:  # the worker's view holds its own entry there (client_config)
+        problems.append(f"data.path = {da.path!r} and islands.client_data both given: each island reads its "
+                        "entry of islands.client_data; leave data.path empty")
     return problems
 
 

@@ -25,12 +25,13 @@ import torch
 
 from chipset.errors import CollectiveError
 from chipset.runtime.optim import SGD
-from chipset.train.islands.config import federated
+from chipset.train.islands.clients import DataFingerprint, round_clients
+from chipset.train.islands.config import client_paths, federated, per_round
 from chipset.train.islands.link import HEARTBEAT_S, IslandLink, Quorum
 from chipset.train.islands.privacy import rounds_spent
 from chipset.train.islands.secure import SecureSum, decode_sum, scale_for
 
-__all__ = ["Islands", "INT8_BLOCK", "quantize_int8", "dequantize_int8", "islands_for_run"]
+__all__ = ["Islands", "ProxTerm", "INT8_BLOCK", "quantize_int8", "dequantize_int8", "islands_for_run"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,18 @@ def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (blocks * scale[:, None]).view(-1)[:n]
 
 
+class ProxTerm:
+    """FedProx's proximal term ``(mu / 2) * ||w - w_global||^2`` as an engine gradient term
+    (``DataParallel.grad_terms``): adds ``mu * (master - global)`` to each bucket's gradient, where
+    ``global`` (``Bucket.outer["global"]``) holds the round's global parameters."""
+
+    def __init__(self, mu: float):
+        self.mu = mu
+
+    def __call__(self, bucket, grad) -> None:
+        grad.add_(bucket.master - bucket.outer["global"], alpha=self.mu)
+
+
 class Islands:
     """One rank's part in the islands' training. Every rank of an island calls every method."""
 
@@ -113,6 +126,12 @@ class Islands:
                 if self.dtype != "fp32":
                     b.outer["residual"] = torch.zeros_like(b.master)
         self.federated = federated(isl)
+        self.per_round = per_round(isl)
+        self.seed = cfg.train.seed
+        self.prox_mu = isl.prox_mu
+        if self.prox_mu > 0:  # FedProx; 0 adds no term: the engine computes exactly what it did before
+            self.inner.grad_terms.append(ProxTerm(self.prox_mu))
+        self.data: DataFingerprint | None = None
         self.secure = SecureSum(link.store, island, self.count, self.col.rank()) if isl.secure_aggregation else None
         self.clip, self.noise = isl.clip_norm, isl.noise_multiplier
         self.round_noise: list[float] = []
@@ -124,6 +143,18 @@ class Islands:
             self._beat = _Heartbeat(link, island)
 
     # --- where an island stands -------------------------------------------------------
+    def watch(self, data):
+        """``data``, fingerprinted when the island reads its own ``islands.client_data`` entry."""
+        if client_paths(self.cfg.islands):
+            self.data = DataFingerprint(data, self.cfg.data.path)
+            return self.data
+        return data
+
+    def round_clients(self, step: int) -> tuple[int, ...]:
+        """The islands that take part in the outer step after ``step`` inner steps (its round:
+        ``(step - 1) // sync_every``), drawn from train.seed (islands.clients_per_round)."""
+        return round_clients(self.seed, (step - 1) // self.every, self.count, self.per_round)
+
     def replica(self) -> tuple[int, int]:
         """(index, count) of this rank's share of the global batch: islands first, then inner dp."""
         dims = self.engine.dims
@@ -175,8 +206,9 @@ class Islands:
         """The outer step after ``step`` completed inner steps (call when :meth:`due`)."""
         with torch.no_grad():
             x = self._pseudo_gradient()
-            if self.federated:  # clipped (and noised) once per round: a retry resends the same update
-                x = self._privatize(x)
+            drift = float(torch.linalg.vector_norm(x.double()))
+            if self.federated and self.island in self.round_clients(step):
+                x = self._privatize(x)  # clipped (and noised) once per round: a retry resends the same update
         attempt = 0
         while True:
             q = self._agree(step, attempt=attempt)
@@ -197,11 +229,12 @@ class Islands:
                 break
             attempt += 1
         with torch.no_grad():
-            self._apply(avg, x, sent)
+            self._apply(avg, x, sent, took_part=self.island in self.round_clients(step))
             if q.joiners:
                 self._donate(q)
         self.history.append({"step": step, "members": list(q.members), "joiners": list(q.joiners),
-                             "attempts": attempt + 1, "bytes": self.link.totals()[1] - sent0})
+                             "sampled": list(self.round_clients(step)), "attempts": attempt + 1,
+                             "bytes": self.link.totals()[1] - sent0, "drift": drift})
 
     def _restart_from(self, step: int) -> None:
         target = min(self.steps, step + self.every)
@@ -224,11 +257,12 @@ class Islands:
 
     def _privatize(self, x: torch.Tensor) -> torch.Tensor:
         """The update this client contributes: clipped to L2 norm ``clip_norm``, plus its share of
-        the round's Gaussian noise (std ``noise_multiplier * clip_norm / sqrt(count)`` per element)."""
+        the round's Gaussian noise (std ``noise_multiplier * clip_norm / sqrt(k)`` per element, ``k`` the
+        clients per round)."""
         norm = float(torch.linalg.vector_norm(x.double()))
         u = x * (self.clip / max(norm, self.clip))
         if self.noise > 0:
-            u = u + torch.randn(u.shape, generator=self._noise_gen) * (self.noise * self.clip / self.count ** 0.5)
+            u = u + torch.randn(u.shape, generator=self._noise_gen) * (self.noise * self.clip / self.per_round ** 0.5)
         if self.link.wire_dir is not None:
             self.link.record("update", [u], sent=False)
         return u
@@ -236,10 +270,12 @@ class Islands:
     def _exchange(self, x: torch.Tensor, q: Quorum, round_key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the contributors' average pseudo-gradient, what this island's share decoded to)."""
         self.link.use(q)
-        n = len(q.contributors)
-        mine = x if self.island in q.contributors else torch.zeros_like(x)
-        if self.noise > 0:  # the sum's noise: n shares of variance (noise * clip)^2 / count
-            self.round_noise.append(self.noise * (self.count / n) ** 0.5)
+        sampled = self.round_clients(q.step)
+        takers = [m for m in q.contributors if m in sampled]
+        n = max(1, len(takers))  # nobody sampled is alive: the sum is zeros
+        mine = x if self.island in takers else torch.zeros_like(x)
+        if self.noise > 0 and takers:  # the sum's noise: len(takers) shares of variance (noise * clip)^2 / k
+            self.round_noise.append(self.noise * (len(takers) / self.per_round) ** 0.5)
         if self.secure is not None:
             return self._secure_sum(mine, q, round_key) / n, mine
         if self.dtype == "fp32":
@@ -266,7 +302,7 @@ class Islands:
         self.link.all_reduce(t)
         return decode_sum(t, scale)
 
-    def _apply(self, avg: torch.Tensor, x: torch.Tensor, sent: torch.Tensor) -> None:
+    def _apply(self, avg: torch.Tensor, x: torch.Tensor, sent: torch.Tensor, took_part: bool = True) -> None:
         self.outer_steps += 1
         off = 0
         for b in self.buckets:
@@ -275,7 +311,7 @@ class Islands:
             piece = avg[off:off + n].to(g.device)
             state = {"momentum": self._owned(b, b.outer["momentum"])} if "momentum" in b.outer else {}
             self.opt.update(g, piece, state, self.outer_steps, self.lr, self.backend.kernels)
-            if "residual" in b.outer:  # error feedback: what the wire format dropped goes out next time
+            if "residual" in b.outer and took_part:  # error feedback: what the wire format dropped goes out next time
                 self._owned(b, b.outer["residual"]).copy_((x[off:off + n] - sent[off:off + n]).to(g.device))
             self._owned(b, b.master).copy_(g)
             off += n
@@ -400,7 +436,9 @@ class Islands:
                 "outer_steps": self.outer_steps, "pseudo_grad_dtype": self.dtype,
                 "outer_optimizer": self.cfg.islands.outer_optimizer, "outer_lr": self.lr,
                 "cross_island": {"calls": calls, "bytes": nbytes, "seconds": seconds},
-                "quorums": self.history, **({"privacy": self.privacy()} if self.federated else {})}
+                "prox_mu": self.prox_mu, "clients_per_round": self.per_round, "quorums": self.history,
+                **({"data": self.data.summary()} if self.data is not None else {}),
+                **({"privacy": self.privacy()} if self.federated else {})}
 
     def privacy(self) -> dict:
         """What the federated run protects and, with noise, the (epsilon, delta) it spent (privacy.py)."""
@@ -408,7 +446,7 @@ class Islands:
         out = {"secure_aggregation": isl.secure_aggregation, "clip_norm": isl.clip_norm,
                "noise_multiplier": isl.noise_multiplier}
         if self.noise > 0:
-            out.update(rounds_spent(self.round_noise, isl.dp_delta).to_dict())
+            out.update(rounds_spent(self.round_noise, isl.dp_delta, sample_rate=self.per_round / self.count).to_dict())
         return out
 
 
