@@ -88,17 +88,21 @@ def test_a_slow_loader_is_a_stall_and_its_rank_an_input_pipeline_straggler(runs,
     assert "chipset: warning: rank 1 is a straggler" in console and "waiting for its batches" in console
 
 
-def _losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _column(run_dir, key) -> list[float]:
+    return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_loss_spike_multiplies_that_steps_loss_and_no_other(runs, capsys):
     """The spiked job and the clean one train the same model on the same data: the same losses up
     to record step 3, then 10x the clean loss at step 4. Three float32 roundings separate the two
     (the product, and the dp all-reduce's sum in each job): within 2 eps = 4 units of roundoff."""
-    clean, spiked = _losses(runs["clean"]), _losses(runs["loss_spike"])
+    clean, spiked = _column(runs["clean"], "loss"), _column(runs["loss_spike"], "loss")
     assert spiked[:3] == clean[:3]
     assert spiked[3] == pytest.approx(10 * clean[3], rel=2 * torch.finfo(torch.float32).eps, abs=0)
+    # Scaled before backward, so the gradients carry it too (10x up to the roundings of every backward
+    # op), not only the number written down.
+    clean, spiked = _column(runs["clean"], "grad_norm"), _column(runs["loss_spike"], "grad_norm")
+    assert spiked[:3] == clean[:3] and spiked[3] > 5 * clean[3]
     first = _diagnose(runs["loss_spike"], capsys)[1]["findings"][0]
     assert first["evidence"]["spike_steps"] == [4] and first["evidence"]["ratio"] > 3
 
