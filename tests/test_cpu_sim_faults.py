@@ -15,7 +15,7 @@ import pytest
 
 import testenv
 from chipset.errors import ConfigError
-from chipset_cpu_sim.faults import Fault, fault_dir, parse_faults
+from chipset_cpu_sim.faults import ANY_RANK, Fault, FaultPlan, fault_dir, parse_faults
 
 
 # --- parsing ---------------------------------------------------------------------
@@ -27,6 +27,17 @@ def test_the_documented_example_parses():
         Fault("hang", 2, collective=5, spec="hang:rank=2,collective=5"),
         Fault("kill", 3, collective=12, spec="kill:rank=3,collective=12"),
     ]
+
+
+def test_input_faults_parse_with_the_spike_factor_defaulting_to_10():
+    faults = parse_faults("slow_loader:rank=1,ms=200;loss_spike:step=4;loss_spike:step=6,factor=3")
+    assert faults == [
+        Fault("slow_loader", 1, ms=200, spec="slow_loader:rank=1,ms=200"),
+        Fault("loss_spike", ANY_RANK, step=4, spec="loss_spike:step=4", factor=10),
+        Fault("loss_spike", ANY_RANK, step=6, spec="loss_spike:step=6,factor=3", factor=3),
+    ]
+    plan = FaultPlan(faults)
+    assert [plan.loss_factor(s) for s in (3, 4, 5, 6)] == [1.0, 10.0, 1.0, 3.0]
 
 
 def test_empty_means_no_faults():
@@ -47,6 +58,9 @@ def test_empty_means_no_faults():
         ("delay:rank=0,ms=-5", "must not be negative"),
         ("kill:rank=1,rank=2,step=1", "given twice"),
         ("kill:rank", "is not key=value"),
+        ("loss_spike:step=2,factor=1", "would not raise the loss"),
+        ("loss_spike:rank=0,step=2", "unknown key 'rank' for loss_spike"),
+        ("slow_loader:rank=1", "missing ms"),
     ],
 )
 def test_malformed_entries_are_config_errors_that_quote_the_entry(text, needle):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from chipset.cli.main import main
 from chipset.diagnose import diagnose_records
 
@@ -70,6 +72,47 @@ def test_pipeline_stages_are_compared_as_stages_not_as_stragglers():
     d = _pp(_recs(world=4, compute_s=lambda s, v: [1.6, 1.6, 0.8, 1.6]), dp=2)
     assert [(f.kind, f.rank, f.severity) for f in d.findings] == [("straggler", 3, "error"),
                                                                    ("stage_imbalance", 0, "warning")]
+
+
+def _pipe(p2p, compute=(0.8, 0.8), m=4, v=1, **pipeline):
+    """pp=2 on 2 ranks: each rank blocked ``p2p[r]`` s in batch_p2p (its wait for the other stage)
+    on top of ``compute[r]`` s of work, every step."""
+    recs = _recs(compute_s=lambda s, _: list(compute), comm_s=lambda s, _: list(p2p), idle_s=lambda s, _: [0.0, 0.0],
+                 comm=lambda s, _: {"batch_p2p": {"calls": [8, 8], "bytes": [4096] * 2, "seconds": list(p2p)}},
+                 step_time_s=lambda s, _: max(c + w for c, w in zip(compute, p2p, strict=True)))
+    lay = {"dp": 1, "tp": 1, "pp": 2}
+    return diagnose_records(recs, {**SUMMARY, "layout": lay,
+                                   "pipeline": {"schedule": "1f1b", "micro_batches": m, "virtual_stages": v, **pipeline}})
+
+
+def test_a_pipeline_bubble_above_the_schedules_theory():
+    """pp=2, m=4: theory (p-1)/m = 0.25 of the busy time; a step is over when busy + wait >= 1.25x
+    busy x (1 + 0.25), i.e. a measured bubble >= 0.5625."""
+    assert not [f for f in _pipe([0.2, 0.2]).findings if f.kind == "pipeline_bubble"]  # 0.2 / 0.8: the theory
+    assert not _pipe([0.44, 0.44]).findings  # 0.55: inside the margin
+    d = _pipe([0.6, 0.5])  # 0.75 and 0.625: the rank that waited least is measured
+    f = d.findings[0]
+    assert (f.kind, f.severity, f.step, f.rank) == ("pipeline_bubble", "warning", 2, None)
+    assert f.evidence["theory_bubble"] == 0.25 and f.evidence["measured_bubble"] == pytest.approx(0.625)
+    assert f.evidence["excess_wait_s_per_step"] == pytest.approx(0.5 - 0.25 * 0.8)
+    assert "micro_batches" not in f.advice  # theory 25%: at the margin, not over it
+    # Interleaved, v=2: theory 1/8, so the same 0.55 is over (limit 1.25 x 1.125 - 1 = 0.40625).
+    assert [f.kind for f in _pipe([0.44, 0.44], v=2, schedule="interleaved_1f1b").findings] == ["pipeline_bubble"]
+    # m=1: theory 100%; a bubble of 1.6 is over it, and the advice asks for micro-batches.
+    assert "parallel.micro_batches" in _pipe([1.3, 1.3], m=1).findings[0].advice
+
+
+def test_an_unbalanced_pipeline_is_a_stage_imbalance_not_a_bubble():
+    """Stage 0 waits for the slower stage 1 (1.0 s on 0.8 s of work); stage 1 waits 0.2 s on 1.6 s."""
+    d = _pipe([1.0, 0.2], compute=(0.8, 1.6))
+    assert [f.kind for f in d.findings] == ["stage_imbalance"]
+
+
+def test_a_pipeline_run_without_its_schedule_says_so():
+    recs = _recs(comm=lambda s, _: {"batch_p2p": {"calls": [8, 8], "bytes": [4096] * 2, "seconds": [0.1, 0.1]}})
+    d = diagnose_records(recs, {**SUMMARY, "layout": {"pp": 2}})
+    assert any("pipeline.micro_batches" in m for m in d.missing)
+    assert not any("pipeline" in m for m in diagnose_records(recs, SUMMARY).missing)  # pp=1: no check
 
 
 def test_leak_rate_rank_and_first_step():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import testenv
 from chipset.cli.main import main
@@ -22,6 +23,8 @@ FAULTS = {
     "slow_link": "slow_link:rank=1,ms=100",
     "leak": "leak:rank=0,mib=4,step=2",
     "tp_slow_link": "slow_link:rank=1,ms=20",  # with parallel.tp=2: every tp collective crosses the slow link
+    "slow_loader": "slow_loader:rank=1,ms=200",
+    "loss_spike": "loss_spike:step=3",  # the loss of 0-based step 3 (record step 4) times 10
 }
 SETS = {"tp_slow_link": ["parallel.tp=2"]}
 
@@ -63,6 +66,8 @@ def test_clean_run_has_no_error_finding(runs, capsys):
     ("slow", "straggler", 1, 2),                 # the first steady step (step 1 is warm-up)
     ("slow_link", "communication_bound", None, 2),
     ("leak", "memory_leak", 0, 3),               # leaking from 0-based step 2 = record step 3
+    ("slow_loader", "data_loader_stall", 1, 2),
+    ("loss_spike", "loss_spike", None, 4),       # 0-based step 3 = record step 4
 ])
 def test_the_injected_fault_is_ranked_first(runs, capsys, fault, kind, rank, step):
     code, out = _diagnose(runs[fault], capsys)
@@ -71,6 +76,35 @@ def test_the_injected_fault_is_ranked_first(runs, capsys, fault, kind, rank, ste
     if rank is not None:
         assert first["rank"] == rank
     assert code == 1 and first["severity"] == "error"
+
+
+def test_a_slow_loader_is_a_stall_and_its_rank_an_input_pipeline_straggler(runs, capsys):
+    """The loader's sleep lands in rank 1's data wait, which is part of its compute time: a straggler
+    too, blamed on its input and kept a warning so the stall ranks first; the console said so live."""
+    out = _diagnose(runs["slow_loader"], capsys)[1]
+    strag = [f for f in out["findings"] if f["kind"] == "straggler"]
+    assert [(f["rank"], f["evidence"]["cause"], f["severity"]) for f in strag] == [(1, "input pipeline", "warning")]
+    console = (runs["slow_loader"].parent / "slow_loader.out").read_text()
+    assert "chipset: warning: rank 1 is a straggler" in console and "waiting for its batches" in console
+
+
+def _column(run_dir, key) -> list[float]:
+    return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_loss_spike_multiplies_that_steps_loss_and_no_other(runs, capsys):
+    """The spiked job and the clean one train the same model on the same data: the same losses up
+    to record step 3, then 10x the clean loss at step 4. Three float32 roundings separate the two
+    (the product, and the dp all-reduce's sum in each job): within 2 eps = 4 units of roundoff."""
+    clean, spiked = _column(runs["clean"], "loss"), _column(runs["loss_spike"], "loss")
+    assert spiked[:3] == clean[:3]
+    assert spiked[3] == pytest.approx(10 * clean[3], rel=2 * torch.finfo(torch.float32).eps, abs=0)
+    # Scaled before backward, so the gradients carry it too (10x up to the roundings of every backward
+    # op), not only the number written down.
+    clean, spiked = _column(runs["clean"], "grad_norm"), _column(runs["loss_spike"], "grad_norm")
+    assert spiked[:3] == clean[:3] and spiked[3] > 5 * clean[3]
+    first = _diagnose(runs["loss_spike"], capsys)[1]["findings"][0]
+    assert first["evidence"]["spike_steps"] == [4] and first["evidence"]["ratio"] > 3
 
 
 @pytest.mark.parametrize(("fault", "line"), [("slow", "rank 1 is a straggler"), ("leak", "rank 0's memory grew")])

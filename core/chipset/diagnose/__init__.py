@@ -14,13 +14,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chipset.diagnose import rules
 from chipset.diagnose.layout import layout_check
+from chipset.diagnose.pipeline import pipeline_bubble
 from chipset.diagnose.read import check_records, read_run
-from chipset.diagnose.rules import RULES
 
 __all__ = ["Diagnosis", "Finding", "SEVERITIES", "check_layout", "diagnose_records", "diagnose_run"]
 
 SEVERITIES = ("error", "warning", "info")
+RULES = (rules.health, rules.memory, rules.data_loader, rules.straggler, rules.stage_imbalance, pipeline_bubble,
+         rules.communication)
+"""In this order; findings of equal severity and confidence keep it (the sort is stable): what the
+run computed (loss, gradients) before what it holds (memory) before how fast it went."""
 
 
 @dataclass

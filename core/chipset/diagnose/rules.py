@@ -31,7 +31,8 @@ def _lists(recs, key):
     return [r for r in recs if isinstance(r.get(key), list) and r[key]]
 
 
-def _steady(recs):
+def steady(recs):
+    """``recs`` without the warm-up steps (when more than WARMUP + 1 are left)."""
     return recs[WARMUP:] if len(recs) > WARMUP + 1 else recs
 
 
@@ -52,7 +53,7 @@ def stages(summary, world):
 def straggler(recs, summary):
     """Ranks compare with their peers: every other rank, or under pipeline parallelism the ranks of
     the same stage (stages do different work: stage_imbalance compares them)."""
-    rows = _steady(_lists(recs, "compute_s"))
+    rows = steady(_lists(recs, "compute_s"))
     if not rows:
         return [], ["compute_s per rank not recorded: no straggler check"]
     world = len(rows[0]["compute_s"])
@@ -95,7 +96,7 @@ def straggler(recs, summary):
 
 
 def stage_imbalance(recs, summary):
-    rows = _steady(_lists(recs, "compute_s"))
+    rows = steady(_lists(recs, "compute_s"))
     stage = stages(summary, len(rows[0]["compute_s"])) if rows else None
     if stage is None:
         return [], []
@@ -124,7 +125,7 @@ def stage_imbalance(recs, summary):
 
 
 def memory(recs, summary):
-    rows = _steady(_lists(recs, "memory_bytes"))
+    rows = steady(_lists(recs, "memory_bytes"))
     out, missing = [], []
     if len(rows) < 3:
         missing.append("fewer than 3 steady steps with memory_bytes: no leak check")
@@ -170,7 +171,7 @@ def memory(recs, summary):
 
 
 def data_loader(recs, summary):
-    rows = _steady([x for x in _lists(recs, "data_wait_s") if x.get("step_time_s")])
+    rows = steady([x for x in _lists(recs, "data_wait_s") if x.get("step_time_s")])
     if not rows:
         return [], []
     share = [max(x["data_wait_s"]) / x["step_time_s"] for x in rows]
@@ -252,7 +253,7 @@ def health(recs, summary):
 
 
 def communication(recs, summary):
-    rows = _steady([x for x in _lists(recs, "comm_s") if x.get("step_time_s")])
+    rows = steady([x for x in _lists(recs, "comm_s") if x.get("step_time_s")])
     if not rows:
         return [], []
     world = len(rows[0]["comm_s"])
@@ -280,7 +281,3 @@ def communication(recs, summary):
                "group), overlap communication, raise the micro-batch count, or compare the layout with "
                "'chipset plan', which ranks layouts by predicted step time")], []
 
-
-RULES = (health, memory, data_loader, straggler, stage_imbalance, communication)
-"""In this order; findings of equal severity and confidence keep it (the sort is stable): what the
-run computed (loss, gradients) before what it holds (memory) before how fast it went."""

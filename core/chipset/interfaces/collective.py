@@ -273,6 +273,22 @@ class Collective:
         Backends may use it (the simulator's fault injection counts steps); default: nothing.
         """
 
+    # The two hooks below let a backend inject input faults where the training loop measures
+    # them. They live here, next to notify_step, because the collective is the per-rank object
+    # the loop already tells about each step (and where the simulator keeps its fault plan).
+    def notify_batch(self, step: int) -> None:
+        """The training loop calls this while it fetches step ``step``'s batches (0-based), inside
+        the time it records as this rank's wait for its data (``data_wait_s``, docs/diagnose.md).
+
+        Backends may use it (the simulator's ``slow_loader`` fault sleeps here); default: nothing.
+        """
+
+    def loss_factor(self, step: int) -> float:
+        """What the engine multiplies step ``step``'s loss by before backward, so the recorded loss
+        and the gradients both carry it. Default 1.0; the simulator's ``loss_spike`` fault raises it
+        at one step (a bad batch, for ``chipset diagnose`` to find)."""
+        return 1.0
+
     @staticmethod
     def finish_after(handle: Handle | None, then: Callable[[], object]) -> Handle | None:
         """Run ``then`` once the op has completed: at once for a synchronous op (``handle`` is

@@ -542,8 +542,10 @@ class DataParallel:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
 
-    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, *, last: bool = True) -> float:
-        """Forward and backward of one micro-batch; returns its (unscaled) loss.
+    def forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor, *, last: bool = True,
+                         loss_factor: float = 1.0) -> float:
+        """Forward and backward of one micro-batch; returns its loss (not loss-scaled; times
+        ``loss_factor``, 1.0 but for an injected loss spike).
 
         ``last=False`` accumulates gradients locally; ``last=True`` launches the gradient
         communication bucket by bucket during backward.
@@ -551,17 +553,21 @@ class DataParallel:
         self.begin_accumulation(sync=last and not self._no_sync)
         with self.gathered_saved_weights(), trace_range("chipset::forward"):
             loss = self.model.loss(compute_input(tokens, self.dtype), targets)
+        if loss_factor != 1.0:
+            loss = loss * loss_factor
         scaled = loss.float() * (self.scaler.scale / self.micro_batches)
         with trace_range("chipset::backward"):
             scaled.backward()
         self.release_units()
         return float(loss.detach())
 
-    def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                              loss_factor: float = 1.0) -> list[float]:
         """Forward and backward of every micro-batch of a step (``(inputs, targets)`` each); the
         last launches the gradient reduction during its backward. Returns the micro-batch losses
         (the :class:`chipset.runtime.engine.Engine` protocol, shared with the pipeline engine)."""
-        return [self.forward_backward(x, y, last=m == len(batches) - 1) for m, (x, y) in enumerate(batches)]
+        return [self.forward_backward(x, y, last=m == len(batches) - 1, loss_factor=loss_factor)
+                for m, (x, y) in enumerate(batches)]
 
     @torch.no_grad()
     def step(self, lr: float) -> dict:

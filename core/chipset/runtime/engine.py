@@ -29,9 +29,12 @@ class Engine(Protocol):
     step_count: int
     """Optimizer steps taken (a checkpoint restores it)."""
 
-    def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                              loss_factor: float = 1.0) -> list[float]:
         """Forward and backward of a step's micro-batches (``(inputs, targets)`` each, this
-        rank's share); gradients reduced as the layout says. Returns the micro-batch losses."""
+        rank's share); gradients reduced as the layout says. Returns the micro-batch losses.
+        ``loss_factor`` multiplies every micro-batch's loss before backward (returned losses
+        included): 1.0 but for a fault a backend injects (``Collective.loss_factor``)."""
 
     def step(self, lr: float) -> dict[str, Any]:
         """Finish gradient communication, unscale, clip and update at ``lr``: ``grad_norm``,

@@ -197,17 +197,18 @@ def rank_batches(data, step: int, engine, micro_batches: int,
             for m in range(micro_batches)]
 
 
-def train_step(engine, batches, lr: float) -> tuple[float, dict]:
+def train_step(engine, batches, lr: float, loss_factor: float = 1.0) -> tuple[float, dict]:
     """One optimizer step over ``batches`` (this rank's micro-batches, one ``(inputs, targets)``
     each): forward and backward of every micro-batch (gradients reduced over dp, ZeRO-sharded, as
     the engine's layout says), then the update at ``lr``. Returns the loss of the global batch (the
     mean over micro-batches and dp ranks, the same on every rank) and the step's stats
-    (``grad_norm``, ``skipped``, ``loss_scale``)."""
+    (``grad_norm``, ``skipped``, ``loss_scale``). ``loss_factor`` multiplies the loss before backward
+    (``Collective.loss_factor``: 1.0 but for an injected loss spike)."""
     batches = list(batches)
     if len(batches) != engine.micro_batches:
         raise ConfigError(f"train_step got {len(batches)} micro-batch(es), the engine was built for "
                           f"{engine.micro_batches} (parallel.micro_batches); pass exactly that many (inputs, targets)")
-    losses = engine.forward_backward_step(batches)
+    losses = engine.forward_backward_step(batches, loss_factor=loss_factor)
     with trace_range("chipset::optimizer"):
         stats = engine.step(lr)
     loss_t = torch.tensor([sum(losses) / len(losses)], dtype=torch.float32, device=engine.device)
@@ -293,9 +294,10 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
             t0 = time.perf_counter()
             lr = lr_at(cfg, step)
             replica = islands.replica() if islands is not None else None
+            col.notify_batch(step)  # inside the wait for data: a backend's injected slow loader lands there
             batches = rank_batches(data, step, engine, par.micro_batches, replica)
             obs.data_wait(time.perf_counter() - t0)  # this rank's wait for its batches (diagnose: slow loader)
-            loss, stats = train_step(engine, batches, lr)
+            loss, stats = train_step(engine, batches, lr, col.loss_factor(step))
             if islands is not None and islands.due(step + 1):
                 islands.sync(step + 1)  # the outer step: pseudo-gradients averaged between islands
             backend.device.synchronize()
@@ -348,6 +350,9 @@ def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=Non
         "throughput_unit": family_unit(family, cfg),
         "world_size": dims.world_size,
         "layout": dims.layout(),
+        # what the pipeline bubble's theory needs (chipset diagnose: pipeline_bubble)
+        "pipeline": {"schedule": par.schedule, "micro_batches": par.micro_batches,
+                     "virtual_stages": par.virtual_stages},
         "dtype": tr.dtype,
         "recompute": tr.recompute,
         "compile": compile_backend_of(backend.record.descriptor) if tr.compile else None,

@@ -53,6 +53,13 @@ class SimCollective(HostCollective):
         if self.faults:
             self.faults.on_step(self._global_rank(), int(step))
 
+    def notify_batch(self, step: int) -> None:
+        if self.faults:  # slow_loader: the sleep falls inside the loop's data-wait timer
+            self.faults.on_batch(self._global_rank())
+
+    def loss_factor(self, step: int) -> float:
+        return self.faults.loss_factor(int(step)) if self.faults else 1.0
+
     def _global_rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0") or 0)
 

@@ -18,6 +18,12 @@ Grammar: ``;``-separated entries ``kind:key=value,key=value``::
                                 timed as communication (its peers wait inside the same collective)
     leak:rank=1,mib=4,step=3    rank 1 holds 4 MiB more device memory per step from step 3 on
                                 (step optional, default 0), as a loop that keeps tensors alive
+    slow_loader:rank=1,ms=200   a slow input pipeline: rank 1's batches arrive 200 ms late in every
+                                step (slept in ``Collective.notify_batch``, inside the time the loop
+                                records as the rank's wait for its data, ``data_wait_s``)
+    loss_spike:step=4,factor=10 a bad batch: the loss of step 4 is multiplied by 10 before backward
+                                (``Collective.loss_factor``), so the recorded loss and the gradients
+                                both carry it; factor optional, default 10, at least 2; every rank
 
 Counting: ``step`` is what the engine passes to ``Collective.notify_step`` (0-based);
 ``collective`` counts every collective op this process issues, from 0, in call order
@@ -66,7 +72,11 @@ _SCHEMA: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "slow": (("rank", "ms"), (), ()),
     "slow_link": (("rank", "ms"), (), ()),
     "leak": (("rank", "mib"), (), ("step",)),
+    "slow_loader": (("rank", "ms"), (), ()),
+    "loss_spike": ((), ("step",), ("factor",)),
 }
+SPIKE_FACTOR = 10
+"""``loss_spike``'s factor when the entry gives none: a spike the doctor calls an error (>= 3x)."""
 _EXAMPLE = "kill:rank=1,step=7;delay:rank=0,ms=200;hang:rank=2,collective=5"
 ANY_RANK = -1
 
@@ -85,6 +95,8 @@ class Fault:
     mib: int = 0
     island: int | None = None
     """The island it concerns in an islands job (``CHIPSET_ISLAND``); None: every island."""
+    factor: int = SPIKE_FACTOR
+    """``loss_spike``: what the step's loss is multiplied by."""
 
     def here(self) -> bool:
         """Whether this process is in the fault's island (always, for a fault without one)."""
@@ -101,8 +113,8 @@ def _bad(entry: str, why: str) -> ConfigError:
     return ConfigError(
         f"{FAULTS_ENV}: entry {entry!r} is invalid: {why}. Expected ';'-separated entries "
         f"'kind:key=value,...' with kind kill (rank, step|collective, optional island), kill_node (step, optional rank), "
-        f"delay (rank, ms), hang (rank, collective), slow (rank, ms), slow_link (rank, ms) or leak (rank, mib, "
-        f"optional step), e.g. {_EXAMPLE!r}."
+        f"delay (rank, ms), hang (rank, collective), slow (rank, ms), slow_link (rank, ms), leak (rank, mib, "
+        f"optional step), slow_loader (rank, ms) or loss_spike (step, optional factor), e.g. {_EXAMPLE!r}."
     )
 
 
@@ -146,8 +158,11 @@ def parse_faults(text: str | None) -> list[Fault]:
         chosen = [k for k in when if k in values]
         if when and len(chosen) != 1:
             raise _bad(entry, f"give exactly one of {' or '.join(when)}")
+        if values.get("factor", SPIKE_FACTOR) < 2:
+            raise _bad(entry, f"factor={values['factor']} would not raise the loss: give 2 or more")
         faults.append(Fault(kind, values.get("rank", ANY_RANK), values.get("step"), values.get("collective"),
-                            values.get("ms", 0), entry, values.get("mib", 0), values.get("island")))
+                            values.get("ms", 0), entry, values.get("mib", 0), values.get("island"),
+                            values.get("factor", SPIKE_FACTOR)))
     return faults
 
 
@@ -225,6 +240,20 @@ class FaultPlan:
                     f"{describe}: this rank withheld collective #{index} on purpose ({FAULTS_ENV} "
                     f"entry {f.spec!r}); its peers were left waiting and time out."
                 )
+
+    def on_batch(self, rank: int) -> None:
+        """While the loop fetches a step's batches on ``rank``: ``slow_loader`` sleeps there."""
+        delay = sum(f.ms for f in self.faults if f.kind == "slow_loader" and f.rank == rank)
+        if delay:
+            time.sleep(delay / 1000.0)
+
+    def loss_factor(self, step: int) -> float:
+        """What step ``step``'s loss is multiplied by (``loss_spike``; 1.0 at every other step)."""
+        factor = 1.0
+        for f in self.faults:
+            if f.kind == "loss_spike" and f.step == step:
+                factor *= f.factor
+        return factor
 
     def link_delay_s(self, rank: int) -> float:
         """Extra seconds inside each collective of ``rank`` (``slow_link``), timed as communication."""

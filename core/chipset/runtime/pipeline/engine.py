@@ -189,8 +189,10 @@ class PipelineEngine:
             shape[1] //= self.seq_shards
         return tuple(shape)
 
-    def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-        """Run the schedule over ``batches`` (one (tokens, targets) per micro-batch); the m losses."""
+    def forward_backward_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], *,
+                              loss_factor: float = 1.0) -> list[float]:
+        """Run the schedule over ``batches`` (one (tokens, targets) per micro-batch); the m losses,
+        each times ``loss_factor`` (1.0 but for an injected loss spike), as in backward."""
         s, e = self.schedule, self.engine
         m, last_vs = s.micro_batches, s.num_virtual - 1
         if len(batches) != m:
@@ -270,8 +272,12 @@ class PipelineEngine:
                 with e.gathered_saved_weights():  # ZeRO-3: saved weights re-gathered in backward
                     out = self.model.chunk_forward(ins.chunk, x)
                 aux = self.model.aux_loss(ins.chunk)  # MoE: each stage adds its layers' aux loss
+                if aux is not None and loss_factor != 1.0:
+                    aux = aux * loss_factor
                 if vs == last_vs:
                     loss = self.model.loss(out, self.model.local(targets))
+                    if loss_factor != 1.0:
+                        loss = loss * loss_factor
                     if aux is not None:
                         loss = loss + aux
                     losses[ins.mb] += loss.detach().float()
