@@ -11,6 +11,7 @@ every window. This file is also the jobs' script (``__main__`` below).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import sys
@@ -59,6 +60,14 @@ VARIANTS = {  # name -> (overrides, reference, ranks)
 }
 
 
+OFFLOADED = "cp2_ulysses_docs_offload_chunked"
+
+
+def _without_streams(b):
+    """``b`` declaring no streams: activation offload copies synchronously (parallel/offload.py)."""
+    return dataclasses.replace(b, capabilities=dataclasses.replace(b.capabilities, streams=False))
+
+
 def _run(b, overrides: dict) -> dict:
     from chipset.train import train
     from chipset.train.config import RunConfig
@@ -92,6 +101,8 @@ def _job(mode: str, out_path: str) -> None:
     world = b.collective.world_size()
     todo = REFS if mode == "ref" else {k: over for k, (over, _, n) in VARIANTS.items() if n == world}
     got = {"memory": _peaks(b)} if world == 2 else {}  # first: nothing left by earlier runs
+    if world == 2:
+        got["offload_synchronous"] = _run(_without_streams(b), VARIANTS[OFFLOADED][0])
     multirank.finish(b, {**got, **{name: _run(b, over) for name, over in todo.items()}}, out_path)
 
 
@@ -116,6 +127,19 @@ def test_long_context_layout_equals_single_process(runs, variant):
     parity.assert_params_within_adam_bound(mine["params"], want["params"], lrs=[BASE["train"]["lr"]] * STEPS,
                                            beta1=0.9, beta2=0.95)
     assert want["losses"][-1] < want["losses"][0] - 0.05  # it learned: equality is not vacuous
+
+
+@pytest.mark.multirank
+def test_offload_on_a_side_stream_equals_synchronous_copies(runs):
+    """The cp offload variant copies on a side stream where the backend declares streams (cpu_sim
+    does); the same run with streams declared off copies synchronously: bit-identical (copies only)."""
+    import chipset
+
+    if not chipset.backend().capabilities.streams:
+        pytest.skip("the backend declares no streams: both runs copy synchronously")
+    got, want = runs[0][OFFLOADED], runs[0]["offload_synchronous"]
+    assert got["losses"] == want["losses"] and got["grad_norms"] == want["grad_norms"]
+    assert all(torch.equal(got["params"][n], want["params"][n]) for n in want["params"])
 
 
 @pytest.mark.multirank

@@ -69,6 +69,7 @@ class Assumptions:
     host_link_bandwidth: float = 25e9
     """Bytes/s between device and host memory for activation offload, one direction: a PCIe
     Gen4 x16 link moves about 25 GB/s in practice (Gen5: about 50). Offload copies are
-    counted unoverlapped (chipset's offload copies synchronously), an upper bound."""
+    counted unoverlapped, an upper bound (on a backend with streams they run on a side stream
+    beside compute, parallel/offload.py)."""
     max_micro_batch: int = 16
     """Largest micro-batch the search tries (all divisors of the per-replica batch up to it)."""

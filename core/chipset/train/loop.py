@@ -134,7 +134,8 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
     # After compile: a recomputed block checkpoints its compiled forward, from eager code.
     apply_recompute(model, mode=tr.recompute, family=family)
     if tr.offload_activations:  # outside recompute: a recomputed block saves only its inputs
-        apply_offload(family.blocks(model), backend.memory)
+        side = backend.device if backend.capabilities.streams else None  # copies overlap compute there
+        apply_offload(family.blocks(model), backend.memory, side)
     if cfg.data.document_mask:
         model.document_eos = document_eos(cfg)
     if tr.loss_chunk:
