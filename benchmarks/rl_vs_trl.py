@@ -1,6 +1,6 @@
 """chipset rl vs TRL's GRPOTrainer: the same task, model, start and settings; reward and seconds per step.
 
-    python benchmarks/rl_vs_trl.py [--steps 100] [--reps 1] [--config examples/rl-sort.toml]
+    python benchmarks/rl_vs_trl.py [--steps 100] [--reps 3] [--config examples/rl-sort.toml]
                                    [--workdir runs/rl_vs_trl] [--json OUT] [--set SECTION.KEY=VALUE ...]
 
 Needs ``trl`` (and the transformers, accelerate and datasets it uses); without it the script says
@@ -34,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -53,12 +54,15 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], what: str) -> float:
-    t0 = time.perf_counter()
+def _run(cmd: list[str], what: str) -> dict:
+    """Run ``cmd``; its wall time and CPU time (user + system, its processes together: on a loaded
+    host the CPU time moves much less than the wall time)."""
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=3600)
     if r.returncode != 0:
         raise SystemExit(f"{what}: {' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return time.perf_counter() - t0
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime}
 
 
 def _config(path: str, overrides: list[str]):
@@ -152,10 +156,12 @@ def trl_child(config: str, overrides: list[str], hf: Path, out: Path) -> None:
     prompts = [source.prompt(i) for i in range(tr.steps * tr.global_batch // rl.group_size)]
     data = Dataset.from_list([{"prompt": p.text, **p.meta} for p in prompts])
     seen: list[float] = []
+    lengths: list[float] = []
 
-    def reward(prompts, completions, **kwargs):
+    def reward(prompts, completions, completion_ids, **kwargs):
         r = source.reward(prompts, completions, **kwargs)
         seen.append(sum(r) / len(r))
+        lengths.append(sum(map(len, completion_ids)) / len(completion_ids))  # tokens, the stop token included
         return r
 
     reward.__name__ = rl.task
@@ -174,8 +180,11 @@ def trl_child(config: str, overrides: list[str], hf: Path, out: Path) -> None:
                               processing_class=tok, callbacks=[Clock()])
     trainer.train()
     u = rl.updates_per_batch
+    if len(seen) != tr.steps or len(marks) != tr.steps * u + 1:
+        raise SystemExit(f"TRL scored {len(seen)} batches in {len(marks) - 1} optimizer steps; expected {tr.steps} "
+                         f"batches in {tr.steps * u} steps (one generation per {u} updates)")
     times = [marks[(k + 1) * u] - marks[k * u] for k in range(tr.steps)]
-    (out / "trl.json").write_text(json.dumps({"reward_mean": seen, "step_time_s": times,
+    (out / "trl.json").write_text(json.dumps({"reward_mean": seen, "step_time_s": times, "response_length": lengths,
                                               "trl": trl.__version__, "transformers": transformers.__version__}))
 
 
@@ -187,10 +196,9 @@ def chipset_run(config: str, overrides: list[str], hf: Path, out: Path) -> dict:
     cmd = [sys.executable, "-m", "chipset.cli.main", "rl", config, "--run-dir", str(out), "--resume", "none",
            *[a for o in overrides for a in ("--set", o)], "--set", f"model.init_from={hf}",
            "--set", "train.checkpoint_every=0"]
-    wall = _run(cmd, "chipset rl")
+    used = _run(cmd, "chipset rl")
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"reward_mean": [r["reward_mean"] for r in recs], "step_time_s": [r["step_time_s"] for r in recs],
-            "wall_s": wall}
+    return {key: [r[key] for r in recs] for key in ("reward_mean", "step_time_s", "response_length")} | used
 
 
 def trl_run(config: str, overrides: list[str], hf: Path, out: Path) -> dict:
@@ -198,8 +206,8 @@ def trl_run(config: str, overrides: list[str], hf: Path, out: Path) -> dict:
     out.mkdir(parents=True)
     cmd = [sys.executable, __file__, "--child", "trl", "--config", config, "--workdir", str(out), "--hf", str(hf),
            *[a for o in overrides for a in ("--set", o)]]
-    wall = _run(cmd, "TRL GRPOTrainer")
-    return {**json.loads((out / "trl.json").read_text()), "wall_s": wall}
+    used = _run(cmd, "TRL GRPOTrainer")
+    return {**json.loads((out / "trl.json").read_text()), **used}
 
 
 def windows(values: list[float]) -> list[float]:
@@ -232,7 +240,7 @@ def table(got: dict[str, list[dict]], steps: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=100, help="GRPO steps per run (train.steps)")
-    p.add_argument("--reps", type=int, default=1, help="runs per trainer, interleaved, seeds train.seed + i")
+    p.add_argument("--reps", type=int, default=3, help="runs per trainer, interleaved, seeds train.seed + i")
     p.add_argument("--config", default=str(ROOT / "examples" / "rl-sort.toml"), help="chipset rl config")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a key of the config, for both trainers")
@@ -273,13 +281,18 @@ def main(argv: list[str] | None = None) -> int:
         ov = [*overrides, f"train.seed={cfg.train.seed + rep}"]
         got["chipset"].append(chipset_run(ns.config, ov, hf, work / f"chipset-{rep + 1}"))
         got["trl"].append(trl_run(ns.config, ov, hf, work / f"trl-{rep + 1}"))
-        print(f"rep {rep + 1}: chipset {got['chipset'][-1]['wall_s']:.0f} s, TRL {got['trl'][-1]['wall_s']:.0f} s "
-              "(whole process: start, load, run)", flush=True)
+        c, t = got["chipset"][-1], got["trl"][-1]
+        print(f"run {rep + 1}: median s/step chipset {statistics.median(c['step_time_s']):.3f}, TRL "
+              f"{statistics.median(t['step_time_s']):.3f} (TRL / chipset {statistics.median(t['step_time_s']) / statistics.median(c['step_time_s']):.2f}); "
+              f"whole process (start, load, run) chipset {c['wall_s']:.0f} s wall / {c['cpu_s']:.0f} s CPU, "
+              f"TRL {t['wall_s']:.0f} s wall / {t['cpu_s']:.0f} s CPU", flush=True)
     rl, tr = cfg.rl, cfg.train
     print(f"{rl.task}: {tr.global_batch // rl.group_size} prompts x G={rl.group_size} per step, "
           f"{rl.updates_per_batch} updates per step, lr {tr.lr}, {ns.steps} steps, {ns.reps} run(s) each; "
           f"TRL {got['trl'][0]['trl']}, transformers {got['trl'][0]['transformers']}")
     print(table(got, ns.steps))
+    print("mean completion length (tokens, the stop token included): " + ", ".join(
+        f"{name} {statistics.fmean(x for run in runs for x in run['response_length']):.2f}" for name, runs in got.items()))
     if ns.json:
         ns.json.write_text(json.dumps(got))
     return 0
