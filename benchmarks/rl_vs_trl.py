@@ -210,10 +210,6 @@ def trl_run(config: str, overrides: list[str], hf: Path, out: Path) -> dict:
     return {**json.loads((out / "trl.json").read_text()), **used}
 
 
-def windows(values: list[float]) -> list[float]:
-    return [statistics.fmean(values[i:i + WINDOW]) for i in range(0, len(values), WINDOW)]
-
-
 def table(got: dict[str, list[dict]], steps: int) -> str:
     """Per ten steps: mean reward and median seconds per step of each (over all repetitions), and the ratio."""
     def per_window(name, key, agg):
