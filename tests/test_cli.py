@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import testenv
 from conftest import run_cli
 from plugin_factory import make_plugin
 
@@ -145,6 +146,5 @@ def test_importing_chipset_and_asking_the_command_for_help_import_no_torch():
             "before = 'torch' in sys.modules\n"
             "missing = [n for n in chipset.__all__ if getattr(chipset, n, None) is None]\n"
             "print(before, missing, 'torch' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["False", "[]", "True"], proc.stdout
+    out = testenv.fresh_python(code)
+    assert out.split() == ["False", "[]", "True"], out

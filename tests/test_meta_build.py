@@ -4,11 +4,9 @@ the compiler stack (torch._dynamo) imported by a process that only builds one.""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import torch
 
+import testenv
 from chipset.models.registry import resolve_family
 from chipset.parallel.meta import on_meta
 from chipset.train.config import load_config
@@ -49,6 +47,5 @@ def test_building_the_meta_model_imports_no_compiler_stack():
             "from chipset.train.config import load_config\n"
             "meta_model(resolve_family('transformer'), load_config(None, []))\n"
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", out.stdout
+    out = testenv.fresh_python(code)
+    assert out.strip() == "[]", out

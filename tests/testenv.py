@@ -51,6 +51,17 @@ def family_env(*paths: str) -> dict[str, str]:
     return env
 
 
+def fresh_python(code: str, timeout: int = 300) -> str:
+    """Run ``code`` in a fresh interpreter (nothing this test process imported is loaded there) and
+    return its stdout; a non-zero exit fails the test with its stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def chipset_train(run_dir, nproc: int, sets, *, env: dict[str, str], timeout: int = 600, cwd=None):
     """``chipset train --nproc N --run-dir DIR --set k=v ...`` as a subprocess (output captured)."""
     import subprocess

@@ -7,6 +7,14 @@ import sys
 from typing import NoReturn
 
 
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def exit_rank(code: int) -> NoReturn:
     """Flush stdio and end this rank's process now, skipping interpreter teardown.
 
@@ -16,11 +24,7 @@ def exit_rank(code: int) -> NoReturn:
     about 1 of 12 two-rank ``chipset train`` runs on a loaded host; it turns a finished,
     fully written run into a failed job. Nothing is left to clean up at this point.
     """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_stdio()
     os._exit(code)
 
 
@@ -53,9 +57,5 @@ def exit_process(code: object = 0) -> NoReturn:
         print(code, file=sys.stderr)
         status = 1
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_stdio()
     os._exit(status)

@@ -19,14 +19,11 @@ with the steps. Heads per tp rank must divide by ``u``; kv heads are repeated up
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from chipset.errors import ConfigError
 from chipset.interfaces import Collective, Group
-from chipset.parallel.ring import expand_kv, ring_attention
-from chipset.parallel.ulysses import _ToHeads, _ToSeq
+from chipset.parallel.ring import ring_attention
+from chipset.parallel.ulysses import _ToSeq, split_heads
 
 __all__ = ["hybrid_groups", "hybrid_attention"]
 
@@ -51,13 +48,7 @@ def hybrid_attention(q, k, v, cp, docs=None):
     """Causal attention of this rank's tokens (all heads): Ulysses over ``cp.heads``, ring over ``cp.ring``."""
     heads, ring = cp.heads, cp.ring
     u = heads.size
-    if q.shape[1] % u:  # a family whose own checks did not catch it (the transformer's do, before launch)
-        raise ConfigError(f"cp_attention = 'hybrid' splits heads over cp_ulysses: {q.shape[1]} query heads on this "
-                          f"rank are not divisible by cp_ulysses ({u}); choose another parallel.cp_ulysses")
-    kv = k.shape[1]
-    grow = math.lcm(kv, u) // kv
-    k, v = expand_kv(k, grow), expand_kv(v, grow)
-    qh, kh, vh = _ToHeads.apply(q, heads), _ToHeads.apply(k, heads), _ToHeads.apply(v, heads)
+    qh, kh, vh = split_heads(q, k, v, heads, "hybrid", "cp_ulysses", "choose another parallel.cp_ulysses")
     s = q.shape[2] * cp.size
     group = ring.rank * u  # the first cp rank of this Ulysses group
     held = torch.cat([cp.positions_of(group + j, s, q.device) for j in range(u)])  # rank-major -> global position

@@ -22,7 +22,7 @@ from chipset.errors import ConfigError
 from chipset.kernels.blockwise import BlockAttention
 from chipset.parallel.ring import expand_kv
 
-__all__ = ["ulysses_attention"]
+__all__ = ["ulysses_attention", "split_heads"]
 
 
 def _a2a(cp, inp: torch.Tensor) -> torch.Tensor:
@@ -69,16 +69,23 @@ class _ToSeq(torch.autograd.Function):
         return _to_heads(ctx.cp, g.contiguous()), None
 
 
+def split_heads(q, k, v, group, kind: str, size: str, fix: str):
+    """``q, k, v`` of this rank's tokens (all heads) -> all of ``group``'s tokens of ``heads / group.size``
+    heads (rank-major), kv heads repeated up to ``lcm(kv heads, group.size)`` first. ConfigError when the
+    query heads do not divide: ``kind`` (the cp_attention), ``size`` (the key sizing the group) and ``fix``
+    say so (a family whose own checks did not catch it; the transformer's do, before launch)."""
+    n = group.size
+    if q.shape[1] % n:
+        raise ConfigError(f"cp_attention = '{kind}' splits heads over {size}: {q.shape[1]} query heads on this "
+                          f"rank are not divisible by {size} ({n}); {fix}")
+    grow = math.lcm(k.shape[1], n) // k.shape[1]
+    k, v = expand_kv(k, grow), expand_kv(v, grow)
+    return _ToHeads.apply(q, group), _ToHeads.apply(k, group), _ToHeads.apply(v, group)
+
+
 def ulysses_attention(q, k, v, cp, docs=None):
     """Causal attention of this rank's tokens (all heads), computed head-parallel over the cp group."""
-    n = cp.size
-    if q.shape[1] % n:  # a family whose own checks did not catch it (the transformer's do, before launch)
-        raise ConfigError(f"cp_attention = 'ulysses' splits heads over cp: {q.shape[1]} query heads on this rank "
-                          f"are not divisible by cp ({n}); choose another parallel.cp or cp_attention = 'ring'")
-    kv = k.shape[1]
-    grow = math.lcm(kv, n) // kv
-    k, v = expand_kv(k, grow), expand_kv(v, grow)
-    qh, kh, vh = _ToHeads.apply(q, cp), _ToHeads.apply(k, cp), _ToHeads.apply(v, cp)
+    qh, kh, vh = split_heads(q, k, v, cp, "ulysses", "cp", "choose another parallel.cp or cp_attention = 'ring'")
     s = qh.shape[2]
     order = cp.rank_major_positions(s, q.device)  # rank-major index -> global position
     inv = torch.argsort(order)
