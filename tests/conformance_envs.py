@@ -57,6 +57,28 @@ SUITES = {
 }
 
 
+def start_suite(name: str, out: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, object]:
+    """Start suite ``name`` writing ``OUT/conformance-NAME.json`` and ``.log``: (process, open log).
+    ``env``: the environment to add the suite's own to (default: this process's)."""
+    backend, extra = SUITES[name]
+    env = {**(os.environ if env is None else env), **extra(out / name)}
+    log = open(out / f"conformance-{name}.log", "w")  # noqa: SIM115 (closed when the suite ends)
+    cmd = [sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", backend,
+           "--json-report", str(out / f"conformance-{name}.json")]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out), log
+
+
+def run_suite(name: str, out: Path, env: dict[str, str] | None = None) -> tuple[int, Path, str]:
+    """Run suite ``name`` to its end: (exit status, JSON report path, its output)."""
+    out.mkdir(parents=True, exist_ok=True)
+    proc, log = start_suite(name, out, env)
+    try:
+        code = proc.wait(timeout=1800)
+    finally:
+        log.close()
+    return code, out / f"conformance-{name}.json", (out / f"conformance-{name}.log").read_text()
+
+
 def main(argv: list[str]) -> int:
     if not argv or any(name not in SUITES for name in argv[1:]):
         print(f"usage: python {Path(__file__).name} OUT_DIR [SUITE ...]; suites: {', '.join(SUITES)}",
@@ -66,14 +88,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = argv[1:] or list(SUITES)
     started = time.monotonic()
-    running = {}
-    for name in names:
-        backend, extra = SUITES[name]
-        env = {**os.environ, **extra(out / name)}
-        log = open(out / f"conformance-{name}.log", "w")  # noqa: SIM115 (closed when the suite ends)
-        cmd = [sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", backend,
-               "--json-report", str(out / f"conformance-{name}.json")]
-        running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out), log)
+    running = {name: start_suite(name, out) for name in names}
     print(f"conformance: {len(names)} suites side by side ({', '.join(names)}); logs in {out}", flush=True)
     codes = {}
     while len(codes) < len(running):
