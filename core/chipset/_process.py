@@ -42,13 +42,9 @@ def exit_process(code: object = 0) -> NoReturn:
 
     # What the interpreter does first at exit: shut down concurrent.futures' executors (their
     # worker threads wait for work until told to stop; torch.compile leaves such pools), then
-    # join the non-daemon threads. CPython's own function for it, called as the interpreter does.
-    if threading.current_thread() is threading.main_thread():
-        threading._shutdown()
-    else:
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+    # join the non-daemon threads. CPython's own function for it, called as the interpreter does
+    # (from the main thread: the command's entry point and the agent's ``__main__``).
+    threading._shutdown()
     if code is None:
         status = 0
     elif isinstance(code, int):
