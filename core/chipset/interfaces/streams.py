@@ -268,8 +268,8 @@ class TorchEvent(Event):
 
     def elapsed_time(self, end: Event) -> float:
         _timing_checked(self, end, TorchEvent)
-        # The interface asks for RuntimeError; torch 2.11 raises ValueError on CUDA for an
-        # unrecorded event, older releases RuntimeError.
+        # The interface asks for RuntimeError; some device modules raise ValueError for an
+        # unrecorded event (torch 2.11's did), others RuntimeError.
         try:
             return float(self.torch_event.elapsed_time(end.torch_event))
         except ValueError as exc:
