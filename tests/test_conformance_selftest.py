@@ -89,6 +89,10 @@ CASES = [
      ["test_argument_variants_match_reference[cross_entropy-none-default_ignore-float32]"]),
     ("bad_event", "streams", "streams",
      ["test_elapsed_time_is_positive_and_covers_the_interval"], ["test_elapsed_time_without_timing_raises"]),
+    # Declared streams=True: the context check runs and fails, the defaults' checks still pass.
+    ("bad_stream", "streams", "streams",
+     ["test_stream_context_makes_it_current_and_restores"],
+     ["test_stream_synchronize_and_query", "test_recorded_event_completes_after_synchronize"]),
     ("bad_probe", "discovery", "discovery",
      ["test_probe_does_not_initialise_the_device"],
      ["test_descriptor_import_pulls_in_no_vendor_sdk", "test_api_version_is_declared_and_compatible"]),

@@ -2,7 +2,7 @@
 path on a machine without one (tests/test_offload_streams.py).
 
 ``StreamLogDevice`` is chipset's host device (plugin_kit/host.py: work runs eagerly on the host)
-whose streams and events append every call to ``log``: ``("wait_event", stream, event)``,
+whose streams and events (the serial default's, interfaces/streams.py) append every call to ``log``: ``("wait_event", stream, event)``,
 ``("wait_stream", stream, other)``, ``("record", stream, event)``, ``("complete", event)``.
 Streams and events are named (``"compute"``, ``"side1"``, ``"e1"``...). An event completes only
 at its second ``query`` (or at ``synchronize``, its own or the device's), as a copy still running on a real device would:
@@ -12,15 +12,17 @@ it proves the order in which chipset asks for the work, not that a device honour
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 from chipset.interfaces import DeviceProperties
-from chipset.plugin_kit.host import HostDevice, HostEvent, HostStream
+from chipset.interfaces.streams import SerialEvent, SerialStream
+from chipset.plugin_kit.host import HostDevice
 
 
-class LoggedEvent(HostEvent):
+class LoggedEvent(SerialEvent):
     def __init__(self, device: StreamLogDevice, enable_timing: bool = False):
-        super().__init__(enable_timing)
+        super().__init__(device, enable_timing)
         self.name = f"e{next(device.counter)}"
         device.events.append(self)
         self.log = device.log
@@ -49,7 +51,7 @@ class LoggedEvent(HostEvent):
         return self.done
 
 
-class LoggedStream(HostStream):
+class LoggedStream(SerialStream):
     def __init__(self, device: StreamLogDevice, index: int, name: str):
         super().__init__(device, index)
         self.name = name
@@ -59,6 +61,14 @@ class LoggedStream(HostStream):
 
     def wait_stream(self, other) -> None:
         self._device.log.append(("wait_stream", self.name, other.name))
+
+    @contextlib.contextmanager
+    def context(self):
+        prev, self._device.current = self._device.current, self
+        try:
+            yield self
+        finally:
+            self._device.current = prev
 
 
 class StreamLogDevice(HostDevice):
@@ -71,7 +81,7 @@ class StreamLogDevice(HostDevice):
         self.log: list[tuple] = []
         self.counter = itertools.count(1)
         self.events: list[LoggedEvent] = []
-        self._default_streams[0] = LoggedStream(self, 0, "compute")
+        self.current = LoggedStream(self, 0, "compute")
 
     def device_count(self) -> int:
         return 1
@@ -82,6 +92,9 @@ class StreamLogDevice(HostDevice):
     def _synchronize(self, index: int) -> None:
         for event in self.events:  # the device has finished everything queued
             event.synchronize()
+
+    def current_stream(self) -> LoggedStream:
+        return self.current
 
     def stream(self) -> LoggedStream:
         return LoggedStream(self, 0, f"side{next(self.counter)}")

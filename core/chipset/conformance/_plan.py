@@ -3,8 +3,9 @@
 Probed once, before any check runs, so an unfinished backend (a fresh scaffold) gets one
 list - interface, method, docs section, each once - instead of every check failing on the
 same missing method. Only NotImplementedError counts: any other error is left for the
-checks to report. Stream and Event methods are probed only when the backend declares
-``streams`` (``elapsed_time``: ``event_timing``), as only then are they required.
+checks to report. Stream and Event methods have defaults, so only a backend's own override
+can be unfinished; contexts and waits are probed only when the backend declares
+``streams``, as only then are they required.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from chipset.plugin_kit.contract import METHODS, section
 log = logging.getLogger(__name__)
 
 _NAMED = re.compile(r"\b(Device|Stream|Event|Memory|Collective)\.(\w+)\b")
-_KNOWN = {(i, m) for i, m, _ in METHODS}
+_KNOWN = {(m.interface, m.method) for m in METHODS}
 
 
 def _attribute(exc: NotImplementedError, probed: tuple[str, str]) -> tuple[str, str]:
@@ -63,17 +64,19 @@ def unimplemented(backend) -> list[dict[str, str]]:
     probe("Device", "manual_seed_all", lambda: dev.manual_seed_all(0))
     probe("Device", "set_rng_state", lambda: dev.set_rng_state(host_rng if state is None else state, 0))
     torch.set_rng_state(host_rng)
-    if caps.streams or caps.event_timing:
-        stream = probe("Device", "stream", dev.stream) if caps.streams else None
-        current = probe("Device", "current_stream", dev.current_stream) if caps.streams else None
-        start = probe("Device", "event", lambda: dev.event(enable_timing=caps.event_timing))
-        end = probe("Device", "event", lambda: dev.event(enable_timing=caps.event_timing))
-        if stream is not None:
-            probe("Stream", "synchronize", stream.synchronize)
-            probe("Stream", "query", stream.query)
+    # Streams and events have defaults (interfaces/streams.py): only a backend's own override
+    # can raise NotImplementedError. Contexts and waits are required where ``streams`` is declared.
+    stream = probe("Device", "stream", dev.stream)
+    current = probe("Device", "current_stream", dev.current_stream)
+    start = probe("Device", "event", lambda: dev.event(enable_timing=caps.event_timing))
+    end = probe("Device", "event", lambda: dev.event(enable_timing=caps.event_timing))
+    if stream is not None:
+        probe("Stream", "synchronize", stream.synchronize)
+        probe("Stream", "query", stream.query)
+        recorded = probe("Stream", "record_event", stream.record_event)
+        if caps.streams:
             if current is not None:
                 probe("Stream", "wait_stream", lambda: stream.wait_stream(current))
-            recorded = probe("Stream", "record_event", stream.record_event)
             if recorded is not None:
                 probe("Stream", "wait_event", lambda: stream.wait_event(recorded))
 
@@ -82,14 +85,14 @@ def unimplemented(backend) -> list[dict[str, str]]:
                     pass
 
             probe("Stream", "context", enter_context)
-        if start is not None and end is not None:
-            probe("Event", "record", start.record)
-            probe("Event", "record", end.record)
+    if start is not None and end is not None:
+        probe("Event", "record", start.record)
+        probe("Event", "record", end.record)
+        if caps.streams:
             probe("Event", "wait", start.wait)
-            probe("Event", "synchronize", end.synchronize)
-            probe("Event", "query", end.query)
-            if caps.event_timing:
-                probe("Event", "elapsed_time", lambda: start.elapsed_time(end))
+        probe("Event", "synchronize", end.synchronize)
+        probe("Event", "query", end.query)
+        probe("Event", "elapsed_time", lambda: start.elapsed_time(end))  # RuntimeError without timing: fine
     probe("Memory", "stats", lambda: mem.stats(0))
     probe("Memory", "reset_peak_stats", lambda: mem.reset_peak_stats(0))
     probe("Memory", "empty_cache", mem.empty_cache)
@@ -97,7 +100,7 @@ def unimplemented(backend) -> list[dict[str, str]]:
     init = type(coll).init_process_group
     if init is not Collective.init_process_group and _may_raise_not_implemented(init):
         _probe_init(coll, probe)
-    order = {(i, m): n for n, (i, m, _) in enumerate(METHODS)}
+    order = {(m.interface, m.method): n for n, m in enumerate(METHODS)}
     return sorted(found.values(), key=lambda e: order.get((e["interface"], e["method"]), len(order)))
 
 

@@ -1,5 +1,8 @@
 """The Device interface: devices, their properties, streams, events and RNG.
 
+Stream and Event (the interfaces and their default implementations) live in
+:mod:`chipset.interfaces.streams`; a backend need not write them.
+
 Public methods validate their arguments and translate errors once, here; a backend
 overrides only the narrow ``_primitive`` methods.
 """
@@ -14,6 +17,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from chipset.errors import DeviceIndexError, UnsupportedDTypeError
+from chipset.interfaces.streams import (
+    Event,
+    SerialEvent,
+    SerialStream,
+    Stream,
+    TorchEvent,
+    has_torch_streams,
+    serial_current,
+    wrap,
+)
 
 __all__ = ["Device", "DeviceProperties", "Stream", "Event", "dtype_name"]
 
@@ -81,67 +94,6 @@ class DeviceProperties:
         if self.compute_capability is not None:
             d["compute_capability"] = list(self.compute_capability)
         return d
-
-
-class Event(ABC):
-    """A marker in a stream. ``elapsed_time`` needs two recorded timing events."""
-
-    def __init__(self, enable_timing: bool = False):
-        self.enable_timing = enable_timing
-
-    @abstractmethod
-    def record(self, stream: Stream | None = None) -> None:
-        """Record the event on ``stream`` (default: the current stream)."""
-
-    @abstractmethod
-    def wait(self, stream: Stream | None = None) -> None:
-        """Make ``stream`` (default: current) wait until this event has completed."""
-
-    @abstractmethod
-    def synchronize(self) -> None:
-        """Block the host until the event has completed."""
-
-    @abstractmethod
-    def query(self) -> bool:
-        """True when all work captured by the event has completed."""
-
-    @abstractmethod
-    def elapsed_time(self, end: Event) -> float:
-        """Milliseconds from this event to ``end``.
-
-        Raises ``RuntimeError`` when either event was created without
-        ``enable_timing=True`` or has not been recorded, as real backends do.
-        """
-
-
-class Stream(ABC):
-    """An ordered queue of device work."""
-
-    @abstractmethod
-    def synchronize(self) -> None:
-        """Block the host until all work queued on the stream has completed."""
-
-    @abstractmethod
-    def wait_event(self, event: Event) -> None:
-        """Make future work on this stream wait for ``event``."""
-
-    @abstractmethod
-    def wait_stream(self, other: Stream) -> None:
-        """Make future work on this stream wait for all work queued on ``other``."""
-
-    @abstractmethod
-    def query(self) -> bool:
-        """True when all queued work has completed."""
-
-    def record_event(self, event: Event | None = None) -> Event:
-        """Record ``event`` (or a new one) on this stream and return it."""
-        raise NotImplementedError
-
-    @contextlib.contextmanager
-    def context(self) -> Iterator[Stream]:
-        """Make this the current stream inside the block."""
-        raise NotImplementedError
-        yield self  # pragma: no cover
 
 
 class Device(ABC):
@@ -236,17 +188,39 @@ class Device(ABC):
                 self.set_rng_state(s, i)
 
     # --- streams and events --------------------------------------------------
-    @abstractmethod
+    # Optional: the defaults below are the device module's own streams and events where it
+    # has complete ones, else the serial default (interfaces/streams.py says exactly what
+    # each does). A backend overrides them, or just ``_stream_module``, to do otherwise.
     def stream(self) -> Stream:
         """A new stream on the current device."""
+        module = self._stream_module()
+        if module is None:
+            return SerialStream(self, self.current_device())
+        return wrap(self, module, module.Stream())
 
-    @abstractmethod
     def current_stream(self) -> Stream:
         """The current stream of the current device."""
+        module = self._stream_module()
+        if module is None:
+            return serial_current(self)
+        return wrap(self, module, module.current_stream())
 
-    @abstractmethod
     def event(self, enable_timing: bool = False) -> Event:
         """A new event; ``enable_timing=True`` allows ``elapsed_time``."""
+        module = self._stream_module()
+        if module is None:
+            return SerialEvent(self, enable_timing)
+        return TorchEvent(module, enable_timing)
+
+    def _stream_module(self):
+        """The torch device module whose streams and events the defaults wrap, or None for the
+        serial default: ``torch.get_device_module(device_type)`` where it has complete ones
+        (``chipset.interfaces.streams.has_torch_streams``; ``torch.cpu`` has not)."""
+        try:
+            module = torch.get_device_module(self.device_type)
+        except (RuntimeError, ValueError, AttributeError):  # no such device type, or no module for it
+            return None
+        return module if has_torch_streams(module) else None
 
     # --- primitives a backend overrides --------------------------------------
     @abstractmethod

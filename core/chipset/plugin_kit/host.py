@@ -5,8 +5,10 @@ the calling thread, so they share one honest model of streams, events and per-de
 a vendor prototyping a backend on the host can start from the same classes.
 
 - Program order on one host thread is a valid schedule for every ordering a device stream
-  promises (work after ``wait_event``/``wait_stream`` runs after what it waits for), so a
-  stream is always complete and events are host timestamps.
+  promises (work after ``wait_event``/``wait_stream`` runs after what it waits for), so the
+  Device's serial default (:mod:`chipset.interfaces.streams`) is exact: a stream is always
+  complete and events are host timestamps. :class:`HostDevice` keeps to it even where a
+  future ``torch.cpu`` grows complete streams.
 - Every device shares the host's default generator. Each device index owns an RNG state;
   making a device current swaps its state into the host generator, so seeding device 0 never
   disturbs device 1 (the contract every backend keeps).
@@ -22,101 +24,30 @@ A subclass of :class:`HostDevice` gives ``backend_name``, ``visible_devices_env`
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from chipset.interfaces import Collective, Device, Event, Stream
+from chipset.interfaces import Collective, Device
 from chipset.interfaces.collective import divide_for_avg_
 
-__all__ = ["HOST_DTYPES", "HostCollective", "HostDevice", "HostEvent", "HostStream"]
+__all__ = ["HOST_DTYPES", "HostCollective", "HostDevice"]
 
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int32,
                torch.int64, torch.uint8, torch.bool)
 """What the host computes in (half precisions through torch's CPU kernels)."""
 
 
-class HostEvent(Event):
-    """A host timestamp: everything recorded before ``record`` has already run."""
-
-    def __init__(self, enable_timing: bool = False):
-        super().__init__(enable_timing)
-        self._t: int | None = None
-
-    def record(self, stream: Stream | None = None) -> None:
-        self._t = time.perf_counter_ns()
-
-    def wait(self, stream: Stream | None = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: Event) -> float:
-        if not (self.enable_timing and getattr(end, "enable_timing", False)):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
-        if self._t is None or getattr(end, "_t", None) is None:
-            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
-        return (end._t - self._t) / 1e6
-
-
-class HostStream(Stream):
-    """A queue whose work runs eagerly on the host at enqueue time: always complete."""
-
-    def __init__(self, device: HostDevice, index: int):
-        self._device = device
-        self.index = index
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_event(self, event: Event) -> None:
-        pass
-
-    def wait_stream(self, other: Stream) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def record_event(self, event: Event | None = None) -> Event:
-        event = event or self._device.event()
-        event.record(self)
-        return event
-
-    @contextlib.contextmanager
-    def context(self) -> Iterator[Stream]:
-        streams = self._device._streams
-        prev = streams.get(self.index)
-        streams[self.index] = self
-        try:
-            yield self
-        finally:
-            if prev is None:
-                streams.pop(self.index, None)
-            else:
-                streams[self.index] = prev
-
-
 class HostDevice(Device):
-    """Devices that are the host CPU: eager streams, host-timestamp events, an RNG state per index."""
+    """Devices that are the host CPU: the serial streams and events, an RNG state per index."""
 
     device_type = "cpu"
-    stream_class: type[HostStream] = HostStream
-    event_class: type[HostEvent] = HostEvent
 
     def __init__(self) -> None:
         self._current = 0
         self._rng: dict[int, torch.Tensor] = {}
         self._listeners: list[Callable[[int], None]] = []
         self._release_listeners: list[Callable[[], None]] = []
-        self._streams: dict[int, HostStream] = {}
-        self._default_streams: dict[int, HostStream] = {}
 
     def on_set_device(self, fn: Callable[[int], None]) -> None:
         """Call ``fn(index)`` whenever a device becomes current (per-device memory accounting hooks in here)."""
@@ -178,17 +109,8 @@ class HostDevice(Device):
         else:
             self._rng[i] = state.clone()
 
-    def stream(self) -> Stream:
-        return self.stream_class(self, self._current)
-
-    def current_stream(self) -> Stream:
-        i = self._current
-        if i in self._streams:
-            return self._streams[i]
-        return self._default_streams.setdefault(i, self.stream_class(self, i))
-
-    def event(self, enable_timing: bool = False) -> Event:
-        return self.event_class(enable_timing)
+    def _stream_module(self):
+        return None  # work ran when it was issued: the serial default is exact here
 
 
 def _integer_avg(tensor: torch.Tensor, op: str) -> bool:

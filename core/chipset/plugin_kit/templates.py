@@ -95,7 +95,7 @@ descriptor = BackendDescriptor(
 '''
 
 BACKEND = '''\
-\"\"\"{name}: the hooks chipset loads, and every class and method of the backend contract.
+\"\"\"{name}: the hooks chipset loads, and every method of the backend contract without a default.
 
 Each method still to write raises NotImplementedError naming itself and the section of
 docs/writing-a-plugin.md that explains it; `chipset conformance --backend {name}` lists
@@ -105,12 +105,10 @@ example of every method.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from chipset import Capabilities, DeviceProperties, MemoryStats, OutOfMemoryError, hookimpl
-from chipset.interfaces import Collective, Device, Event, Memory, Stream
+from chipset.interfaces import Collective, Device, Memory
 
 
 def _todo(what: str, section: str):
@@ -120,49 +118,9 @@ def _todo(what: str, section: str):
     )
 
 
-# --- streams and events (docs §9 Streams and event timing) ----------------------------
-# Needed once Capabilities declares streams=True (event_timing=True for elapsed_time).
-class {cls}Event(Event):
-    def record(self, stream=None) -> None:
-        _todo("Event.record", "§9 Streams and event timing")
-
-    def wait(self, stream=None) -> None:
-        _todo("Event.wait", "§9 Streams and event timing")
-
-    def synchronize(self) -> None:
-        _todo("Event.synchronize", "§9 Streams and event timing")
-
-    def query(self) -> bool:
-        _todo("Event.query", "§9 Streams and event timing")
-
-    def elapsed_time(self, end: Event) -> float:
-        # device milliseconds; RuntimeError unless both events have enable_timing and were recorded
-        _todo("Event.elapsed_time", "§9 Streams and event timing")
-
-
-class {cls}Stream(Stream):
-    def synchronize(self) -> None:
-        _todo("Stream.synchronize", "§9 Streams and event timing")
-
-    def wait_event(self, event: Event) -> None:
-        _todo("Stream.wait_event", "§9 Streams and event timing")
-
-    def wait_stream(self, other: Stream) -> None:
-        _todo("Stream.wait_stream", "§9 Streams and event timing")
-
-    def query(self) -> bool:
-        _todo("Stream.query", "§9 Streams and event timing")
-
-    def record_event(self, event: Event | None = None) -> Event:
-        _todo("Stream.record_event", "§9 Streams and event timing")
-
-    @contextlib.contextmanager
-    def context(self):
-        _todo("Stream.context", "§9 Streams and event timing")
-        yield self
-
-
 # --- device (docs §5 Device; RNG: §9 RNG) --------------------------------------------
+# Streams and events are optional: Device's defaults wrap your torch device module's own
+# where it has them, else run serially (docs §9 Streams and event timing).
 class {cls}Device(Device):
     backend_name = "{name}"
     device_type = "cpu"  # TODO: the torch device type of your hardware
@@ -202,15 +160,6 @@ class {cls}Device(Device):
 
     def set_rng_state(self, state, index=None) -> None:
         _todo("Device.set_rng_state", "§9 RNG: devices sharing one generator")
-
-    def stream(self) -> Stream:
-        _todo("Device.stream", "§9 Streams and event timing")  # then: return {cls}Stream()
-
-    def current_stream(self) -> Stream:
-        _todo("Device.current_stream", "§9 Streams and event timing")
-
-    def event(self, enable_timing: bool = False) -> Event:
-        _todo("Device.event", "§9 Streams and event timing")  # then: return {cls}Event(enable_timing)
 
 
 # --- memory (docs §6 Memory; counting host memory: §9 Host-memory backends) ----------
@@ -296,7 +245,7 @@ def chipset_collective(device):
 @hookimpl
 def chipset_capabilities(device):
     # Declare only what works: conformance skips what you do not declare, with the reason.
-    # streams=True / event_timing=True once the Stream and Event classes above work (§9).
+    # streams=True / event_timing=True once conformance passes with them declared (§9).
     return Capabilities(dtypes=("float32",), collective_dtypes=("float32",), multi_process=False,
                         streams=False, event_timing=False)
 

@@ -1,5 +1,7 @@
 """A chipset Device over a torch device module (``torch.xpu``, ``torch.cuda``, a vendor's
-PrivateUse1 module): devices, streams, events and RNG by delegation, nothing vendor-specific.
+PrivateUse1 module): devices and RNG by delegation, nothing vendor-specific. Streams and
+events are the Device defaults (:mod:`chipset.interfaces.streams`) over the same module:
+its own where it has complete ones, else the serial default.
 
 Every call goes to ``self.module`` (the ``torch.<type>`` module), resolved through
 ``torch.get_device_module`` unless a subclass or a test hands one in. Vendor plugins
@@ -9,99 +11,14 @@ dtypes, error hints).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from chipset.errors import BackendUnavailableError, ConfigError
-from chipset.interfaces import Device, DeviceProperties, Event, Stream
-
-
-class AcceleratorEvent(Event):
-    def __init__(self, module, enable_timing: bool = False):
-        super().__init__(enable_timing)
-        self.torch_event = module.Event(enable_timing=enable_timing)
-
-    def record(self, stream: Stream | None = None) -> None:
-        self.torch_event.record(_raw_stream(stream))
-
-    def wait(self, stream: Stream | None = None) -> None:
-        self.torch_event.wait(_raw_stream(stream))
-
-    def synchronize(self) -> None:
-        self.torch_event.synchronize()
-
-    def query(self) -> bool:
-        return bool(self.torch_event.query())
-
-    def elapsed_time(self, end: Event) -> float:
-        if not isinstance(end, AcceleratorEvent):
-            raise TypeError(f"elapsed_time needs an event of the same device, found {type(end).__name__}")
-        # The interface asks for RuntimeError on non-timing or unrecorded events; torch 2.11
-        # raises ValueError for both on CUDA, older releases RuntimeError.
-        if not (self.enable_timing and end.enable_timing):
-            raise RuntimeError("elapsed_time needs both events created with enable_timing=True")
-        try:
-            return float(self.torch_event.elapsed_time(end.torch_event))
-        except ValueError as exc:
-            raise RuntimeError(f"elapsed_time: {exc}") from exc
-
-
-def _raw_stream(stream: Stream | None):
-    if stream is None:
-        return None
-    if not isinstance(stream, AcceleratorStream):
-        raise TypeError(f"expected a stream of the same device, found {type(stream).__name__}")
-    return stream.torch_stream
-
-
-class AcceleratorStream(Stream):
-    def __init__(self, module, torch_stream):
-        self._module = module
-        self.torch_stream = torch_stream
-
-    # Device modules hand out a new Python object per current_stream() call; two wrappers
-    # are the same stream when the torch streams compare equal.
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AcceleratorStream) and self.torch_stream == other.torch_stream
-
-    def __hash__(self) -> int:
-        return _key(self.torch_stream).__hash__()
-
-    def synchronize(self) -> None:
-        self.torch_stream.synchronize()
-
-    def wait_event(self, event: Event) -> None:
-        if not isinstance(event, AcceleratorEvent):
-            raise TypeError(f"wait_event needs an event of the same device, found {type(event).__name__}")
-        self.torch_stream.wait_event(event.torch_event)
-
-    def wait_stream(self, other: Stream) -> None:
-        self.torch_stream.wait_stream(_raw_stream(other))
-
-    def query(self) -> bool:
-        return bool(self.torch_stream.query())
-
-    def record_event(self, event: Event | None = None) -> Event:
-        event = event if event is not None else AcceleratorEvent(self._module)
-        event.record(self)
-        return event
-
-    @contextlib.contextmanager
-    def context(self) -> Iterator[Stream]:
-        with self._module.stream(self.torch_stream):
-            yield self
-
-
-def _key(raw):
-    try:
-        hash(raw)
-        return raw
-    except TypeError:  # a stream type without __hash__: identity is all there is
-        return id(raw)
+from chipset.interfaces import Device, DeviceProperties
+from chipset.interfaces.streams import has_torch_streams
 
 
 class AcceleratorDevice(Device):
@@ -128,8 +45,6 @@ class AcceleratorDevice(Device):
         if "device_type" not in vars(type(self)) and "device_type" not in vars(self):
             self.device_type = accelerator_type
         self._explicit_module = module
-        # One wrapper per torch stream, so current_stream() inside ``s.context()`` is ``s``.
-        self._wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     @property
     def module(self):
@@ -207,25 +122,10 @@ class AcceleratorDevice(Device):
         self.module.set_rng_state(state, self._phys(i))
 
     # --- streams and events ----------------------------------------------------
+    def _stream_module(self):
+        """The device module (not ``device_type``'s, which a test double may set to the host)."""
+        return self.module if has_torch_streams(self.module) else None
+
     def has_streams(self) -> bool:
-        """Whether the device module has Stream, Event and a stream context."""
-        return all(hasattr(self.module, name) for name in ("Stream", "Event", "stream", "current_stream"))
-
-    def _wrap(self, raw) -> AcceleratorStream:
-        key = _key(raw)
-        w = self._wrappers.get(key)
-        if w is None:
-            w = self._wrappers[key] = self._stream_class(self.module, raw)
-        return w
-
-    _stream_class = AcceleratorStream
-    _event_class = AcceleratorEvent
-
-    def stream(self) -> Stream:
-        return self._wrap(self.module.Stream())
-
-    def current_stream(self) -> Stream:
-        return self._wrap(self.module.current_stream())
-
-    def event(self, enable_timing: bool = False) -> Event:
-        return self._event_class(self.module, enable_timing)
+        """Whether the device module has complete streams and events (Capabilities declare them then)."""
+        return self._stream_module() is not None

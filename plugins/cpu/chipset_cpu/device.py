@@ -7,7 +7,8 @@ slot owns an RNG state; making a slot current swaps its state into the host gene
 so seeding slot 0 never disturbs slot 1 (the contract every backend keeps).
 
 Work runs eagerly in program order on the calling thread, so streams are always
-complete and events are host timestamps: the shared host-backend classes of
+complete and events are host timestamps: the Device's serial default
+(:mod:`chipset.interfaces.streams`), kept by the shared host-backend device of
 :mod:`chipset.plugin_kit.host`.
 """
 

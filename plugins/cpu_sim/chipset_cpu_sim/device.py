@@ -1,9 +1,11 @@
 """Simulated devices: count and visibility from the environment, properties from a profile.
 
 Every simulated device computes on the host CPU, so tensors have torch device type
-``"cpu"``; streams, events and per-device RNG states are chipset's shared host-backend
-classes (:mod:`chipset.plugin_kit.host`). What is simulated is the count, the visibility,
-the properties (a profile) and, in memory.py, the per-device memory.
+``"cpu"``; per-device RNG states are chipset's shared host-backend device
+(:mod:`chipset.plugin_kit.host`), streams and events the Device's serial default
+(:mod:`chipset.interfaces.streams`: work runs when issued, events are host timestamps).
+What is simulated is the count, the visibility, the properties (a profile) and, in
+memory.py, the per-device memory.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 
 from chipset.errors import ConfigError
 from chipset.interfaces import DeviceProperties
-from chipset.plugin_kit.host import HostDevice, HostEvent, HostStream
+from chipset.plugin_kit.host import HostDevice
 from chipset_cpu_sim.profiles import DEFAULT_PROFILE, SimProfile, resolve
 
 DEVICES_ENV = "CHIPSET_SIM_DEVICES"
@@ -65,12 +67,6 @@ def profile() -> SimProfile:
     """The profile named by CHIPSET_SIM_PROFILE (sim profiles, then any backend's declared ones)."""
     name = os.environ.get(PROFILE_ENV, "").strip() or DEFAULT_PROFILE
     return resolve(name)
-
-
-SimEvent = HostEvent
-"""A host timestamp (the shared host-backend event)."""
-SimStream = HostStream
-"""An eager host stream (the shared host-backend stream)."""
 
 
 class SimDevice(HostDevice):

@@ -38,6 +38,7 @@ DEFECTS = {
     "bad_grouped_mm": "grouped_mm multiplies every group by the first group's weights",
     "bad_fp8_scale": "fp8_matmul quantises x with twice its specified scale (its largest values saturate)",
     "bad_event": "events report negative elapsed time",
+    "bad_stream": "Stream.context does not make the stream current",
     "bad_probe": "probe() initialises the device",
     "ignores_visible": "the device count ignores the visible-devices variable",
     "bad_device_index": "set_device silently accepts an out-of-range index",
@@ -51,7 +52,7 @@ VARIANTS = (
     "async_never_completes", "hang_timeout", "swallow_timeout", "bad_memory", "empty_cache_noop",
     "reset_peak_noop", "bad_mem_info", "bad_kernel", "ignores_eps", "ignores_mask", "ignores_ignore_index",
     "bad_grouped_mm", "bad_fp8_scale",
-    "bad_event", "bad_probe", "ignores_visible", "bad_device_index", "wrong_profile", "few_caps",
+    "bad_event", "bad_stream", "bad_probe", "ignores_visible", "bad_device_index", "wrong_profile", "few_caps",
 )
 _initialised: set[str] = set()
 

@@ -5,6 +5,7 @@ Each defect is switched on by the variant's name; everything else is the simulat
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -12,8 +13,9 @@ import torch
 from chipset.discovery.hookspecs import hookimpl
 from chipset.errors import CollectiveTimeoutError, DeviceIndexError
 from chipset.interfaces import ALL_COLLECTIVES, Capabilities, Handle, MemoryStats
+from chipset.interfaces.streams import SerialEvent, SerialStream
 from chipset_cpu_sim.collective import SimCollective
-from chipset_cpu_sim.device import VISIBLE_ENV, SimDevice, SimEvent
+from chipset_cpu_sim.device import VISIBLE_ENV, SimDevice
 from chipset_cpu_sim.memory import SimMemory
 
 
@@ -36,9 +38,14 @@ def _fp8_twice_the_scale(x, w, scaling="tensorwise"):
     return ref + (bad - ref).detach()
 
 
-class _NegativeEvent(SimEvent):
+class _NegativeEvent(SerialEvent):
     def elapsed_time(self, end) -> float:
         return -abs(super().elapsed_time(end)) - 1.0
+
+
+class _ContextlessStream(SerialStream):
+    def context(self):
+        return contextlib.nullcontext(self)  # the stream never becomes current
 
 
 class _Device(SimDevice):
@@ -54,8 +61,13 @@ class _Device(SimDevice):
 
     def event(self, enable_timing: bool = False):
         if self.variant == "bad_event":
-            return _NegativeEvent(enable_timing)
+            return _NegativeEvent(self, enable_timing)
         return super().event(enable_timing)
+
+    def stream(self):
+        if self.variant == "bad_stream":
+            return _ContextlessStream(self, self.current_device())
+        return super().stream()
 
     def set_device(self, index: int) -> None:
         try:
