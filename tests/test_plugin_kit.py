@@ -93,9 +93,11 @@ def test_scaffold_stubs_every_method_of_the_contract_naming_its_docs_section(tmp
     for iface, method, key in METHODS:
         assert f'_todo("{iface}.{method}", "{SECTIONS[key]}")' in code, (iface, method)
     assert "raise OutOfMemoryError(" in code and "Tried to allocate" in code  # the host accounting pattern
-    for hook in ("chipset_register_kernels", "chipset_launch_env", "chipset_capabilities"):
-        assert f"def {hook}(" in code
+    for part in ("register_kernels", "launch_env", "capabilities"):  # the spec's optional and computed parts
+        assert f"def {part}(" in code and f"    {part}={part},\n" in code
+    assert "spec = BackendSpec(" in code and "hookimpl" not in code
     descriptor = (tmp_path / "p" / "chipset_acme_x" / "__init__.py").read_text()
+    assert "return backend.spec" in descriptor
     assert "profiles=_profiles" in descriptor and "device_initialized=_device_initialized" in descriptor
 
 
