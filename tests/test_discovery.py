@@ -9,7 +9,7 @@ import pytest
 import chipset
 from chipset.discovery import ChipsetPluginWarning, discover
 from chipset.errors import PluginValidationError
-from plugin_factory import make_plugin
+from plugin_factory import GOOD_SPEC, LEGACY_HOOKS, make_plugin
 
 
 def _by_name():
@@ -48,12 +48,14 @@ def test_good_third_party_plugin_is_ok_and_loads(site):
 
 
 def test_legacy_hook_plugin_still_loads_with_a_deprecation_warning(site):
-    make_plugin(site, "oldacme", legacy=True)  # plugin API 1.0: load() returns a module of @hookimpl
+    launch = "\n\n@hookimpl\ndef chipset_launch_env(local_rank, local_world_size):\n    return {'OLD_RANK': str(local_rank)}\n"
+    # plugin API 1.0: load() returns a module of @hookimpl functions
+    make_plugin(site, "oldacme", legacy=True, impl=LEGACY_HOOKS.format(name="oldacme") + launch)
     with pytest.warns(DeprecationWarning, match=r"oldacme.*deprecated.*return a chipset.BackendSpec"):
         b = chipset.backend("oldacme")
     assert b.device.backend_name == "oldacme" and b.spec.name == "oldacme"
     assert b.capabilities.kernels == ("swiglu",) and b.capabilities.dtypes == ("float32",)
-    assert b.launch_env(0, 2) == {}
+    assert b.launch_env(1, 2) == {"OLD_RANK": "1"}
 
 
 _SPEC_HEAD = (
@@ -90,6 +92,14 @@ def test_a_bad_spec_is_refused_at_load_saying_which_field(site, name, spec, need
         chipset.backend(name)
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_launch_env_that_is_not_str_to_str_is_refused_naming_it(site):
+    impl = GOOD_SPEC.format(name="numenv") + (
+        "\nimport dataclasses\nspec = dataclasses.replace(spec, launch_env=lambda rank, world: {'N': rank})\n")
+    make_plugin(site, "numenv", impl=impl)
+    with pytest.raises(PluginValidationError, match=r"backend 'numenv': launch_env must return a dict of str to str.*'N': 0"):
+        chipset.backend("numenv").launch_env(0, 1)
 
 
 def test_load_returning_neither_a_spec_nor_hooks_says_what_to_do(site):
