@@ -1,4 +1,4 @@
-"""chipset-cuda's Device, Memory, Collective, capabilities and hooks, without a GPU.
+"""chipset-cuda's Device, Memory, Collective, capabilities and spec, without a GPU.
 
 Device and Memory are driven through ``FakeCuda``, a named test double of ``torch.cuda``
 (tests/doubles/fake_cuda.py); OOM translation uses real ``torch.OutOfMemoryError``s with
@@ -7,13 +7,11 @@ the caching allocator's message formats. What needs a real GPU is in plugins/cud
 
 from __future__ import annotations
 
-import pluggy
 import pytest
 import torch
 from doubles.fake_cuda import FakeCuda
 
 import chipset
-from chipset.discovery import hookspecs
 from chipset.errors import BackendUnavailableError, CollectiveError, DeviceIndexError
 from chipset.interfaces import Collective
 from chipset.kernels import KernelRegistry
@@ -89,7 +87,7 @@ def test_unknown_gpu_properties_are_labelled_estimates():
 )
 def test_dtypes_and_capabilities_follow_the_lowest_compute_capability(gpus, bf16, fp8):
     device = CudaDevice(cuda=FakeCuda(gpus=gpus))
-    caps = backend.chipset_capabilities(device)
+    caps = backend.spec.capabilities(device)
     assert (torch.bfloat16 in device.supported_dtypes) == bf16 == caps.has_dtype("bfloat16")
     assert ("bfloat16" in caps.amp_dtypes) == bf16 and ("bfloat16" in caps.collective_dtypes) == bf16
     assert (torch.float8_e4m3fn in device.supported_dtypes) == fp8 == caps.has_dtype("float8_e4m3fn")
@@ -175,27 +173,26 @@ def test_collective_uses_nccl_and_translates_errors(device):
     assert isinstance(broken, CollectiveError) and "all_reduce on world" in str(broken)
 
 
-# --- hooks ---------------------------------------------------------------------------
-def test_backend_module_passes_hook_validation():
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(backend)
-    pm.check_pending()
-    for hook in hookspecs.REQUIRED_HOOKS:
-        assert pm.hook.__dict__[hook].get_hookimpls(), hook
+# --- the spec ------------------------------------------------------------------------
+def test_descriptor_loads_the_cuda_spec():
+    import chipset_cuda
+
+    spec = chipset_cuda.descriptor.load()
+    assert spec is backend.spec and spec.name == "cuda"
+    assert (spec.device, spec.memory, spec.collective) == (CudaDevice, CudaMemory, CudaCollective)
 
 
 def test_launch_env_orders_gpus_like_nvidia_smi_and_passes_visibility_on(monkeypatch):
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    env = backend.chipset_launch_env(local_rank=1, local_world_size=2)
+    env = backend.spec.launch_env(1, 2)
     assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,3"}
 
 
 def test_kernels_register_with_predicates_that_reject_cpu_tensors(device, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     reg = KernelRegistry("cuda")
-    backend.chipset_register_kernels(reg, device)
+    backend.spec.register_kernels(reg, device)
     registered = {n for n in reg.names() if reg.implementations(n)}
     assert {"scaled_dot_product_attention", "fused_adamw"} <= registered
     from chipset_cuda.kernels import triton_importable

@@ -53,7 +53,7 @@ def test_mi300x_properties_dtypes_and_capabilities():
     assert p.name == "AMD Instinct MI300X" and not p.estimated and p.peak_flops == profile.peak_flops
     assert p.total_memory == int(191.98 * GiB) and p.multiprocessor_count == 304 and "mi300x" in p.source
     assert torch.float8_e4m3fnuz in dev.supported_dtypes and torch.float8_e4m3fn not in dev.supported_dtypes
-    caps = backend.chipset_capabilities(dev)
+    caps = backend.spec.capabilities(dev)
     assert "bfloat16" in caps.amp_dtypes and "bfloat16" in caps.collective_dtypes
     assert not caps.graph_capture and caps.streams and caps.multi_process  # HIP graphs: not declared, unverified
     assert CudaCollective(dev).c10d_backend == "nccl"  # RCCL answers to the nccl name on ROCm
@@ -79,11 +79,11 @@ def test_mi325x_profile_is_the_mi300x_die_with_more_and_faster_memory():
 def test_triton_kernels_are_left_out_on_rocm(monkeypatch):
     monkeypatch.setattr(kernels, "triton_importable", lambda: True)
     reg = KernelRegistry("cuda")
-    backend.chipset_register_kernels(reg, CudaDevice(cuda=FakeRocmCuda(), hip="6.4"))
+    backend.spec.register_kernels(reg, CudaDevice(cuda=FakeRocmCuda(), hip="6.4"))
     registered = {n for n in reg.names() if reg.implementations(n)}
     assert registered == {"scaled_dot_product_attention", "fused_adamw"}
 
 
 def test_launch_env_carries_rocm_visibility(monkeypatch):
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1")
-    assert backend.chipset_launch_env(local_rank=0, local_world_size=2)["HIP_VISIBLE_DEVICES"] == "0,1"
+    assert backend.spec.launch_env(0, 2)["HIP_VISIBLE_DEVICES"] == "0,1"

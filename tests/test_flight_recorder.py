@@ -37,7 +37,7 @@ def test_cuda_turns_on_ncclss_recorder_into_the_run_directory(monkeypatch, tmp_p
 
     monkeypatch.setenv(FLIGHT_RECORDER_ENV, str(flight_dir(tmp_path)))
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's own value is kept
-    env = backend.chipset_launch_env(local_rank=0, local_world_size=1)
+    env = backend.spec.launch_env(0, 1)
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(flight_dir(tmp_path) / "nccl_trace_rank_")
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env
@@ -50,7 +50,7 @@ def test_ascend_turns_on_hccls_recorder(monkeypatch, tmp_path):
         from chipset_ascend import backend
 
         monkeypatch.setenv(FLIGHT_RECORDER_ENV, str(flight_dir(tmp_path)))
-        env = backend.chipset_launch_env(local_rank=0, local_world_size=1)
+        env = backend.spec.launch_env(0, 1)
         assert env["TORCH_HCCL_DUMP_ON_TIMEOUT"] == "1" and env["TORCH_HCCL_ENABLE_MONITORING"] == "1"
         assert env["TORCH_HCCL_DEBUG_INFO_TEMP_FILE"].endswith(os.path.join("flight", "hccl_trace_rank_"))
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from chipset.errors import ConfigError
-from plugin_factory import GOOD_HOOKS, make_plugin
+from plugin_factory import GOOD_SPEC, make_plugin
 from testenv import SideBySide, clean_env, selected
 
 CHIPSET = str(Path(sys.executable).parent / "chipset")  # the console script a user runs
@@ -160,13 +160,15 @@ def test_modules_in_the_current_directory_do_not_run_in_the_job(jobs):
     assert not marker.exists(), marker.read_text()
 
 
-LAUNCH_ENV_HOOKS = '''
+LAUNCH_ENV = '''
 
+import dataclasses
 import os
 
-@hookimpl
-def chipset_launch_env(local_rank, local_world_size):
+def launch_env(local_rank, local_world_size):
     return {"ENVTEST_SEEN": f"{local_rank}/{local_world_size}"}
+
+spec = dataclasses.replace(spec, launch_env=launch_env)
 
 
 _set_device = _Device.set_device
@@ -183,7 +185,7 @@ _Device.set_device = _record
 
 def _the_backends_launch_env_reaches_every_rank(tmp_path):
     site = tmp_path / "site"
-    make_plugin(site, "envtest", hooks=GOOD_HOOKS.format(name="envtest") + LAUNCH_ENV_HOOKS)
+    make_plugin(site, "envtest", impl=GOOD_SPEC.format(name="envtest") + LAUNCH_ENV)
     out = tmp_path / "seen"
     out.mkdir()
     env = clean_env()
@@ -197,7 +199,7 @@ def _the_backends_launch_env_reaches_every_rank(tmp_path):
 
 @pytest.mark.multirank
 def test_the_backends_launch_env_reaches_every_rank(jobs):
-    """Before: chipset_launch_env was documented as applied to every rank but never called."""
+    """Before: the launch env hook was documented as applied to every rank but never called."""
     r, seen = jobs["test_the_backends_launch_env_reaches_every_rank"]
     assert r.returncode == 0, r.stderr[-3000:]
     assert seen == {"rank0": "0/2", "rank1": "1/2"}

@@ -95,9 +95,11 @@ def test_scaffold_stubs_every_required_method_of_the_contract_naming_its_docs_se
         assert (stub in code) == m.required, (m.interface, m.method)
     assert "class AcmeXStream" not in code and "class AcmeXEvent" not in code
     assert "raise OutOfMemoryError(" in code and "Tried to allocate" in code  # the host accounting pattern
-    for hook in ("chipset_register_kernels", "chipset_launch_env", "chipset_capabilities"):
-        assert f"def {hook}(" in code
+    for part in ("register_kernels", "launch_env", "capabilities"):  # the spec's optional and computed parts
+        assert f"def {part}(" in code and f"    {part}={part},\n" in code
+    assert "spec = BackendSpec(" in code and "hookimpl" not in code
     descriptor = (tmp_path / "p" / "chipset_acme_x" / "__init__.py").read_text()
+    assert "return backend.spec" in descriptor
     assert "profiles=_profiles" in descriptor and "device_initialized=_device_initialized" in descriptor
 
 

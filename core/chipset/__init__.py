@@ -35,7 +35,7 @@ from chipset.errors import (  # noqa: E402
 # in a tenth of the time, and a process that imports chipset pays for torch only if it uses it.
 _LAZY = {
     "BackendDescriptor": "chipset.discovery", "ChipsetPluginWarning": "chipset.discovery",
-    "hookimpl": "chipset.discovery",
+    "BackendSpec": "chipset.discovery", "hookimpl": "chipset.discovery",
     "Capabilities": "chipset.interfaces", "DeviceProperties": "chipset.interfaces",
     "MemoryStats": "chipset.interfaces",
     "Backend": "chipset.loader", "backend": "chipset.loader", "list_backends": "chipset.loader",
@@ -61,6 +61,7 @@ __all__ = [
     "Backend",
     "BackendDescriptor",
     "BackendSelectionError",
+    "BackendSpec",
     "BackendUnavailableError",
     "Capabilities",
     "ChipsetError",

@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 #: The plugin API this core serves, as (major, minor). A plugin built against
 #: (M, m) is accepted when M equals the core's major and m <= the core's minor.
-API_VERSION: tuple[int, int] = (1, 0)
+#: 1.1: ``load()`` may return a ``BackendSpec`` (1.0's hook objects still load, deprecated).
+API_VERSION: tuple[int, int] = (1, 1)
 
 
 def api_compatible(plugin: tuple[int, int], core: tuple[int, int] = API_VERSION) -> tuple[bool, str]:

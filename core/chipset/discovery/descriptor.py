@@ -2,7 +2,7 @@
 
 A descriptor is cheap to import: creating one imports no vendor SDK, ``probe()`` never
 initialises a device (it must stay fork-safe), and only ``load()`` imports the heavy
-implementation module.
+implementation module, returning the backend's spec (``chipset.discovery.spec``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class BackendDescriptor:
     probe: Callable[[], tuple[bool, str]]
     """Return (available, reason) without initialising any device."""
     load: Callable[[], object]
-    """Import the implementation and return the pluggy plugin object (module or instance)."""
+    """Import the implementation and return its :class:`chipset.discovery.spec.BackendSpec`
+    (deprecated: an object carrying ``@chipset.hookimpl`` functions, see ``discovery.legacy``)."""
     simulator: bool = False
     """True for backends that simulate hardware; they never win over real hardware."""
     description: str = ""

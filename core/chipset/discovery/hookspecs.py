@@ -1,10 +1,13 @@
-"""The hook contract between chipset core and a backend plugin.
+"""The hook contract of plugin API 1.0, deprecated: new plugins return a ``BackendSpec``.
 
-A backend's ``load()`` returns an object (usually its implementation module) carrying
-``@chipset.hookimpl`` functions. Hooks are validated when the plugin is loaded: a hook
-that is not in this module, or whose parameters differ from the spec, is refused with
-a message that quotes the signature. ``chipset_device``, ``chipset_memory``,
-``chipset_collective`` and ``chipset_capabilities`` are required.
+A 1.0 backend's ``load()`` returns an object (usually its implementation module) carrying
+``@chipset.hookimpl`` functions. Such plugins keep loading on every 1.x core
+(``chipset.discovery.legacy`` turns the hooks into a :class:`chipset.BackendSpec`, with a
+``DeprecationWarning``); the path goes with plugin API 2.0. Hooks are validated when the
+plugin is loaded: a hook that is not in this module, or whose parameters differ from the
+spec, is refused with a message that quotes the signature. ``chipset_device``,
+``chipset_memory``, ``chipset_collective`` and ``chipset_capabilities`` are required.
+Each hook has its field in ``BackendSpec`` (``chipset_device`` is ``device``, ...).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ RECENT_OPS = 64
 FLIGHT_RECORDER_ENV = "CHIPSET_FLIGHT_RECORDER_DIR"
 """Set by ``chipset train`` on every rank (``RUN_DIR/hangs/flight``): where a backend's native
 flight recorder (NCCL's, HCCL's) should dump its ring of recent collectives on a timeout. A
-backend turns its recorder on in its ``chipset_launch_env`` hook; the launcher's hang report
+backend turns its recorder on in its spec's ``launch_env``; the launcher's hang report
 lists the dumps (train/checkpoint/hangs.py)."""
 
 

@@ -65,7 +65,7 @@ def _probe() -> tuple[bool, str]:
 def _load():
     from {pkg} import backend
 
-    return backend
+    return backend.spec
 
 
 def _profiles():
@@ -95,7 +95,7 @@ descriptor = BackendDescriptor(
 '''
 
 BACKEND = '''\
-\"\"\"{name}: the hooks chipset loads, and every method of the backend contract without a default.
+\"\"\"{name}: the backend spec chipset loads, and every method of the backend contract without a default.
 
 Each method still to write raises NotImplementedError naming itself and the section of
 docs/writing-a-plugin.md that explains it; `chipset conformance --backend {name}` lists
@@ -107,7 +107,7 @@ from __future__ import annotations
 
 import torch
 
-from chipset import Capabilities, DeviceProperties, MemoryStats, OutOfMemoryError, hookimpl
+from chipset import BackendSpec, Capabilities, DeviceProperties, MemoryStats, OutOfMemoryError
 from chipset.interfaces import Collective, Device, Memory
 
 
@@ -226,42 +226,37 @@ class {cls}Collective(Collective):
         _todo("Collective.init_process_group", "§7 Collective")
 
 
-# --- hooks (docs §4 The hooks) -------------------------------------------------------
-@hookimpl
-def chipset_device():
-    return {cls}Device()
-
-
-@hookimpl
-def chipset_memory(device):
-    return {cls}Memory(device)
-
-
-@hookimpl
-def chipset_collective(device):
-    return {cls}Collective(device)
-
-
-@hookimpl
-def chipset_capabilities(device):
+# --- the spec (docs §4 The hooks) ----------------------------------------------------
+def capabilities(device: {cls}Device) -> Capabilities:
     # Declare only what works: conformance skips what you do not declare, with the reason.
     # streams=True / event_timing=True once conformance passes with them declared (§9).
+    # A plain Capabilities(...) value does too, where nothing depends on the part found.
     return Capabilities(dtypes=("float32",), collective_dtypes=("float32",), multi_process=False,
                         streams=False, event_timing=False)
 
 
-@hookimpl
-def chipset_register_kernels(registry, device):
+def register_kernels(registry, device: {cls}Device) -> None:
     # Optional (docs §8, §9 Kernels): registry.register("rms_norm", fn, priority=10,
     # available=lambda x, weight, eps=1e-6: x.dtype == torch.float32), fn taking the
     # reference's arguments; list the names in Capabilities.kernels.
     return None
 
 
-@hookimpl
-def chipset_launch_env(local_rank, local_world_size):
+def launch_env(local_rank: int, local_world_size: int) -> dict[str, str]:
     # Optional (docs §9): per-rank environment a launcher sets, e.g. visible devices.
     return {{}}
+
+
+# What chipset builds, in order: the device, then memory, collective and capabilities for it.
+spec = BackendSpec(
+    name="{name}",
+    device={cls}Device,
+    memory={cls}Memory,
+    collective={cls}Collective,
+    capabilities=capabilities,
+    register_kernels=register_kernels,
+    launch_env=launch_env,
+)
 '''
 
 TOX = '''\

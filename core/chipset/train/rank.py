@@ -25,7 +25,7 @@ def start(name: str | None = None):
 
     b = backend(name)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # The backend's chipset_launch_env hook (e.g. visible devices) for this local rank, applied
+    # The launch_env of the backend's spec (e.g. visible devices) for this local rank, applied
     # before the rank touches a device.
     os.environ.update(b.launch_env(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     b.device.set_device(local_rank)

@@ -78,7 +78,7 @@ def _probe(torch_module=None) -> tuple[bool, str]:
 def _load():
     from chipset_accelerator import backend
 
-    return backend
+    return backend.spec
 
 
 def _profiles():
@@ -89,7 +89,7 @@ def _profiles():
 
 descriptor = BackendDescriptor(
     name="accelerator",
-    api_version=(1, 0),
+    api_version=(1, 1),
     priority=30,  # below the vendor plugins (ascend 90, cuda 100), above the host (cpu 10)
     device_types=("*",),  # whatever accelerator torch reports
     probe=_probe,

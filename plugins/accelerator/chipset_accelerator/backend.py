@@ -1,4 +1,4 @@
-"""chipset-accelerator's hooks: the generic backend for the accelerator torch reports.
+"""chipset-accelerator's backend spec: the generic backend for the accelerator torch reports.
 
 Capabilities are declared from what the device module answers, never from the device
 type's name: streams and event timing where it has ``Stream``/``Event``, bfloat16 where
@@ -9,27 +9,12 @@ backend for the type, exact memory accounting where it has the caching allocator
 
 from __future__ import annotations
 
-from chipset.discovery.hookspecs import hookimpl
+from chipset.discovery.spec import BackendSpec
 from chipset.interfaces import ALL_COLLECTIVES, Capabilities, dtype_name
 from chipset_accelerator import distributed_backend
 from chipset_accelerator.collective import AcceleratorCollective
 from chipset_accelerator.device import AcceleratorDevice
 from chipset_accelerator.memory import AcceleratorMemory
-
-
-@hookimpl
-def chipset_device():
-    return AcceleratorDevice()
-
-
-@hookimpl
-def chipset_memory(device):
-    return AcceleratorMemory(device)
-
-
-@hookimpl
-def chipset_collective(device):
-    return AcceleratorCollective(device)
 
 
 def capabilities_for(device: AcceleratorDevice) -> Capabilities:
@@ -53,18 +38,13 @@ def capabilities_for(device: AcceleratorDevice) -> Capabilities:
     )
 
 
-@hookimpl
-def chipset_capabilities(device):
-    return capabilities_for(device)
-
-
-@hookimpl
-def chipset_register_kernels(registry, device):
-    # None: a fused kernel's agreement with the reference is per device and must be
-    # measured there; the core references run on any device torch has kernels for.
-    return None
-
-
-@hookimpl
-def chipset_launch_env(local_rank, local_world_size):
-    return {}
+# No kernels are registered: a fused kernel's agreement with the reference is per device and
+# must be measured there; the core references run on any device torch has kernels for. Every
+# rank sees every device and binds to its local rank, so there is no launch env either.
+spec = BackendSpec(
+    name="accelerator",
+    device=AcceleratorDevice,
+    memory=AcceleratorMemory,
+    collective=AcceleratorCollective,
+    capabilities=capabilities_for,
+)

@@ -71,7 +71,7 @@ def _device_initialized() -> bool:
 def _load():
     from chipset_ascend import backend
 
-    return backend
+    return backend.spec
 
 
 def _profiles():
@@ -82,7 +82,7 @@ def _profiles():
 
 descriptor = BackendDescriptor(
     name="ascend",
-    api_version=(1, 0),
+    api_version=(1, 1),
     priority=90,
     device_types=("npu",),
     probe=_probe,

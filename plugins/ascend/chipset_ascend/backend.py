@@ -1,4 +1,4 @@
-"""chipset-ascend's hook implementations: the only module chipset loads from this plugin.
+"""chipset-ascend's backend spec: the only module chipset loads from this plugin.
 
 Importing it imports torch_npu (which registers ``torch.npu`` and the ``npu`` device).
 """
@@ -9,7 +9,7 @@ import os
 
 import torch_npu  # noqa: F401  - registers torch.npu; fails here, in load(), if unusable
 
-from chipset.discovery.hookspecs import hookimpl
+from chipset.discovery.spec import BackendSpec
 from chipset.errors import ConfigError
 from chipset.interfaces import Capabilities
 from chipset.interfaces.collective import flight_recorder_file
@@ -72,25 +72,13 @@ def visible_device_ids(raw: str) -> list[int]:
         raise ConfigError(f"{VISIBLE_ENV} must be comma-separated NPU ids (e.g. 0,1,2,3), found {raw!r}") from None
 
 
-@hookimpl
-def chipset_device():
+def make_device() -> AscendDevice:
     device = AscendDevice()
     apply_hf32_policy()
     return device
 
 
-@hookimpl
-def chipset_memory(device):
-    return AscendMemory(device)
-
-
-@hookimpl
-def chipset_collective(device):
-    return AscendCollective(device)
-
-
-@hookimpl
-def chipset_capabilities(device):
+def capabilities(device: AscendDevice) -> Capabilities:
     bf16 = device.bf16_supported()
     half = ("float16", "bfloat16") if bf16 else ("float16",)
     return Capabilities(
@@ -108,13 +96,11 @@ def chipset_capabilities(device):
     )
 
 
-@hookimpl
-def chipset_register_kernels(registry, device):
+def register_kernels(registry, device: AscendDevice) -> None:
     kernels.register(registry, device)
 
 
-@hookimpl
-def chipset_launch_env(local_rank, local_world_size):
+def launch_env(local_rank: int, local_world_size: int) -> dict[str, str]:
     # Every rank sees every visible NPU and binds to its local rank (set_device), as
     # on GPUs; narrowing ASCEND_RT_VISIBLE_DEVICES per rank would break that. What the
     # launcher must carry is HCCL's timeouts, so every rank agrees with chipset's.
@@ -139,3 +125,14 @@ def flight_recorder_env(environ=None) -> dict[str, str]:
     wanted = {"TORCH_HCCL_ENABLE_MONITORING": "1", "TORCH_HCCL_TRACE_BUFFER_SIZE": "2000",
               "TORCH_HCCL_DUMP_ON_TIMEOUT": "1", "TORCH_HCCL_DEBUG_INFO_TEMP_FILE": trace}
     return {k: v for k, v in wanted.items() if not environ.get(k)}
+
+
+spec = BackendSpec(
+    name="ascend",
+    device=make_device,
+    memory=AscendMemory,
+    collective=AscendCollective,
+    capabilities=capabilities,
+    register_kernels=register_kernels,
+    launch_env=launch_env,
+)

@@ -24,12 +24,12 @@ def _device_initialized() -> bool:
 def _load():
     from chipset_cpu import backend
 
-    return backend
+    return backend.spec
 
 
 descriptor = BackendDescriptor(
     name="cpu",
-    api_version=(1, 0),
+    api_version=(1, 1),
     priority=10,
     device_types=("cpu",),
     probe=_probe,

@@ -26,12 +26,12 @@ def _profiles():
 def _load():
     from chipset_cpu_sim import backend
 
-    return backend
+    return backend.spec
 
 
 descriptor = BackendDescriptor(
     name="cpu_sim",
-    api_version=(1, 0),
+    api_version=(1, 1),
     priority=0,
     device_types=("cpu",),
     probe=_probe,

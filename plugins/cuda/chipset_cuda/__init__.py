@@ -104,7 +104,7 @@ def _probe_rocm(torch, hip: str) -> tuple[bool, str]:
 def _load():
     from chipset_cuda import backend
 
-    return backend
+    return backend.spec
 
 
 def _profiles():
@@ -115,7 +115,7 @@ def _profiles():
 
 descriptor = BackendDescriptor(
     name="cuda",
-    api_version=(1, 0),
+    api_version=(1, 1),
     priority=100,
     device_types=("cuda",),  # CUDA and ROCm builds alike
     probe=_probe,

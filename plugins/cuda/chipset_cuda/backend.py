@@ -1,4 +1,4 @@
-"""chipset-cuda's hook implementations: the only module chipset loads from this plugin.
+"""chipset-cuda's backend spec: the only module chipset loads from this plugin.
 
 Loading reads the GPUs' compute capability, which initialises CUDA in this process;
 discovery and the probe never do (see ``chipset_cuda.__init__``).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from chipset.discovery.hookspecs import hookimpl
+from chipset.discovery.spec import BackendSpec
 from chipset.interfaces import ALL_COLLECTIVES, Capabilities, dtype_name
 from chipset.interfaces.collective import flight_recorder_file
 from chipset_cuda import ROCM_VISIBLE_ENVS, VISIBLE_ENV
@@ -27,21 +27,6 @@ KERNEL_TOLERANCES = {
 
 # NCCL reduces these; bfloat16 needs NCCL >= 2.10 (every CUDA torch build >= 2.0 ships one).
 _NCCL_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
-
-
-@hookimpl
-def chipset_device():
-    return CudaDevice()
-
-
-@hookimpl
-def chipset_memory(device):
-    return CudaMemory(device)
-
-
-@hookimpl
-def chipset_collective(device):
-    return CudaCollective(device)
 
 
 def capabilities_for(compute_capability: tuple[int, int], hip_dtypes: tuple | None = None) -> Capabilities:
@@ -68,19 +53,16 @@ def capabilities_for(compute_capability: tuple[int, int], hip_dtypes: tuple | No
     )
 
 
-@hookimpl
-def chipset_capabilities(device):
+def capabilities(device: CudaDevice) -> Capabilities:
     hip = tuple(device.supported_dtypes) if device.hip else None
     return capabilities_for(device.min_compute_capability(), hip)
 
 
-@hookimpl
-def chipset_register_kernels(registry, device):
+def register_kernels(registry, device: CudaDevice) -> None:
     _kernels.register(registry, hip=bool(device.hip))
 
 
-@hookimpl
-def chipset_launch_env(local_rank, local_world_size):
+def launch_env(local_rank: int, local_world_size: int) -> dict[str, str]:
     # Every rank sees every GPU the launcher sees and binds to its local rank
     # (device.set_device(local_rank)), as torchrun does. PCI bus order makes CUDA's
     # indices match nvidia-smi's, so CUDA_VISIBLE_DEVICES means the same to both.
@@ -101,3 +83,14 @@ def flight_recorder_env(environ=None) -> dict[str, str]:
     wanted = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
               "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
     return {k: v for k, v in wanted.items() if not environ.get(k)}
+
+
+spec = BackendSpec(
+    name="cuda",
+    device=CudaDevice,
+    memory=CudaMemory,
+    collective=CudaCollective,
+    capabilities=capabilities,
+    register_kernels=register_kernels,
+    launch_env=launch_env,
+)

@@ -61,16 +61,16 @@ def _make(variant: str) -> BackendDescriptor:
     def probe():
         if variant == "bad_probe":
             # A real broken plugin would call e.g. its runtime's set_device() here.
-            from chipset_broken import hooks
+            from chipset_broken import backend
 
-            hooks.initialise_device(variant)
+            backend.initialise_device(variant)
             _initialised.add(variant)
         return True, f"{variant}: simulated, broken on purpose"
 
     def load():
-        from chipset_broken import hooks
+        from chipset_broken import backend
 
-        return hooks.Plugin(variant)
+        return backend.spec(variant)
 
     def profiles():
         # Keyed apart from the simulator's own "sim-generic" (profile names are global), named
@@ -84,7 +84,7 @@ def _make(variant: str) -> BackendDescriptor:
         return {"broken-generic": dataclasses.replace(real, peak_flops=rates)}
 
     return BackendDescriptor(
-        name=variant, api_version=(1, 0), priority=-10, probe=probe, load=load, simulator=True,
+        name=variant, api_version=(1, 1), priority=-10, probe=probe, load=load, simulator=True,
         description=f"deliberately broken backend ({variant})",
         device_initialized=lambda: variant in _initialised,
         profiles=profiles if variant == "wrong_profile" else None,

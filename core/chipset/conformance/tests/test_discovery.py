@@ -81,7 +81,7 @@ def test_probe_does_not_initialise_the_device(isolated):
     )
 
 
-def test_hooks_return_the_interfaces(backend):
+def test_spec_builds_the_interfaces(backend):
     assert isinstance(backend.device, Device)
     assert isinstance(backend.memory, Memory)
     assert isinstance(backend.collective, Collective)

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from chipset.discovery.hookspecs import hookimpl
+from chipset.discovery.spec import BackendSpec
 from chipset.errors import CollectiveTimeoutError, DeviceIndexError
 from chipset.interfaces import ALL_COLLECTIVES, Capabilities, Handle, MemoryStats
 from chipset.interfaces.streams import SerialEvent, SerialStream
@@ -223,71 +223,63 @@ class _Collective(SimCollective):
         return h
 
 
-class Plugin:
-    """pluggy plugin object for one variant."""
-
-    def __init__(self, variant: str):
-        self.variant = variant
-
-    @hookimpl
-    def chipset_device(self):
-        return _Device(self.variant)
-
-    @hookimpl
-    def chipset_memory(self, device):
-        return _Memory(device, self.variant)
-
-    @hookimpl
-    def chipset_collective(self, device):
-        return _Collective(device, self.variant)
-
-    @hookimpl
-    def chipset_capabilities(self, device):
-        if self.variant == "few_caps":
-            return Capabilities(
-                dtypes=("float32",), amp_dtypes=(), collectives=("all_reduce", "barrier"),
-                collective_dtypes=("float32",), streams=False, event_timing=False,
-                memory_capacity_enforced=False, multi_process=True,
-            )
+def _capabilities(variant: str) -> Capabilities:
+    if variant == "few_caps":
         return Capabilities(
-            dtypes=("float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8", "bool"),
-            amp_dtypes=("bfloat16", "float16"), collectives=ALL_COLLECTIVES,
-            collective_dtypes=("float32", "float64", "float16", "bfloat16", "int32", "int64"),
-            streams=True, event_timing=True, memory_capacity_enforced=True, multi_process=True,
-            fp8=("tensorwise", "rowwise"),
+            dtypes=("float32",), amp_dtypes=(), collectives=("all_reduce", "barrier"),
+            collective_dtypes=("float32",), streams=False, event_timing=False,
+            memory_capacity_enforced=False, multi_process=True,
         )
+    return Capabilities(
+        dtypes=("float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8", "bool"),
+        amp_dtypes=("bfloat16", "float16"), collectives=ALL_COLLECTIVES,
+        collective_dtypes=("float32", "float64", "float16", "bfloat16", "int32", "int64"),
+        streams=True, event_timing=True, memory_capacity_enforced=True, multi_process=True,
+        fp8=("tensorwise", "rowwise"),
+    )
 
-    @hookimpl
-    def chipset_register_kernels(self, registry, device):
-        v = self.variant
-        if v == "bad_kernel":
-            ref = registry.reference("swiglu")
 
-            def swiglu(gate, up):
-                out = ref(gate, up)
-                return out * (1 + 1e-3) if out.dtype == torch.float32 else out
+def _register_kernels(v: str, registry) -> None:
+    if v == "bad_kernel":
+        ref = registry.reference("swiglu")
 
-            registry.register("swiglu", swiglu, priority=5, description="swiglu, off by 1e-3 in float32")
-        elif v == "ignores_eps":
-            ref = registry.reference("rms_norm")
-            registry.register("rms_norm", lambda x, weight, eps=1e-6: ref(x, weight), priority=5,
-                              description="rms_norm that always uses eps=1e-6")
-        elif v == "ignores_mask":
-            ref = registry.reference("scaled_dot_product_attention")
-            registry.register(
-                "scaled_dot_product_attention",
-                lambda q, k, v, mask=None, causal=False, scale=None: ref(q, k, v, None, causal, scale),
-                priority=5, description="attention that drops the mask")
-        elif v == "bad_grouped_mm":
-            ref = registry.reference("grouped_mm")
-            registry.register("grouped_mm", lambda x, w, offs: ref(x, w[:1].expand_as(w), offs), priority=5,
-                              description="grouped_mm with the first group's weights for every group")
-        elif v == "bad_fp8_scale":
-            registry.register("fp8_matmul", _fp8_twice_the_scale, priority=5,
-                              description="fp8_matmul with twice the specified scale for x")
-        elif v == "ignores_ignore_index":
-            ref = registry.reference("cross_entropy")
-            registry.register(
-                "cross_entropy",
-                lambda logits, target, ignore_index=-100, reduction="mean": ref(logits, target, -100, reduction),
-                priority=5, description="cross_entropy that only knows ignore_index=-100")
+        def swiglu(gate, up):
+            out = ref(gate, up)
+            return out * (1 + 1e-3) if out.dtype == torch.float32 else out
+
+        registry.register("swiglu", swiglu, priority=5, description="swiglu, off by 1e-3 in float32")
+    elif v == "ignores_eps":
+        ref = registry.reference("rms_norm")
+        registry.register("rms_norm", lambda x, weight, eps=1e-6: ref(x, weight), priority=5,
+                          description="rms_norm that always uses eps=1e-6")
+    elif v == "ignores_mask":
+        ref = registry.reference("scaled_dot_product_attention")
+        registry.register(
+            "scaled_dot_product_attention",
+            lambda q, k, v, mask=None, causal=False, scale=None: ref(q, k, v, None, causal, scale),
+            priority=5, description="attention that drops the mask")
+    elif v == "bad_grouped_mm":
+        ref = registry.reference("grouped_mm")
+        registry.register("grouped_mm", lambda x, w, offs: ref(x, w[:1].expand_as(w), offs), priority=5,
+                          description="grouped_mm with the first group's weights for every group")
+    elif v == "bad_fp8_scale":
+        registry.register("fp8_matmul", _fp8_twice_the_scale, priority=5,
+                          description="fp8_matmul with twice the specified scale for x")
+    elif v == "ignores_ignore_index":
+        ref = registry.reference("cross_entropy")
+        registry.register(
+            "cross_entropy",
+            lambda logits, target, ignore_index=-100, reduction="mean": ref(logits, target, -100, reduction),
+            priority=5, description="cross_entropy that only knows ignore_index=-100")
+
+
+def spec(variant: str) -> BackendSpec:
+    """The backend spec of one variant."""
+    return BackendSpec(
+        name=variant,
+        device=lambda: _Device(variant),
+        memory=lambda device: _Memory(device, variant),
+        collective=lambda device: _Collective(device, variant),
+        capabilities=_capabilities(variant),
+        register_kernels=lambda registry, device: _register_kernels(variant, registry),
+    )
