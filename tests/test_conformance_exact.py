@@ -106,3 +106,28 @@ def test_linear_summed_in_another_order_passes(dtype):
 def test_linear_summed_in_the_input_dtype_fails(dtype):
     with pytest.raises(AssertionError, match="further from the exact answer than the tolerance"):
         _check_linear(_summed_in_input_dtype, dtype, False)
+
+
+class _HalfGrad(torch.autograd.Function):
+    """Identity forward; halves the gradient."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+def test_fp8_check_sees_a_wrong_gradient_on_a_cpu_device():
+    """On a CPU device moving the inputs there is the identity: the check's runs once shared one
+    ``.grad`` (accumulated across them), and a kernel with half the right dx and dw passed."""
+    from chipset.kernels.fp8 import fp8_matmul
+
+    reg = KernelRegistry("t")
+    reg.register("fp8_matmul", lambda x, w, scaling="tensorwise": fp8_matmul(_HalfGrad.apply(x), _HalfGrad.apply(w),
+                                                                             scaling))
+    caps = SimpleNamespace(dtypes=("float32",), tolerances={}, fp8=("tensorwise",))
+    with pytest.raises(AssertionError, match=r"\(out, dx, dw\) output 1"):
+        tk.test_fp8_matmul_matches_exact_emulation(SimpleNamespace(kernels=reg), caps, "cpu", "tensorwise", "float32")
