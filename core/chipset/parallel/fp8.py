@@ -2,8 +2,9 @@
 
 Each projection the family's tensor-parallel plan names (``colwise`` / ``rowwise``, the same
 modules LoRA targets by default: attention and MLP projections) computes ``x W^T (+ b)`` with the
-``fp8_matmul`` kernel instead of the ``linear`` kernel (parallel/linear.py: FP8 replaces it there): its operands quantised to FP8 with the scaling
-``train.fp8`` names, in the forward and both backward GEMMs (kernels/fp8.py). The weights, their
+``fp8_matmul`` kernel instead of the ``linear`` kernel (FP8 replaces it there: parallel/linear.py):
+its operands quantised to FP8 with the scaling ``train.fp8`` names, in the forward and both
+backward GEMMs (kernels/fp8.py). The weights, their
 gradients and the optimizer stay in the run's dtype (the master copy is never FP8), so
 checkpoints are unchanged and a run may switch FP8 on or off between resumes. The embedding, the
 vocabulary head, norms and MoE experts stay in the run's dtype, as torchao's and Transformer
