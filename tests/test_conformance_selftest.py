@@ -84,6 +84,8 @@ CASES = [
     ("bad_fp8_scale", "fp8_matmul and float32", "kernels",
      ["test_fp8_matmul_matches_exact_emulation[tensorwise-float32]",
       "test_fp8_matmul_matches_exact_emulation[rowwise-float32]"], []),
+    ("bad_linear", "linear and float32", "kernels", ["test_linear_matches_reference[bias-float32]"],
+     ["test_linear_matches_reference[no_bias-float32]"]),
     ("ignores_ignore_index", "argument_variants and cross_entropy", "kernels",
      ["test_argument_variants_match_reference[cross_entropy-ignore_index-sum-float32]"],
      ["test_argument_variants_match_reference[cross_entropy-none-default_ignore-float32]"]),

@@ -61,7 +61,7 @@ def exact(x):
     return x
 
 
-def assert_close_to_exact(got, want, exact, rtol: float, atol: float, label: str) -> None:
+def assert_close_to_exact(got, want, exact, rtol: float, atol: float, label: str, summation=None) -> None:
     """Raise AssertionError unless every element of ``got`` is within the tolerance of
     ``exact``, widened by the largest error the reference ``want`` itself makes:
     ``|got - exact| <= atol + rtol * |exact| + max|want - exact|`` (NaN fails).
@@ -73,6 +73,9 @@ def assert_close_to_exact(got, want, exact, rtol: float, atol: float, label: str
     other elements (it rounds, or fuses, differently), so a direct comparison with the
     reference fails it: an NVIDIA H200 showed exactly that. The bound lets a kernel be as
     wrong as the reference is, and no more.
+
+    ``summation``: an elementwise allowance added to the bound, for a kernel free to order its
+    sums (a GEMM's ``K * eps * sum|a b|``, in float64 on the CPU, shaped like ``exact``).
     """
     a, b, x = got.double().cpu(), want.double().cpu(), exact.double().cpu()
     if a.shape != x.shape:
@@ -80,12 +83,16 @@ def assert_close_to_exact(got, want, exact, rtol: float, atol: float, label: str
     err = (a - x).abs()
     ref_err = float((b - x).abs().max()) if b.numel() else 0.0
     allowed = atol + rtol * x.abs() + ref_err
+    if summation is not None:
+        allowed = allowed + summation.double().cpu()
     bad = ~(err <= allowed)
     if bad.any():
         j = int((err - allowed).nan_to_num(float("inf")).flatten().argmax())
         raise AssertionError(
             f"{label}: {int(bad.sum())} of {a.numel()} elements further from the exact answer than the tolerance "
-            f"(rtol={rtol}, atol={atol}) plus the reference's largest error ({ref_err:.3g}); worst at flat index {j}: "
+            f"(rtol={rtol}, atol={atol}) plus the reference's largest error ({ref_err:.3g})"
+            + ("" if summation is None else f" and the summation bound (at most {float(summation.max()):.3g})")
+            + f"; worst at flat index {j}: "
             f"got {a.flatten()[j].item():.6g}, reference {b.flatten()[j].item():.6g}, exact {x.flatten()[j].item():.6g}")
 
 

@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from chipset.kernels.blockwise import attention_block, attention_block_backward
 from chipset.kernels.fp8 import fp8_matmul
@@ -22,8 +23,16 @@ __all__ = [
     "scaled_dot_product_attention",
     "cross_entropy",
     "fused_adamw",
+    "linear",
     "REFERENCE_KERNELS",
 ]
+
+
+linear = F.linear
+"""``linear(x, weight, bias=None)``: ``x @ weight.T + bias`` (``x [..., in]``, ``weight [out, in]``,
+``bias [out]`` or None) -> ``[..., out]`` in ``x``'s dtype: the product of every linear layer
+(parallel/linear.py routes them through it). torch's own op, unwrapped: a layer that resolves the
+kernel once calls exactly what ``nn.Linear`` calls, with no Python frame in between."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
@@ -162,6 +171,7 @@ REFERENCE_KERNELS = {
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "cross_entropy": cross_entropy,
     "fused_adamw": fused_adamw,
+    "linear": linear,
     "grouped_mm": grouped_mm,
     "fp8_matmul": fp8_matmul,
     "attention_block": attention_block,

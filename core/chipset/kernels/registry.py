@@ -75,6 +75,24 @@ class KernelRegistry:
                 return impl.fn
         return self.reference(name)
 
+    def resolve(self, name: str) -> Callable:
+        """``name`` resolved once, for a caller on the hot path (a layer binds it when it is built):
+        the reference when this backend registers nothing for ``name``, its best implementation
+        when that one is always available, else a function that runs :meth:`select`'s choice on
+        each call (the predicates need the arguments). Calling the result costs what calling the
+        implementation costs; registrations made after resolving are not seen."""
+        impls = list(self._impls.get(name, []))
+        if not impls:
+            return self.reference(name)
+        if impls[0].available is _always:
+            return impls[0].fn
+
+        def dispatch(*args, **kwargs):
+            return self.select(name, *args, **kwargs)(*args, **kwargs)
+
+        dispatch.__name__ = dispatch.__qualname__ = f"{name}_dispatch"
+        return dispatch
+
     def __call__(self, name: str, *args, **kwargs):
         """Run kernel ``name`` with the best available implementation."""
         return self.select(name, *args, **kwargs)(*args, **kwargs)

@@ -2,8 +2,9 @@
 
 Each projection the family's tensor-parallel plan names (``colwise`` / ``rowwise``, the same
 modules LoRA targets by default: attention and MLP projections) computes ``x W^T (+ b)`` with the
-``fp8_matmul`` kernel instead of ``F.linear``: its operands quantised to FP8 with the scaling
-``train.fp8`` names, in the forward and both backward GEMMs (kernels/fp8.py). The weights, their
+``fp8_matmul`` kernel instead of the ``linear`` kernel (FP8 replaces it there: parallel/linear.py):
+its operands quantised to FP8 with the scaling ``train.fp8`` names, in the forward and both
+backward GEMMs (kernels/fp8.py). The weights, their
 gradients and the optimizer stay in the run's dtype (the master copy is never FP8), so
 checkpoints are unchanged and a run may switch FP8 on or off between resumes. The embedding, the
 vocabulary head, norms and MoE experts stay in the run's dtype, as torchao's and Transformer
@@ -22,6 +23,7 @@ from torch import nn
 
 from chipset.errors import ConfigError
 from chipset.kernels.fp8 import FP8_SCALINGS
+from chipset.parallel.linear import route
 from chipset.parallel.lora import LINEAR_TYPES, default_targets
 
 __all__ = ["FP8_MODES", "Fp8Linear", "apply_fp8", "check_fp8", "fp8_targets"]
@@ -53,13 +55,6 @@ class Fp8Linear:
         return y if bias is None else y + bias
 
 
-class _Fp8PlainLinear(nn.Linear):
-    """An ``nn.Linear`` whose product is ``self.linear`` (an :class:`Fp8Linear`); same parameters."""
-
-    def forward(self, x):
-        return self.linear(x, self.weight, self.bias)
-
-
 def fp8_targets(model: nn.Module, family, cfg) -> list[str]:
     """The modules ``train.fp8`` routes: the linear layers the family plan's projection patterns match."""
     patterns = default_targets(family.plan(cfg))
@@ -72,10 +67,8 @@ def fp8_targets(model: nn.Module, family, cfg) -> list[str]:
 
 
 def apply_fp8(model: nn.Module, names: list[str], kernels, scaling: str) -> None:
-    """Route the modules ``names`` (from :func:`fp8_targets`) through ``kernels.fp8_matmul``."""
+    """Route the modules ``names`` (from :func:`fp8_targets`) through ``kernels.fp8_matmul``: FP8
+    replaces the ``linear`` kernel on them (parallel/linear.py, "Precedence")."""
     linear = Fp8Linear(kernels, scaling)
     for name in names:
-        mod = model.get_submodule(name)
-        if type(mod) is nn.Linear:
-            mod.__class__ = _Fp8PlainLinear  # a subclass: parameters, hooks (LoRA's) and names stay
-        mod.linear = linear
+        route(model.get_submodule(name), linear)

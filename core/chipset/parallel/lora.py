@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chipset.errors import ConfigError
+from chipset.parallel.linear import KernelLinear
 from chipset.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -59,7 +60,7 @@ ADAPTER_NAMES = ("lora_A", "lora_B")
 TARGET_STYLES = ("colwise", "colwise_in_region", "rowwise")
 """The tp plan styles whose modules LoRA targets by default: the attention and MLP projections."""
 _SEQ = 1
-LINEAR_TYPES = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
+LINEAR_TYPES = (nn.Linear, KernelLinear, ColumnParallelLinear, RowParallelLinear)
 """The modules LoRA adapts (exact types: y = x W^T + b, which the adapter's output is added to)."""
 
 
@@ -160,31 +161,34 @@ def _logical(p: torch.Tensor, dim: int) -> int:
 class _Adapter:
     """The forward hook adding ``scale * B(A(dropout(x)))`` to a targeted layer's output."""
 
-    def __init__(self, lora: LoRA, kind: str, tp: TPContext | None, enters: bool):
+    def __init__(self, lora: LoRA, kind: str, tp: TPContext | None, enters: bool, linear):
         self.scale, self.p, self.kind, self.tp, self.enters = lora.scale, lora.dropout, kind, tp, enters
+        self.linear = linear
 
     def __call__(self, mod: nn.Module, args, y: torch.Tensor) -> torch.Tensor:
         x = F.dropout(args[0], self.p, training=mod.training) if self.p else args[0]
-        a, b, t = mod.lora_A.weight, mod.lora_B.weight, self.tp
+        a, b, t, lin = mod.lora_A.weight, mod.lora_B.weight, self.tp, self.linear
         if self.kind == "col" and self.enters:
-            h = enter_region(F.linear(x, a), t)
+            h = enter_region(lin(x, a), t)
         elif self.kind == "col":
-            h = F.linear(x, copy_to_group(a, t.collective, t.group))
+            h = lin(x, copy_to_group(a, t.collective, t.group))
         elif self.kind == "row":
-            h = F.linear(x, a)
+            h = lin(x, a)
             if t.sequence_parallel:
                 h = reduce_scatter_along_grad(h, _SEQ, t.collective, t.group)
                 b = copy_to_group(b, t.collective, t.group)
             else:
                 h = reduce_from_group(h, t.collective, t.group)
         else:
-            h = F.linear(x, a)
-        return y + F.linear(h, b) * self.scale
+            h = lin(x, a)
+        return y + lin(h, b) * self.scale
 
 
-def apply_lora(model: nn.Module, lora: LoRA, *, seed: int, tp: TPContext | None = None) -> list[str]:
+def apply_lora(model: nn.Module, lora: LoRA, *, seed: int, tp: TPContext | None = None,
+               linear=F.linear) -> list[str]:
     """Freeze ``model`` and add adapters to every module ``lora.targets`` match (after the tp plan
-    is applied: they follow its split). Returns the adapted module names; ConfigError on a bad target."""
+    is applied: they follow its split). ``linear``: the adapters' product (the backend's ``linear``
+    kernel, resolved: parallel/linear.py). Returns the adapted module names; ConfigError on a bad target."""
     problems = target_problems(model, lora.targets)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -204,7 +208,8 @@ def apply_lora(model: nn.Module, lora: LoRA, *, seed: int, tp: TPContext | None 
             a, b = _full_adapters(name, w.shape[1], w.shape[0], lora.rank, seed)
             pa, pb, kind = nn.Parameter(a), nn.Parameter(b), "plain"
         mod.lora_A, mod.lora_B = _Weight(pa), _Weight(pb)
-        mod.register_forward_hook(_Adapter(lora, kind, getattr(mod, "tp", tp), getattr(mod, "enter_region", False)))
+        mod.register_forward_hook(_Adapter(lora, kind, getattr(mod, "tp", tp), getattr(mod, "enter_region", False),
+                                           linear))
     return names
 
 

@@ -228,7 +228,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     linear = staticmethod(F.linear)
-    """The product ``(x, w, b) -> x w^T + b``; ``train.fp8`` replaces it (parallel/fp8.py)."""
+    """The product ``(x, w, b) -> x w^T + b``: the backend's ``linear`` kernel once the engine routes
+    the model (parallel/linear.py), ``fp8_matmul`` where ``train.fp8`` replaces it (parallel/fp8.py)."""
 
     def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, enter_region: bool = True,
                  full_bias: torch.Tensor | None = None):
@@ -249,7 +250,8 @@ class RowParallelLinear(nn.Module):
     tp, then the (replicated) bias is added once."""
 
     linear = staticmethod(F.linear)
-    """The product ``(x, w, b) -> x w^T + b``; ``train.fp8`` replaces it (parallel/fp8.py)."""
+    """The product ``(x, w, b) -> x w^T + b``: the backend's ``linear`` kernel once the engine routes
+    the model (parallel/linear.py), ``fp8_matmul`` where ``train.fp8`` replaces it (parallel/fp8.py)."""
 
     def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, full_bias: torch.Tensor | None = None):
         super().__init__()

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from chipset.models.family import build_for
 from chipset.models.hf.config import SUPPORTED_ARCHITECTURES, _family_of
 from chipset.models.hf.names import expert_names, to_hf
 from chipset.models.sampling import sample
+from chipset.parallel.linear import apply_linear
 from chipset.parallel.lora import apply_lora, lora_of
 from chipset.parallel.meta import on_meta
 
@@ -90,7 +92,10 @@ class LocalRollout:
             model = build_for(family, cfg, kernels)
             lora = lora_of(cfg, family)
             if lora is not None:
-                apply_lora(model, lora, seed=cfg.train.seed)
+                apply_lora(model, lora, seed=cfg.train.seed,
+                           linear=F.linear if kernels is None else kernels.resolve("linear"))
+            if kernels is not None:  # the GEMM the policy trains with (parallel/linear.py)
+                apply_linear(model, kernels)
         self.model = model.to_empty(device=device).eval()
         self.cfg = cfg
         self.vocab_size = cfg.model.vocab_size

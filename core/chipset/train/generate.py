@@ -85,6 +85,7 @@ def generate(run_dir: str | Path, *, prompt: str | None = None, prompt_ids: list
     from chipset.models.family import bind, build_for
     from chipset.models.registry import resolve_family
     from chipset.models.sampling import sample
+    from chipset.parallel.linear import apply_linear
     from chipset.train.checkpoint.export import load_weights
     from chipset.train.evaluate import family_unit
 
@@ -102,6 +103,7 @@ def generate(run_dir: str | Path, *, prompt: str | None = None, prompt_ids: list
         raise ConfigError(f"prompt token ids {bad[:5]} are outside the model's vocabulary 0..{cfg.model.vocab_size - 1}")
     b = backend or load_backend()
     model = bind(family, build_for(family, cfg, b.kernels), cfg)
+    apply_linear(model, b.kernels)  # the GEMM training ran (parallel/linear.py)
     model.load_state_dict(weights)
     model.eval()
     gen = torch.Generator().manual_seed(seed)

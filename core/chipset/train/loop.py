@@ -27,6 +27,7 @@ from chipset.parallel.dims import ParallelDims
 from chipset.parallel.experts import apply_ep
 from chipset.parallel.fp8 import apply_fp8, check_fp8, fp8_targets
 from chipset.parallel.hybrid import hybrid_groups
+from chipset.parallel.linear import apply_linear
 from chipset.parallel.lora import apply_lora, lora_of
 from chipset.parallel.moe import apply_cp_moe
 from chipset.parallel.offload import apply_offload
@@ -114,10 +115,11 @@ def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn
         apply_plan(model, family.plan(cfg), tp=tp)
     lora = lora_of(cfg, family)
     if lora is not None:  # after the plan: the adapters follow its split (parallel/lora.py)
-        apply_lora(model, lora, seed=cfg.train.seed)
+        apply_lora(model, lora, seed=cfg.train.seed, linear=backend.kernels.resolve("linear"))
     if tr.fp8 != "off":  # after the plan and LoRA: the split projections, the adapters stay in train.dtype
         check_fp8(tr.fp8, backend)
         apply_fp8(model, fp8_targets(model, family, cfg), backend.kernels, tr.fp8)
+    apply_linear(model, backend.kernels)  # every other linear layer: the backend's GEMM (parallel/linear.py)
     if dims.cp_enabled:
         group = dims.group("cp", col)
         subgroups = None

@@ -37,6 +37,7 @@ DEFECTS = {
     "ignores_ignore_index": "cross_entropy only honours ignore_index=-100",
     "bad_grouped_mm": "grouped_mm multiplies every group by the first group's weights",
     "bad_fp8_scale": "fp8_matmul quantises x with twice its specified scale (its largest values saturate)",
+    "bad_linear": "linear drops the bias",
     "bad_event": "events report negative elapsed time",
     "bad_stream": "Stream.context does not make the stream current",
     "bad_probe": "probe() initialises the device",
@@ -51,7 +52,7 @@ VARIANTS = (
     "bad_reduce_scatter", "bad_broadcast", "no_output_splits", "bad_send_recv", "bad_barrier",
     "async_never_completes", "hang_timeout", "swallow_timeout", "bad_memory", "empty_cache_noop",
     "reset_peak_noop", "bad_mem_info", "bad_kernel", "ignores_eps", "ignores_mask", "ignores_ignore_index",
-    "bad_grouped_mm", "bad_fp8_scale",
+    "bad_grouped_mm", "bad_fp8_scale", "bad_linear",
     "bad_event", "bad_stream", "bad_probe", "ignores_visible", "bad_device_index", "wrong_profile", "few_caps",
 )
 _initialised: set[str] = set()

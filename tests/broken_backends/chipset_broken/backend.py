@@ -265,6 +265,10 @@ def _register_kernels(v: str, registry) -> None:
     elif v == "bad_fp8_scale":
         registry.register("fp8_matmul", _fp8_twice_the_scale, priority=5,
                           description="fp8_matmul with twice the specified scale for x")
+    elif v == "bad_linear":
+        ref = registry.reference("linear")
+        registry.register("linear", lambda x, weight, bias=None: ref(x, weight), priority=5,
+                          description="linear that drops the bias")
     elif v == "ignores_ignore_index":
         ref = registry.reference("cross_entropy")
         registry.register(

@@ -57,7 +57,7 @@ def _inputs(name: str, dt: torch.dtype, dev) -> tuple[list, dict, list[int]]:
 
 
 BLOCKWISE = ("attention_block", "attention_block_backward")  # tuples out, no autograd: own test below
-OWN_MODULE = ("fused_adamw", "fp8_matmul")  # own tests below (fp8_matmul only where declared)
+OWN_MODULE = ("fused_adamw", "fp8_matmul", "linear")  # own tests below (fp8_matmul only where declared)
 DIFFERENTIABLE = [k for k in REFERENCE_KERNELS if k not in OWN_MODULE and k not in BLOCKWISE]
 
 
@@ -159,7 +159,8 @@ def test_fp8_matmul_matches_exact_emulation(backend, caps, dev, scaling, dtype):
     up = torch.randn(12, 24, generator=g).to(dt)
 
     def run(fn, conv):
-        a, b = conv(x).requires_grad_(True), conv(w).requires_grad_(True)
+        # detach: on a CPU device conv is the identity, and the runs must not share one .grad
+        a, b = conv(x).detach().requires_grad_(True), conv(w).detach().requires_grad_(True)
         y = fn(a, b, scaling=scaling)
         y.backward(conv(up))
         return [t.detach() for t in (y, a.grad, b.grad)]
@@ -170,6 +171,47 @@ def test_fp8_matmul_matches_exact_emulation(backend, caps, dev, scaling, dtype):
     truth = run(backend.kernels.reference("fp8_matmul"), exact)
     assert got[0].dtype == dt and got[0].shape == (12, 24)
     _compare(got, want, "fp8_matmul", dtype, caps, f"{scaling} (out, dx, dw)", truth)
+
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("dtype", list(FLOATS))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_linear_matches_reference(backend, caps, dev, dtype, bias):
+    """``linear(x, weight, bias)`` = ``x @ weight.T + bias`` forward and backward (dx, dweight,
+    dbias), with a non-square weight and two leading dims, against the exact answer. A GEMM may
+    order and block its sums any way, so each element gets the bound of a K-term dot product
+    summed in float32, ``K * eps32 * sum|a b|`` (K the reduction of that output: in_features + 1
+    for y, out_features for dx, rows for dweight and dbias; ``sum|a b|`` the same product of the
+    operands' magnitudes), on top of the dtype's tolerance for rounding the result and the
+    reference's own largest error. A dropped bias or a wrong transpose misses by whole entries."""
+    _require(caps, dtype)
+    dt = FLOATS[dtype]
+    g = torch.Generator().manual_seed(17)
+    x, w, b, up = (torch.randn(*shape, generator=g).to(dt) for shape in ((3, 5, 48), (24, 48), (24,), (3, 5, 24)))
+    operands = (x, w, b) if bias else (x, w)
+    names = ("dx", "dweight", "dbias")[: len(operands)]
+
+    def run(fn, conv):
+        leaves = [conv(t).detach().requires_grad_(True) for t in operands]  # own leaves: no .grad shared across runs
+        y = fn(*leaves)
+        y.backward(conv(up).to(y.dtype))
+        missing = [n for n, t in zip(names, leaves, strict=True) if t.grad is None]
+        assert not missing, f"linear at {dtype}: no gradient for {', '.join(missing)}"
+        return [y.detach(), *(t.grad for t in leaves)]
+
+    on_dev = lambda t: t.to(dev)  # noqa: E731
+    ref = backend.kernels.reference("linear")
+    got = run(backend.kernels.select("linear", *[on_dev(t) for t in operands]), on_dev)
+    want = run(ref, on_dev)
+    truth = run(ref, exact)
+    sizes = [w.shape[1] + 1, w.shape[0], x.numel() // x.shape[-1], x.numel() // x.shape[-1]]
+    magnitudes = run(ref, lambda t: exact(t).abs())
+    assert got[0].dtype == dt and got[0].shape == (3, 5, 24), f"linear at {dtype}: {got[0].dtype} {tuple(got[0].shape)}"
+    rtol, atol = tolerance(dtype, "linear", caps.tolerances)
+    for what, a, r, t, k, m in zip(("y", *names), got, want, truth, sizes, magnitudes, strict=False):
+        assert_close_to_exact(a, r, t, rtol, atol, f"linear {what} at {dtype} (bias={bias})", summation=k * EPS32 * m)
 
 
 @pytest.mark.parametrize("dtype", list(FLOATS))
