@@ -1,6 +1,6 @@
 """MkDocs hook: make the docs' fences render as on GitHub.
 
-tests/test_docs_examples.py runs every ```python/```console/```bash/```sh block of the docs
+tests/docs/test_docs_examples.py runs every ```python/```console/```bash/```sh block of the docs
 and reports a block as skipped with REASON when its opening fence reads
 ```` ```bash skip-example: REASON ````. Python-Markdown would not recognise such a fence,
 so the marker is removed before the page is rendered (GitHub ignores it by itself).

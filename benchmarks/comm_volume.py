@@ -14,7 +14,7 @@ measured / predicted.
 By default the layouts of one world size run one after another in one torchrun job (the
 trainer's ``train()`` per layout, each with its own run directory), which saves a
 launch per layout; ``--cli`` runs each as its own ``chipset train`` instead. The counts
-are the same either way. tests/test_planner_validation_comm.py imports :func:`measure`
+are the same either way. tests/planner/test_planner_validation_comm.py imports :func:`measure`
 and :func:`check` from here.
 """
 

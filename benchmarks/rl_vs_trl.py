@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SFT_STEPS, SFT_BATCH, SFT_SEQ, SFT_LR, SFT_SEED = 30, 16, 12, 3e-3, 123  # tests/rl_jobs.py's warm-up
+SFT_STEPS, SFT_BATCH, SFT_SEQ, SFT_LR, SFT_SEED = 30, 16, 12, 3e-3, 123  # tests/rl/rl_jobs.py's warm-up
 WINDOW = 10
 NEEDED = ("trl", "transformers", "accelerate", "datasets", "tokenizers")
 

@@ -24,6 +24,33 @@ os.environ.pop("CHIPSET_DISABLE_PLUGINS", None)
 os.environ.update(testenv.selection_env())
 
 
+def _import_triton_interpreted() -> None:
+    """Import triton under its interpreter before any test module can import it compiled.
+
+    Triton picks interpreter or compiler when ``triton.language`` is first imported; the kernel
+    tests (tests/plugins/test_cuda_triton.py) need the interpreter, and test modules collected
+    before them import triton compiled through transformers and torch. Nothing else in the suite
+    launches a Triton kernel in this process (tests/plugins/test_cuda_triton_compile.py compiles
+    in a subprocess of its own).
+    """
+    import importlib.util
+
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+_import_triton_interpreted()
+
+
 @pytest.fixture
 def site(tmp_path, monkeypatch):
     """A fresh site directory on sys.path; plugins written there are discovered for real."""
@@ -82,11 +109,11 @@ _MULTIRANK = re.compile(r"run_jobs\(|--nproc|torch\.distributed\.run|\btorchrun\
 
 def _suite_function(obj, mod) -> bool:
     """Whether ``obj`` is the test module's own function or one it imported from a helper
-    module of this folder (testenv, parity, ...): the scan follows those, not chipset's."""
+    module of this folder or a test file of its rooms (testenv, parity, test_hf, ...): the scan follows those, not chipset's."""
     if obj.__module__ == mod.__name__:
         return True
     try:
-        return Path(inspect.getsourcefile(obj)).resolve().parent == Path(__file__).resolve().parent
+        return Path(inspect.getsourcefile(obj)).resolve().is_relative_to(Path(__file__).resolve().parent)
     except TypeError:
         return False
 

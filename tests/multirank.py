@@ -1,6 +1,6 @@
 """Run a test file's jobs on real processes and collect what each job's rank 0 saved.
 
-A multi-rank test file (tests/test_engine_*.py) is also its jobs' script: ``python FILE
+A multi-rank test file (tests/<room>/test_*.py, e.g. tests/parallel/test_engine_tp.py) is also its jobs' script: ``python FILE
 MODE OUT`` is one process (the single-process reference), ``torchrun --nproc-per-node=N
 FILE MODE OUT`` is N ranks over gloo on the default backend. Inside a job, ``start()``
 binds the device and joins the process group; ``finish()`` saves rank 0's results to OUT

@@ -5,7 +5,7 @@ floating-point reductions (a 2-rank average of half-batch gradients vs one mean,
 matmuls under tp, stage-wise norm partial sums under pp). These helpers turn that into
 bounds that hold on any IEEE-754 CPU (AVX2, AVX-512, NEON: only the order and the
 blocking of sums change) and still fail on a wrong reduction (see the negative controls
-in tests/test_engine_parity.py).
+in tests/runtime/test_engine_parity.py).
 
 Three checks, from tight to loose:
 

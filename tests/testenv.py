@@ -3,7 +3,7 @@
 The suite was written against cpu_sim (exact memory accounting, simulated device
 profiles). Since the real ``cpu`` backend is installed too and automatic selection
 prefers it, every test environment disables it unless the run asks for a backend:
-``CHIPSET_BACKEND=cpu pytest tests/test_engine_parity.py`` runs those tests on ``cpu``.
+``CHIPSET_BACKEND=cpu pytest tests/runtime/test_engine_parity.py`` runs those tests on ``cpu``.
 The variable is read once, when the suite starts; tests that build a subprocess's
 environment from scratch take their selection from :func:`clean_env`.
 """
@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 TEST_BACKEND = os.environ.get("CHIPSET_BACKEND", "").strip()
+"""The backend the run asked for (empty: the default, cpu_sim by automatic selection)."""
 
 TINY_RUN = {
     "model": {"vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -21,7 +23,9 @@ TINY_RUN = {
     "train": {"steps": 8, "global_batch": 4, "seq_len": 16, "lr": 1e-2, "seed": 7},
 }
 """A one-process run of the built-in transformer small enough for a unit test (8 steps)."""
-"""The backend the run asked for (empty: the default, cpu_sim by automatic selection)."""
+
+TESTS = Path(__file__).resolve().parent
+"""The suite's folder: its helper modules; the test files are in its rooms, tests/<room>/."""
 
 
 def selection_env() -> dict[str, str]:
@@ -38,6 +42,9 @@ def clean_env(*, keep_settings: bool = False) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items()
          if not (k in drop if keep_settings else k.startswith("CHIPSET_"))}
     e.update(selection_env())
+    # The suite's helper modules (testenv, multirank, ...) live in tests/, the test files in its
+    # rooms (tests/<room>/): a test file run as a script or a rank imports them from here.
+    e["PYTHONPATH"] = os.pathsep.join([*([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []), str(TESTS)])
     return e
 
 

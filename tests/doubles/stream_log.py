@@ -1,5 +1,5 @@
 """TEST DOUBLE of a Device whose streams run asynchronously, for activation offload's side-stream
-path on a machine without one (tests/test_offload_streams.py).
+path on a machine without one (tests/runtime/test_offload_streams.py).
 
 ``StreamLogDevice`` is chipset's host device (plugin_kit/host.py: work runs eagerly on the host)
 whose streams and events (the serial default's, interfaces/streams.py) append every call to ``log``: ``("wait_event", stream, event)``,

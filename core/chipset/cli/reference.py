@@ -1,6 +1,6 @@
 """The CLI reference page (docs/cli.md), generated from the argparse parsers.
 
-``python -m chipset.cli.reference --write`` regenerates docs/cli.md; tests/test_docs_site.py
+``python -m chipset.cli.reference --write`` regenerates docs/cli.md; tests/docs/test_docs_site.py
 checks that every command, option and help text of the live parsers is on the page, so
 the page cannot go stale. Not a command itself (it is not in ``COMMANDS``).
 """

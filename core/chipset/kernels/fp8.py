@@ -19,7 +19,7 @@ the GEMMs see FP8.
 
 A backend running real FP8 hardware quantises exactly so (the scales and the rounding are the
 specification) and differs from this emulation only in how the products are summed, which the
-conformance check allows for (core/chipset/conformance/tests/test_fp8.py).
+conformance check allows for (core/chipset/conformance/tests/parallel/test_fp8.py).
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class GPT2Family(ModelFamily):
         """Training FLOPs of one sequence: 6 per weight of every ``nn.Linear`` per token (forward
         and the two backward products) plus the attention scores and values, 12 x layers x
         hidden x seq per token (PaLM's count, no causal halving). Equal to what
-        torch.utils.flop_counter counts for a training step (tests/test_gpt2_family.py)."""
+        torch.utils.flop_counter counts for a training step (tests/models/test_gpt2_family.py)."""
         m, s = cfg.model, cfg.train.seq_len
         h, inner, L = m.hidden_size, m.intermediate_size, m.num_hidden_layers
         linear = L * (4 * h * h + 2 * h * inner) + h * m.vocab_size

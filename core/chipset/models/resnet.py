@@ -295,7 +295,7 @@ class ResNetFamily(ModelFamily):
         """Forward + backward: the backward computes the gradients of the activations and of
         the weights, each as costly as the forward, except that the images need no gradient
         (the stem convolution's input gradient is not computed). Equal to what
-        torch.utils.flop_counter counts for a training step (tests/test_resnet_family.py)."""
+        torch.utils.flop_counter counts for a training step (tests/models/test_resnet_family.py)."""
         m = cfg.model
         stem_input_grad = 2 * CHANNELS * m.hidden_size * 9 * IMAGE_SIZE * IMAGE_SIZE
         return 3.0 * forward_flops(m.hidden_size, m.num_hidden_layers, self.options(cfg).num_classes) - stem_input_grad

@@ -12,7 +12,7 @@ published, ring attention), which is what its published-run comparison needs.
 :func:`departures` lists, with a reason each, where chipset's engine moves other bytes;
 every entry follows from the config alone, never from a measurement. planner +
 departures is :func:`predict`, compared exactly with the simulator's counts by
-benchmarks/comm_volume.py and tests/test_planner_validation_comm.py (docs/planner.md,
+benchmarks/comm_volume.py and tests/planner/test_planner_validation_comm.py (docs/planner.md,
 "Validation against the engine").
 
 Covered: dp (ZeRO 0-3), tp with and without sequence parallelism, pp <= 2 (first and last

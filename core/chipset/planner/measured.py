@@ -11,7 +11,7 @@ at 0.46-0.47 of the bf16 peak at 8 x 2,048 tokens and 0.54-0.55 at 2 x 8,192 (th
 declares 0.40 for Hopper).
 
 ``TRAINING_SHAPES`` are the GEMMs a transformer step is made of (smallest dimension 512 or
-more, no small squares): the planner is bounded on those (``tests/test_planner_measured.py``).
+more, no small squares): the planner is bounded on those (``tests/planner/test_planner_measured.py``).
 The others are reported, not bounded: below a few hundred tokens, and for small squares
 that fill a fraction of one wave of the 132 multiprocessors, the curve is optimistic, and
 a lone tiny GEMM takes about 3 us whatever its size (a whole block's kernels are bounded

@@ -85,7 +85,7 @@ H200_STEPS: list[MeasuredStep] = [
                  train={"update_bytes": 40.0, "loss_bytes": 36.0}, note=_EAGER),
 ]
 
-# What tests/test_planner_measured.py enforces: issue 20's bounds for published runs.
+# What tests/planner/test_planner_measured.py enforces: issue 20's bounds for published runs.
 MEAN_BOUND, WORST_BOUND = 0.10, 0.20
 
 

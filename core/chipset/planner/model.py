@@ -3,7 +3,7 @@
 Independent of the engine's run config on purpose (the planner must describe models far
 larger than anything the engine runs here); :func:`from_engine_model_config` maps one onto
 the other. Parameter counts are exact for the architecture described, so the presets
-reproduce published sizes to the parameter (see tests/test_planner_model.py).
+reproduce published sizes to the parameter (see tests/planner/test_planner_model.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Deliberately broken chipset backends, one entry point each, to prove the conformance suite fails them.
 
 Every backend here is the CPU simulator with exactly one defect (see ``DEFECTS``); each
-is failed by a named conformance check (tests/test_conformance_selftest.py), except
+is failed by a named conformance check (tests/conformance/test_conformance_selftest.py), except
 ``few_caps``, correct but declaring fewer capabilities (the suite must skip, not fail).
 
 Importing this module imports no vendor SDK, like any descriptor module.
