@@ -1,6 +1,6 @@
 """Install the torch_npu TEST DOUBLE into one test (in-process) or a subprocess environment.
 
-Used by tests/test_ascend_*.py. Everything it changes is undone through pytest's
+Used by tests/plugins/test_ascend_*.py. Everything it changes is undone through pytest's
 ``monkeypatch``: sys.path, environment, ``torch.npu`` and the modules it imported.
 """
 

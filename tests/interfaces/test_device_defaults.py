@@ -24,7 +24,7 @@ from chipset.interfaces.streams import (
     has_torch_streams,
 )
 
-DOUBLE = Path(__file__).parent / "doubles" / "privateuse1_double"
+DOUBLE = Path(__file__).parents[1] / "doubles" / "privateuse1_double"
 
 
 class Bare(Device):
