@@ -155,3 +155,16 @@ def test_the_checks_see_a_late_upward_import_and_a_circle():
     assert {"chipset.runtime.planner:run", "chipset.runtime.pipeline:check"} <= rel
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+TESTS = Path(__file__).resolve().parents[1]
+OUTSIDE_CORE = {"plugins": "the vendor plugins", "docs": "docs/ and examples/", "project": "the house as a whole"}
+
+
+def test_the_tests_mirror_the_rooms():
+    # Every test file sits in tests/<room>/, a room of core/chipset or one of OUTSIDE_CORE; none at the top.
+    rooms = {p.name for p in CORE.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | set(OUTSIDE_CORE)
+    loose = sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert not loose, f"test files at the top of tests/ (move each into tests/<room>/): {loose}"
+    strays = sorted(str(p.relative_to(TESTS)) for p in TESTS.glob("*/test_*.py") if p.parent.name not in rooms)
+    assert not strays, f"test folders that are not a room of core/chipset nor one of {sorted(OUTSIDE_CORE)}: {strays}"
