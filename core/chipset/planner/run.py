@@ -63,7 +63,7 @@ def from_run_config(cfg: Any, world_size: int | None = None,
                  cp_ulysses=int(getattr(par, "cp_ulysses", 0)),
                  offload_activations=bool(getattr(tr, "offload_activations", False)),
                  loss_chunk=int(getattr(tr, "loss_chunk", 0)))
-    train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e,
+    train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, fp8=getattr(tr, "fp8", "off"), param_bytes=e, grad_bytes=e,
                       optimizer_bytes=optimizer_bytes(tr, masters_are_params), bucket_mb=par.bucket_mb)
     return m, lay.check(), train
 
