@@ -397,10 +397,12 @@ class DataParallel:
         self.micro_batches = micro_batches
         self.grad_clip = grad_clip
         self.optimizer: Optimizer = optimizer if optimizer is not None else AdamW()
-        if bf16_update is not None and (dtype != torch.bfloat16 or offload_optimizer):
+        if bf16_update is not None and (dtype != torch.bfloat16 or offload_optimizer
+                                        or max(dims.tp, dims.pp, dims.cp, dims.ep) > 1):
             raise UsageError(f"training without float32 master weights needs bfloat16 parameters on the device "
-                             f"(found dtype {dtype}, offload_optimizer={offload_optimizer}); use dtype bfloat16 "
-                             "without offload, or keep the masters (bf16_update=None)")
+                             f"under dp and ZeRO only (found dtype {dtype}, offload_optimizer={offload_optimizer}, "
+                             f"layout {dims.layout()}); use dtype bfloat16 without offload, tp, pp, cp and ep, or "
+                             "keep the masters (bf16_update=None)")
         self.bf16_update = bf16_update
         """None: float32 master weights; else how the bfloat16 parameters take each update (runtime/bf16_update.py)."""
         # Optimizers that update whole matrices (Muon) get each bucket's matrices (runtime/matrices.py).

@@ -149,7 +149,7 @@ class TrainConfig:
     seed: int = 1234
     """Seed of parameter initialisation and data."""
     dtype: str = "float32"
-    """Compute dtype: float32, bfloat16 or float16 (master weights stay float32); auto = the backend's default compute dtype (bfloat16 on cuda and ascend devices with bf16, float32 on the CPU backends, where bf16 is about 6x slower): `chipset info` shows it."""
+    """Compute dtype: float32, bfloat16 or float16 (master weights stay float32 unless train.master_weights = "none"); auto = the backend's default compute dtype (bfloat16 on cuda and ascend devices with bf16, float32 on the CPU backends, where bf16 is about 6x slower): `chipset info` shows it."""
     fp8: str = "off"
     """FP8 training: off, tensorwise or rowwise (the scaling of the FP8 GEMMs): the attention and MLP projections run their forward and backward GEMMs in FP8 through the backend's fp8_matmul kernel; weights, gradients and optimizer stay in train.dtype. Only on a backend declaring the scaling (Capabilities.fp8): docs/engine.md, "FP8 training"."""
     loss_scale: float = 0.0
