@@ -66,7 +66,10 @@ def _dot_run(b, update) -> dict[str, torch.Tensor]:
         eng.forward_backward(x, None)
         eng.step(LR)
     (bucket,) = eng.buckets
-    out = {"params": eng.model.w.detach().float().cpu(), "master": bucket.master.detach().float().cpu()[:N]}
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # a master-free master is the parameters
+            for t in (bucket.full, bucket.master, *bucket.state.values())}
+    out = {"params": eng.model.w.detach().float().cpu(), "master": bucket.master.detach().float().cpu()[:N],
+           "bytes_per_param": sum(held.values()) / N}
     if "compensation" in bucket.state:
         out["exact"] = out["params"] + bucket.state["compensation"].float().cpu()[:N]
     return out
@@ -139,6 +142,15 @@ def test_plain_rounding_stalls_where_stochastic_and_kahan_track_the_float32_mast
     sr = one["stochastic"]["params"]
     bound = Z * ULP * math.sqrt(STEPS) / (2 * math.sqrt(N)) + fp32
     assert abs((sr - master).mean().item()) <= bound, f"stochastic mean error {(sr - master).mean().item()}, bound {bound}"
+
+
+def test_the_planner_counts_the_bytes_the_engine_holds(runs):
+    from chipset.planner.run import optimizer_bytes
+    from chipset.train.config import TrainConfig
+
+    for update in ("float32", "stochastic", "kahan"):
+        tr = TrainConfig(dtype="bfloat16", **({} if update == "float32" else {"master_weights": "none", "bf16_update": update}))
+        assert 2 + optimizer_bytes(tr, masters_are_params=False) == runs["one"][update]["bytes_per_param"]
 
 
 def test_replicas_stay_bit_identical_under_stochastic_rounding(runs):
