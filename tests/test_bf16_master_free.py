@@ -14,6 +14,9 @@ rounding adds an independent zero-mean error below one step each step, so the me
 weights is within ``Z * ulp * sqrt(k) / (2 sqrt n)`` of the master's. Both also allow the
 float32 rounding of ``w - lr`` in each run (``2^-24`` relative, per step).
 
+The planner's K (planner/run.py) plus the 2 bytes of a bfloat16 parameter equals the bytes per
+parameter the engine holds for parameters, masters and state, with and without masters.
+
 Multirank (dp = 2): with ZeRO 0 every rank applies the whole stochastic update to its replica,
 and the replicas stay bit-identical (the noise is seeded by step and bucket, not by rank); with
 ZeRO 2 (stochastic) and ZeRO 3 (Kahan: its compensation is optimizer state) a run checkpointed
