@@ -50,6 +50,9 @@ def add_parser(sub) -> None:
                    help="override the profile's per-device bandwidth across nodes, GB/s per direction")
     p.add_argument("--dtype", default=None, help="compute dtype whose peak FLOP/s applies; float32 also plans "
                    "4-byte parameters and gradients (default: the config's train.dtype, else bfloat16)")
+    p.add_argument("--fp8", default=None, choices=("off", "tensorwise", "rowwise"),
+                   help="plan FP8 training (train.fp8): the attention and MLP projections at the profile's FP8 peak, "
+                        "the rest at --dtype's (default: the config's train.fp8, else off)")
     p.add_argument("--efficiency", type=float, default=None, metavar="FRACTION",
                    help="fraction of peak large GEMMs sustain (default: the profile's, e.g. 0.70 on H100; "
                         "see docs/planner.md)")
@@ -293,10 +296,13 @@ def run(args) -> int:
     print(f"model {model.name}: {model.num_params() / 1e9:.3g}B parameters"
           + (f" ({model.active_params() / 1e9:.3g}B active)" if model.is_moe else "")
           + f", seq {model.seq_len}, global batch {train.global_batch} sequences")
+    from chipset.planner.kernels import device_fp8_peak
+
     d = cluster.device
     print(f"cluster {cluster.nodes}x{cluster.devices_per_node} {cluster.profile} = {n} devices: "
           f"{_gib(d.total_memory)}, {d.peak_flops_for(train.dtype) / 1e12:g} TFLOP/s {train.dtype}, "
-          f"intra-node {d.intra_node_bandwidth / 1e9:g} GB/s, inter-node {d.inter_node_bandwidth / 1e9:g} GB/s")
+          + (f"{device_fp8_peak(d) / 1e12:g} TFLOP/s FP8 projections, " if train.fp8 != "off" else "")
+          + f"intra-node {d.intra_node_bandwidth / 1e9:g} GB/s, inter-node {d.inter_node_bandwidth / 1e9:g} GB/s")
     valid = res.layouts_enumerated - sum(v for k, v in res.discarded.items()
                                           if k not in ("does not fit in device memory",
                                                        "interleaved schedule needs micro-batches divisible by pp",
@@ -362,6 +368,23 @@ def _context(args, model, train, cluster, a) -> int:
     return 0
 
 
+def _fp8_setting(args) -> str:
+    """--fp8, else ``train.fp8`` of a chipset train config given as the model, else off."""
+    if args.fp8 is not None or not args.model:
+        return args.fp8 or "off"
+    from chipset.planner.hf import is_hf_config
+
+    if is_hf_config(args.model):
+        return "off"
+    from chipset.cli.plan_config import _source_tables
+    from chipset.parallel.fp8 import FP8_MODES
+
+    mine = (_source_tables(Path(args.model).expanduser()).get("train") or {}).get("fp8", "off")
+    if mine not in FP8_MODES:
+        raise ConfigError(f"{args.model}: train.fp8 = {mine!r}: expected one of {', '.join(FP8_MODES)}; fix the config")
+    return mine
+
+
 def _train_spec(args, global_batch: int, dtype: str):
     """The planner's step; parameters and gradients take the dtype's bytes (a float32 run keeps 4-byte
     ones, as planner/run.py plans a run), 2 for a dtype train does not know."""
@@ -370,7 +393,7 @@ def _train_spec(args, global_batch: int, dtype: str):
     from chipset.train.config import DTYPE_ALIASES
 
     e = DTYPE_BYTES.get(DTYPE_ALIASES.get(dtype, dtype), 2)
-    return TrainSpec(global_batch=global_batch, dtype=dtype, param_bytes=e, grad_bytes=e,
+    return TrainSpec(global_batch=global_batch, dtype=dtype, fp8=_fp8_setting(args), param_bytes=e, grad_bytes=e,
                      update_bytes=args.update_bytes or 0.0, loss_bytes=args.loss_bytes or 0.0,
                      recompute_early_stop=not args.whole_forward_recompute)
 

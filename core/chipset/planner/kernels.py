@@ -27,6 +27,13 @@ Full recompute reruns each block's forward inside backward. With
 and later, which chipset's engine uses) it stops once every tensor that backward saved
 has been recomputed: a dense block whose MLP output projection feeds only the residual add
 does not rerun that projection (:func:`not_recomputed_shapes`).
+
+FP8 (``TrainSpec.fp8`` not "off", as ``train.fp8`` runs it: parallel/fp8.py): the attention and
+dense-MLP projections (:func:`projection_shapes`), forward and both backward GEMMs, are costed at
+the device's FP8 peak (``float8_e4m3fn``, or ``float8_e4m3fnuz`` where that is what it declares);
+the vocabulary head, MoE experts and router and the attention core keep ``train.dtype``'s peak.
+Their byte roofline keeps ``train.dtype``'s bytes: the engine quantises the operands on the fly
+from tensors held in that dtype.
 """
 
 from __future__ import annotations
@@ -37,8 +44,12 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
 
-__all__ = ["StageCompute", "device_stage_compute", "gemm_curve", "gemm_time", "loss_bytes_per_logit", "matmul_shapes",
-           "not_recomputed_shapes", "recompute_stops_early", "stage_compute"]
+__all__ = ["FP8_PEAK_KEYS", "StageCompute", "device_stage_compute", "device_fp8_peak", "gemm_curve", "gemm_time",
+           "loss_bytes_per_logit", "matmul_shapes", "not_recomputed_shapes", "projection_shapes",
+           "recompute_stops_early", "stage_compute"]
+
+FP8_PEAK_KEYS = ("float8_e4m3fn", "float8_e4m3fnuz")
+"""The peak FLOP/s entries an FP8 GEMM runs at (forward operands in e4m3), the first a profile declares."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,15 @@ class StageCompute:
     """Norms, residuals, dropout, rotary and activation kernels."""
     gemm_flops: float
     """FLOPs of the GEMMs above (for the effective efficiency)."""
+    gemm_peak_s: float = 0.0
+    """With FP8: seconds the GEMMs above take at 100% of their peaks (FP8 or train.dtype's), the
+    denominator of their effective efficiency; 0 when one peak serves them all."""
+
+    def gemm_efficiency(self, peak: float) -> float:
+        """The fraction of peak the GEMMs reach together (each at its own peak when FP8 mixes two)."""
+        if self.gemm_s <= 0:
+            return 0.0
+        return self.gemm_peak_s / self.gemm_s if self.gemm_peak_s else self.gemm_flops / (peak * self.gemm_s)
 
     @property
     def total_s(self) -> float:
@@ -82,15 +102,25 @@ def gemm_time(M: float, N: float, K: float, peak: float, bandwidth: float, e_max
     return t
 
 
-def matmul_shapes(m: ModelSpec, lay: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
-    """(M, N, K, count) of one block's forward GEMMs on one device (dense and MoE blocks
-    weighted by their share of layers)."""
+def projection_shapes(m: ModelSpec, lay: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
+    """(M, N, K, count) of one block's attention and dense-MLP projections on one device: the GEMMs
+    ``train.fp8`` runs in FP8 (parallel/fp8.py)."""
     h, t, f = m.hidden, lay.tp, m.ffn
     up = 2 * f if m.mlp == "swiglu" else f
     out = [(tokens, (h + 2 * m.kv_dim) / t, h, 1.0), (tokens, h, h / t, 1.0)]
     dense = m.dense_layers / m.layers
     if dense > 0:
         out += [(tokens, up / t, h, dense), (tokens, h, f / t, dense)]
+    return out
+
+
+def matmul_shapes(m: ModelSpec, lay: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
+    """(M, N, K, count) of one block's forward GEMMs on one device (dense and MoE blocks
+    weighted by their share of layers): :func:`projection_shapes` first, then MoE's."""
+    h, t, f = m.hidden, lay.tp, m.ffn
+    up = 2 * f if m.mlp == "swiglu" else f
+    out = projection_shapes(m, lay, tokens)
+    dense = m.dense_layers / m.layers
     if m.is_moe:
         moe = 1 - dense
         per_expert = lay.ep * tokens * m.top_k / m.num_experts  # tokens each local expert sees
@@ -154,9 +184,10 @@ def _memory_bytes_per_token(m: ModelSpec, lay: Layout, e: float) -> float:
 
 def stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blocks: float,
                   peak: float, bandwidth: float, a: Assumptions, e_max: float, attn_eff: float,
-                  with_logits: bool = True, half_dim: float = 0.0) -> StageCompute:
+                  with_logits: bool = True, half_dim: float = 0.0, fp8_peak: float = 0.0) -> StageCompute:
     """Compute seconds of one micro-batch of a stage of ``blocks`` blocks (see module doc);
-    ``half_dim``: the device's declared GEMM curve (0: ``Assumptions.gemm_half_dim``)."""
+    ``half_dim``: the device's declared GEMM curve (0: ``Assumptions.gemm_half_dim``);
+    ``fp8_peak`` > 0: the FP8 peak the projections run at (``TrainSpec.fp8``)."""
     e = train.param_bytes
     s_local = seq_len / lay.cp
     tokens = lay.micro_batch * s_local
@@ -165,19 +196,26 @@ def stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blo
     # passes of the block's forward executed: forward, backward (2x), recompute
     full = 1.0 if lay.recompute == "full" else 0.0
     fwd_passes = 3 + full
-    gemm = gemm_flops = 0.0
-    for M, N, K, count in matmul_shapes(m, lay, tokens):
-        gemm += count * fwd_passes * gemm_time(M, N, K, peak, bandwidth, e_max, half, e)
+    gemm = gemm_flops = ideal = 0.0
+    fp8 = len(projection_shapes(m, lay, tokens)) if fp8_peak > 0 else 0  # the first shapes: projections
+    for i, (M, N, K, count) in enumerate(matmul_shapes(m, lay, tokens)):
+        at = fp8_peak if i < fp8 else peak
+        gemm += count * fwd_passes * gemm_time(M, N, K, at, bandwidth, e_max, half, e)
         gemm_flops += count * fwd_passes * 2 * M * N * K
-    for M, N, K, count in not_recomputed_shapes(m, lay, tokens, train):
-        gemm -= count * gemm_time(M, N, K, peak, bandwidth, e_max, half, e)
+        ideal += count * fwd_passes * 2 * M * N * K / at
+    for M, N, K, count in not_recomputed_shapes(m, lay, tokens, train):  # a dense MLP projection
+        at = fp8_peak if fp8 else peak
+        gemm -= count * gemm_time(M, N, K, at, bandwidth, e_max, half, e)
         gemm_flops -= count * 2 * M * N * K
+        ideal -= count * 2 * M * N * K / at
     gemm *= blocks
     gemm_flops *= blocks
+    ideal *= blocks
     if with_logits:
         V = m.vocab / lay.tp
         gemm += 3 * gemm_time(tokens, V, m.hidden, peak, bandwidth, e_max, half, e)
         gemm_flops += 3 * 2 * tokens * V * m.hidden
+        ideal += 3 * 2 * tokens * V * m.hidden / peak
 
     heads = m.heads / lay.tp
     core_fwd = 4 * tokens * seq_len * m.hidden / lay.tp  # QK^T and AV, full s x s as flops.py counts
@@ -201,14 +239,20 @@ def stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blo
         if with_logits:
             per_logit = train.loss_bytes or (3 * e if m.kernels == "fused" else loss_bytes_per_logit(e))
             memory += per_logit * tokens * m.vocab / lay.tp / mem_bw
-    return StageCompute(gemm, attention, memory, gemm_flops)
+    return StageCompute(gemm, attention, memory, gemm_flops, ideal if fp8 else 0.0)
+
+
+def device_fp8_peak(dev) -> float:
+    """The FP8 GEMM peak of device properties ``dev`` (:data:`FP8_PEAK_KEYS`); 0.0 when it declares none."""
+    return next((p for key in FP8_PEAK_KEYS if (p := dev.peak_flops_for(key)) > 0), 0.0)
 
 
 def device_stage_compute(m: ModelSpec, lay: Layout, seq_len: int, train: TrainSpec, blocks: float, dev,
                          a: Assumptions, with_logits: bool = True) -> StageCompute:
-    """:func:`stage_compute` on device properties ``dev``: its peak for ``train.dtype``, its
-    bandwidth, and its declared GEMM curve and attention efficiency, else ``a``'s."""
+    """:func:`stage_compute` on device properties ``dev``: its peak for ``train.dtype`` (and its FP8
+    peak for the projections when ``train.fp8`` is on), its bandwidth, and its declared GEMM curve
+    and attention efficiency, else ``a``'s."""
     e_max, half = gemm_curve(dev, a)
     return stage_compute(m, lay, seq_len, train, blocks, dev.peak_flops_for(train.dtype), dev.memory_bandwidth, a,
                          e_max, dev.attention_efficiency or a.attention_efficiency, with_logits=with_logits,
-                         half_dim=half)
+                         half_dim=half, fp8_peak=device_fp8_peak(dev) if train.fp8 != "off" else 0.0)

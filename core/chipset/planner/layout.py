@@ -125,6 +125,9 @@ class TrainSpec:
     """Sequences per optimizer step, over all data-parallel ranks."""
     dtype: str = "bfloat16"
     """Compute dtype: selects the device's peak FLOP/s."""
+    fp8: str = "off"
+    """``train.fp8``: not "off", the attention and MLP projections run at the device's FP8 peak
+    (planner/kernels.py); everything else at ``dtype``'s."""
     param_bytes: int = 2
     """Bytes per parameter and per activation element in the compute dtype."""
     grad_bytes: int = 2

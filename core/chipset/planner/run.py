@@ -4,7 +4,8 @@ Read by attribute, so the planner never imports the engine's config (a ``chipset
 or anything shaped like it: ``.model``, ``.parallel``, ``.train``). The engine's optimizer keeps
 float32 master weights except where the parameters already are them (float32 compute under ZeRO 0
 and 3, ``runtime/data_parallel.py``), plus the float32 state tensors its optimizer declares
-(``runtime/optim.py``): ZeRO's K is 8 there and 12 elsewhere for AdamW, 4 and 8 for SGD with momentum.
+(``runtime/optim.py``): ZeRO's K is 8 there and 12 elsewhere for AdamW, 4 and 8 for SGD with momentum;
+8 (10 with Kahan's compensation) for AdamW without masters (``train.master_weights = "none"``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPE_BY_NAME.items()}
 
 def optimizer_bytes(train: Any, masters_are_params: bool) -> int:
     """ZeRO's K for the run's optimizer: the state dtype's bytes (``train.optimizer_state_dtype``) per
-    declared state tensor, plus 4 for the float32 master unless the parameters are their own masters."""
+    declared state tensor, plus 4 for the float32 master unless the parameters are their own masters;
+    without masters (``train.master_weights = "none"``) none, and 2 for Kahan's bfloat16 compensation."""
     opt = make_optimizer(train)
-    return opt.state_dtype.itemsize * len(opt.state_names) + (0 if masters_are_params else 4)
+    k = opt.state_dtype.itemsize * len(opt.state_names)
+    if getattr(train, "master_weights", "float32") == "none":
+        return k + (2 if train.bf16_update == "kahan" else 0)
+    return k + (0 if masters_are_params else 4)
 
 
 def from_run_config(cfg: Any, world_size: int | None = None,
@@ -58,7 +63,7 @@ def from_run_config(cfg: Any, world_size: int | None = None,
                  cp_ulysses=int(getattr(par, "cp_ulysses", 0)),
                  offload_activations=bool(getattr(tr, "offload_activations", False)),
                  loss_chunk=int(getattr(tr, "loss_chunk", 0)))
-    train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, param_bytes=e, grad_bytes=e,
+    train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, fp8=getattr(tr, "fp8", "off"), param_bytes=e, grad_bytes=e,
                       optimizer_bytes=optimizer_bytes(tr, masters_are_params), bucket_mb=par.bucket_mb)
     return m, lay.check(), train
 

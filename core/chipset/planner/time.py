@@ -4,7 +4,8 @@ Per micro-batch on the slowest stage:
   compute = stage FLOPs / (peak · eff) + memory-bound bytes / memory bandwidth, where
   eff = gemm_efficiency · d / (d + gemm_half_dim), d = min(M, N, K) of each GEMM, both from
   the device profile where it declares them (matmul_efficiency, matmul_half_dim), else
-  from Assumptions;
+  from Assumptions; peak is train.dtype's, and with train.fp8 on the FP8 peak for the
+  attention and MLP projections only (kernels.py); MFU stays relative to train.dtype's peak;
   plus tp all-reduces, ep all-to-alls and pipeline sends, which sit on the critical path,
   plus ring-attention K/V traffic beyond what attention compute hides.
   The slowest stage is the last (its blocks plus the head) or, when p does not divide l, the
@@ -34,7 +35,13 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import CommItem, communication, stage_micro_items
 from chipset.planner.flops import forward_flops_per_token, model_flops_per_token, step_flops
-from chipset.planner.kernels import device_stage_compute, gemm_curve, stage_compute
+from chipset.planner.kernels import (
+    FP8_PEAK_KEYS,
+    device_fp8_peak,
+    device_stage_compute,
+    gemm_curve,
+    stage_compute,
+)
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.memory import (
     MemoryBreakdown,
@@ -106,8 +113,10 @@ def gemm_efficiency(m: ModelSpec, lay: Layout, seq_len: int, a: Assumptions,
     peak = dev.peak_flops_for(train.dtype) if dev is not None else 1e15
     bw = dev.memory_bandwidth if dev is not None else 0.0
     e_max, half = gemm_curve(dev, a)
-    sc = stage_compute(m, lay, seq_len, train, 1, peak, bw, a, e_max, a.attention_efficiency, half_dim=half)
-    return sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
+    fp8 = device_fp8_peak(dev) if dev is not None and train.fp8 != "off" else 0.0
+    sc = stage_compute(m, lay, seq_len, train, 1, peak, bw, a, e_max, a.attention_efficiency, half_dim=half,
+                       fp8_peak=fp8)
+    return sc.gemm_efficiency(peak)
 
 
 def launch_floor(blocks: int, recompute: str, a: Assumptions) -> int:
@@ -187,6 +196,10 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     if peak <= 0:
         raise ConfigError(f"device profile {cl.profile or dev.name!r} declares no peak FLOP/s for {train.dtype}; "
                           f"it declares: {', '.join(dev.peak_flops) or 'none'}. Choose another --dtype or profile.")
+    if train.fp8 != "off" and device_fp8_peak(dev) <= 0:
+        raise ConfigError(f"train.fp8 = {train.fp8!r}: device profile {cl.profile or dev.name!r} declares no FP8 peak "
+                          f"FLOP/s ({' or '.join(FP8_PEAK_KEYS)}; it declares: {', '.join(dev.peak_flops) or 'none'}); "
+                          "plan with train.fp8 = \"off\" (--fp8 off) or a profile that declares one")
     mb = max(1, train.global_batch // (lay.dp * lay.micro_batch))
     fw = forward_flops_per_token(m, s)
     extra = {"none": 0, "selective": fw.attention_core, "full": fw.blocks}[lay.recompute]
@@ -203,7 +216,7 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
         if slowest is None or slot[0] > slowest[0][0]:
             slowest = (slot, stage, blocks)
     (t_slot, sc, t_gemm, t_mem, t_launch, t_compute, micro, t_tp, t_ep, t_cp), stage, blocks = slowest
-    eff = sc.gemm_flops / (peak * sc.gemm_s) if sc.gemm_s > 0 else 0.0
+    eff = sc.gemm_efficiency(peak)
     # The bubble: p - 1 times the slowest stage's largest chunk, 1/v of its slot when v divides its
     # blocks; else 1/v of the slot plus the blocks its largest chunk holds beyond 1/v of them.
     if blocks % lay.v == 0:

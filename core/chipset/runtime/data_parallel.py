@@ -19,7 +19,9 @@ How it works (one mechanism for every stage):
 * The optimizer is injected (``runtime/optim.py``: AdamW through ``backend.kernels.fused_adamw``
   by default, or SGD with momentum) and declares its state; the engine keeps float32 master
   weights and that state for the owned slice only (stage >= 1) or for everything (stage 0),
-  optionally on the host (``offload_optimizer``).
+  optionally on the host (``offload_optimizer``). Without masters (``bf16_update``,
+  runtime/bf16_update.py) the bfloat16 parameters are updated in place: the optimizer sees a
+  float32 copy of the owned slice, written back with stochastic rounding or Kahan compensation.
 * Frozen parameters (``requires_grad=False``) live in buckets of their own that hold and shard
   the values only: no gradient buffer, no hooks, no master weights or optimizer state, left out
   of the gradient norm. ZeRO-3 still shards and gathers them, so a frozen base costs 1/dp.
@@ -49,6 +51,7 @@ from chipset.errors import UsageError
 from chipset.interfaces import Group, Handle
 from chipset.parallel.dims import ParallelDims
 from chipset.parallel.tensor import is_tp_sharded
+from chipset.runtime.bf16_update import Bf16Update
 from chipset.runtime.digest import combine, param_hash
 from chipset.runtime.int8_state import SQUARED_STATES, Int8Blocks
 from chipset.runtime.matrices import BucketMatrices, hidden_matrix_names
@@ -127,14 +130,19 @@ class Bucket:
             src = self.param_shard
         else:
             src = self.full[self.lo:self.hi]
-        self.master_aliases_params = e.dtype == torch.float32 and not e.offload and e.zero != 1 and e.zero != 2
+        # Without masters (bf16_update) the owned parameters are what the optimizer updates; at
+        # ZeRO 1/2 they are a view of the full buffer, so checkpoints still load "model" there.
+        self.master_free = e.bf16_update is not None
+        self.master_aliases_params = (e.dtype == torch.float32 or self.master_free) and not e.offload and e.zero in (0, 3)
         with e.host_scope():
-            if self.master_aliases_params:
-                self.master = src  # fp32 compute: the parameters are their own master weights
+            if self.master_aliases_params or self.master_free:
+                self.master = src  # the parameters are their own master weights
             else:
                 self.master = e.place_host(src.detach().float().to(opt_dev).clone())
             sd = getattr(e.optimizer, "state_dtype", torch.float32)
             self.state = {n: self._new_state(n, sd) for n in e.optimizer.state_names}
+            if self.master_free:  # kahan's compensation: bfloat16 whatever the moments' dtype
+                self.state |= {n: torch.zeros_like(src) for n in e.bf16_update.state_names}
         self.matrices = BucketMatrices(self, e.matrix_names) if e.matrix_names is not None else None
 
     def _new_state(self, name: str, dtype: torch.dtype):
@@ -292,16 +300,20 @@ class Bucket:
             for term in e.grad_terms:  # extra loss terms on the weights (FedProx: train/islands/outer.py)
                 term(self, g)
             # A lighter state (train.optimizer_state_dtype) is updated as float32 and rounded back.
-            state = {n: t.float() for n, t in self.state.items()}
+            state = {n: self.state[n].float() for n in e.optimizer.state_names}
+            w = e.bf16_update.widen(self.master, self.state) if self.master_free else self.master
             if self.matrices is not None:
-                e.optimizer.update(self.master, g, state, step, lr, e.kernels, matrices=self.matrices)
+                e.optimizer.update(w, g, state, step, lr, e.kernels, matrices=self.matrices)
             else:
-                e.optimizer.update(self.master, g, state, step, lr, e.kernels)
-            for n, t in self.state.items():
-                if t is not state[n]:
-                    t.copy_(state[n])
-            del g
-        if self.master_aliases_params:
+                e.optimizer.update(w, g, state, step, lr, e.kernels)
+            for n, t in state.items():
+                if t is not self.state[n]:
+                    self.state[n].copy_(t)
+            if self.master_free:
+                e.bf16_update.write_back(self.master, w, self.state, step=step,
+                                         key=(self.index, 0 if e.zero == 0 else self.lo))
+            del g, w
+        if self.master_aliases_params or self.master_free:
             pass
         elif e.zero == 0:
             self.full.copy_(self.master)
@@ -361,7 +373,8 @@ class DataParallel:
     def __init__(self, model: nn.Module, backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
                  bucket_mb: float = 25.0, micro_batches: int = 1, grad_clip: float = 0.0,
                  optimizer: Optimizer | None = None, scaler: LossScaler | None = None,
-                 offload_optimizer: bool = False, weights_to_load: bool = False):
+                 offload_optimizer: bool = False, weights_to_load: bool = False,
+                 bf16_update: Bf16Update | None = None):
         self.model = model
         self.backend = backend
         self.collective = backend.collective
@@ -384,6 +397,14 @@ class DataParallel:
         self.micro_batches = micro_batches
         self.grad_clip = grad_clip
         self.optimizer: Optimizer = optimizer if optimizer is not None else AdamW()
+        if bf16_update is not None and (dtype != torch.bfloat16 or offload_optimizer
+                                        or max(dims.tp, dims.pp, dims.cp, dims.ep) > 1):
+            raise UsageError(f"training without float32 master weights needs bfloat16 parameters on the device "
+                             f"under dp and ZeRO only (found dtype {dtype}, offload_optimizer={offload_optimizer}, "
+                             f"layout {dims.layout()}); use dtype bfloat16 without offload, tp, pp, cp and ep, or "
+                             "keep the masters (bf16_update=None)")
+        self.bf16_update = bf16_update
+        """None: float32 master weights; else how the bfloat16 parameters take each update (runtime/bf16_update.py)."""
         # Optimizers that update whole matrices (Muon) get each bucket's matrices (runtime/matrices.py).
         self.matrix_names = hidden_matrix_names(model) if getattr(self.optimizer, "uses_matrices", False) else None
         self.scaler = scaler or LossScaler(scale=1.0, dynamic=False)

@@ -27,6 +27,7 @@ from chipset.parallel.defaults import DEFAULT_CP_ATTENTION, DEFAULT_SEQUENCE_PAR
 from chipset.parallel.fp8 import FP8_MODES
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.preflight import read_text_file, value_problems
+from chipset.runtime.bf16_update import BF16_UPDATES
 from chipset.runtime.optim import OPTIMIZERS, STATE_DTYPES
 from chipset.runtime.precision import DTYPE_BY_NAME
 from chipset.train.islands.config import (
@@ -58,6 +59,7 @@ DTYPES = tuple(DTYPE_BY_NAME)  # declared once, with the torch dtypes (runtime/p
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 DATA_SOURCES = ("synthetic", "text", "tokens", "hf", "images")
 LR_SCHEDULES = ("constant", "linear", "cosine", "wsd")
+MASTER_WEIGHTS = ("float32", "none")
 
 
 @dataclass
@@ -132,6 +134,10 @@ class TrainConfig:
     """SGD: Nesterov momentum."""
     optimizer_state_dtype: str = "float32"
     """The dtype optimizer state (Adam moments, momentum) is stored in: float32, bfloat16 (half the bytes; updated in float32, rounded to nearest) or int8 (blockwise-quantised, about a quarter of the bytes: 256-element blocks with a float32 absmax scale each, the second moment stored as its square root; docs/engine.md, "Lighter optimizer state")."""
+    master_weights: str = "float32"
+    """float32: the optimizer updates float32 master weights and copies them into the parameters; none (train.dtype = "bfloat16", layouts of dp and ZeRO 0-3 only): the bfloat16 parameters are the only copy, updated as train.bf16_update says, 4 bytes per parameter lighter (docs/engine.md, "Training without master weights")."""
+    bf16_update: str = "stochastic"
+    """With master_weights = "none": how each float32 update is written into the bfloat16 parameters: stochastic (rounded up or down, exact on average; seeded by train.seed), kahan (a bfloat16 compensation buffer per parameter keeps what rounding dropped: 2 bytes per parameter, checkpointed) or nearest (plain rounding: updates below half a bfloat16 step are lost; for comparison)."""
     muon_momentum: float = 0.95
     """Muon: momentum of the hidden matrices' update (their AdamW half uses beta1/beta2)."""
     muon_nesterov: bool = True
@@ -143,7 +149,7 @@ class TrainConfig:
     seed: int = 1234
     """Seed of parameter initialisation and data."""
     dtype: str = "float32"
-    """Compute dtype: float32, bfloat16 or float16 (master weights stay float32); auto = the backend's default compute dtype (bfloat16 on cuda and ascend devices with bf16, float32 on the CPU backends, where bf16 is about 6x slower): `chipset info` shows it."""
+    """Compute dtype: float32, bfloat16 or float16 (master weights stay float32 unless train.master_weights = "none"); auto = the backend's default compute dtype (bfloat16 on cuda and ascend devices with bf16, float32 on the CPU backends, where bf16 is about 6x slower): `chipset info` shows it."""
     fp8: str = "off"
     """FP8 training: off, tensorwise or rowwise (the scaling of the FP8 GEMMs): the attention and MLP projections run their forward and backward GEMMs in FP8 through the backend's fp8_matmul kernel; weights, gradients and optimizer stay in train.dtype. Only on a backend declaring the scaling (Capabilities.fp8): docs/engine.md, "FP8 training"."""
     loss_scale: float = 0.0
@@ -644,6 +650,7 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
         problems.append(f"train.momentum = {tr.momentum!r}: expected a value in [0, 1)")
     if tr.optimizer_state_dtype not in STATE_DTYPES:
         problems.append(f"train.optimizer_state_dtype = {tr.optimizer_state_dtype!r}: expected one of {', '.join(STATE_DTYPES)}")
+    problems += _master_weight_problems(cfg)
     if not (math.isfinite(tr.muon_momentum) and 0 <= tr.muon_momentum < 1):
         problems.append(f"train.muon_momentum = {tr.muon_momentum!r}: expected a value in [0, 1)")
     if not (isinstance(tr.muon_ns_steps, int) and 1 <= tr.muon_ns_steps <= 20):
@@ -728,6 +735,34 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
     # (the built-in transformer's: heads, kv heads, rotary, tp/cp/sp divisibility, MoE, HF).
     if family is not None and callable(getattr(family, "config_problems", None)):
         problems += family.config_problems(cfg)
+    return problems
+
+
+def _master_weight_problems(cfg: RunConfig) -> list[str]:
+    """train.master_weights and train.bf16_update (runtime/bf16_update.py): without masters only
+    bfloat16 parameters, and only the layouts whose updates are tested (dp x ZeRO 0-3)."""
+    tr, par = cfg.train, cfg.parallel
+    if tr.master_weights not in MASTER_WEIGHTS:
+        return [f"train.master_weights = {tr.master_weights!r}: expected one of {', '.join(MASTER_WEIGHTS)}"]
+    if tr.bf16_update not in BF16_UPDATES:
+        return [f"train.bf16_update = {tr.bf16_update!r}: expected one of {', '.join(BF16_UPDATES)}"]
+    if tr.master_weights == "float32":
+        if tr.bf16_update != BF16_UPDATES[0]:
+            return [f"train.bf16_update = {tr.bf16_update!r} applies only with train.master_weights = 'none' "
+                    "(found 'float32'); remove it or set train.master_weights = 'none'"]
+        return []
+    problems = []
+    if tr.dtype not in ("bfloat16", "auto"):
+        problems.append(f"train.master_weights = 'none' needs train.dtype = 'bfloat16' (found {tr.dtype!r}): "
+                        "float32 parameters are their own masters and float16 needs loss scaling with masters; "
+                        "set train.dtype = 'bfloat16' or train.master_weights = 'float32'")
+    untested = [f"{k} = {v}" for k, v in (("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.cp", par.cp),
+                                          ("parallel.ep", par.ep), ("islands.count", cfg.islands.count)) if v > 1]
+    if par.offload_optimizer:
+        untested.append("parallel.offload_optimizer = true")
+    if untested:
+        problems.append(f"train.master_weights = 'none' supports dp with ZeRO 0-3 only (found {', '.join(untested)}); "
+                        "set those to 1 (false), or keep train.master_weights = 'float32'")
     return problems
 
 

@@ -33,6 +33,7 @@ from chipset.parallel.moe import apply_cp_moe
 from chipset.parallel.offload import apply_offload
 from chipset.parallel.recompute import apply_recompute
 from chipset.parallel.tensor import TPContext, apply_plan
+from chipset.runtime.bf16_update import Bf16Update
 from chipset.runtime.data_parallel import DataParallel
 from chipset.runtime.digest import params_digest
 from chipset.runtime.optim import make_optimizer
@@ -180,12 +181,23 @@ def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
         model, backend, dims, dtype=dtype, bucket_mb=par.bucket_mb, micro_batches=par.micro_batches,
         grad_clip=tr.grad_clip, optimizer=make_optimizer(tr),
         scaler=scaler, offload_optimizer=par.offload_optimizer, weights_to_load=bool(cfg.model.init_from),
+        **_bf16_update(tr),
     )
     if cfg.model.init_from:  # Hugging Face weights into the shards this rank holds (models/hf/weights.py)
         from chipset.train.hf_weights import load_into_engine
 
         load_into_engine(engine, cfg.model.init_from, cfg.model.architecture)
     return engine
+
+
+def _bf16_update(tr) -> dict:
+    """The engine's ``bf16_update`` for ``train.master_weights = "none"`` (runtime/bf16_update.py), else nothing."""
+    if tr.master_weights == "float32":
+        return {}
+    if tr.dtype != "bfloat16":  # train.dtype = "auto" became another dtype on this backend
+        raise ConfigError(f"train.master_weights = 'none' needs bfloat16 parameters; train.dtype is {tr.dtype!r} on "
+                          "this backend (auto picks its default): set train.dtype = 'bfloat16' or train.master_weights = 'float32'")
+    return {"bf16_update": Bf16Update(tr.bf16_update, seed=tr.seed)}
 
 
 def rank_batches(data, step: int, engine, micro_batches: int,

@@ -39,12 +39,15 @@ KINDS = ("model", "optim.master")
 
 
 def kinds(engine) -> tuple[str, ...]:
-    """Every logical tensor family of ``engine``: the parameters, the float32 masters, one
-    family per state tensor its optimizer declares (AdamW: ``optim.exp_avg``, ``optim.exp_avg_sq``)
-    and, in an islands job, the outer state (``outer.global``, ``outer.momentum``, ``outer.residual``:
-    train/islands/outer.py), shaped and sharded like the masters."""
+    """Every logical tensor family of ``engine``: the parameters, the float32 masters (without
+    masters: the parameters again, as float32), one family per state tensor its optimizer declares
+    (AdamW: ``optim.exp_avg``, ``optim.exp_avg_sq``) and the engine keeps beside them (Kahan's
+    ``optim.compensation``: runtime/bf16_update.py) and, in an islands job, the outer state
+    (``outer.global``, ``outer.momentum``, ``outer.residual``: train/islands/outer.py), shaped and
+    sharded like the masters."""
     outer = next((tuple(b.outer) for b in engine.buckets if getattr(b, "outer", None)), ())
-    return (*KINDS, *(f"optim.{name}" for name in engine.optimizer.state_names), *(f"outer.{n}" for n in outer))
+    states = next((tuple(b.state) for b in engine.buckets if not b.frozen), engine.optimizer.state_names)
+    return (*KINDS, *(f"optim.{name}" for name in states), *(f"outer.{n}" for n in outer))
 
 
 def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[list[int], list[int]]]:
