@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 from torch import nn
@@ -51,6 +51,9 @@ from chipset.train.loop import (
     wrap,
 )
 from chipset.train.rank import start, stop
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 __all__ = [
     "ModelFamily",
@@ -125,7 +128,7 @@ class ModuleFamily(ModelFamily):
         return self._loss(model, inputs, targets) if self._loss is not None else super().loss(model, inputs, targets)
 
 
-def _broadcast_from_rank0(module: nn.Module, backend) -> None:
+def _broadcast_from_rank0(module: nn.Module, backend: Backend) -> None:
     """Give every rank rank 0's parameters and floating buffers (one collective, on the device)."""
     col = backend.collective
     ts = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
@@ -141,7 +144,7 @@ def _broadcast_from_rank0(module: nn.Module, backend) -> None:
             off += t.numel()
 
 
-def parallelize(cfg: RunConfig, backend, model: nn.Module | ModelFamily | None = None, *,
+def parallelize(cfg: RunConfig, backend: Backend, model: nn.Module | ModelFamily | None = None, *,
                 plan: dict[str, str] | None = None, loss=None):
     """This rank's engine for ``model`` under ``cfg.parallel`` (dp, ZeRO 0-3, tp, ...).
 
@@ -217,7 +220,7 @@ def lr_at(cfg: RunConfig, step: int) -> float:
     return lr_schedule.lr_at(cfg.train, step)
 
 
-def checkpointer(cfg: RunConfig, backend, engine, run_dir: str | Path):
+def checkpointer(cfg: RunConfig, backend: Backend, engine, run_dir: str | Path):
     """The run directory's checkpoints for ``engine`` (:class:`chipset.train.checkpoint.Checkpointer`,
     the same as ``chipset train``'s; docs/fault-tolerance.md). Collective: every rank calls every
     method. ``resume("auto" | "none" | path)`` loads one and returns the step to start at (0 for a
@@ -229,13 +232,13 @@ def checkpointer(cfg: RunConfig, backend, engine, run_dir: str | Path):
     return Checkpointer(cfg, backend, engine, run_dir)
 
 
-def shutdown(backend) -> None:
+def shutdown(backend: Backend) -> None:
     """Leave the process group (idempotent), for a script that goes on afterwards; a rank's
     script that is done should end with :func:`finish_rank` instead."""
     stop(backend)
 
 
-def finish_rank(backend, code: int = 0) -> NoReturn:
+def finish_rank(backend: Backend, code: int = 0) -> NoReturn:
     """Leave the process group and end this rank's process now with ``code``, skipping the
     interpreter's teardown: the last line of a rank's script.
 

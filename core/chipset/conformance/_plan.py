@@ -14,11 +14,15 @@ import logging
 import os
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from chipset.interfaces import Collective
 from chipset.plugin_kit.contract import METHODS, section
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ def _attribute(exc: NotImplementedError, probed: tuple[str, str]) -> tuple[str, 
     return probed
 
 
-def unimplemented(backend) -> list[dict[str, str]]:
+def unimplemented(backend: Backend) -> list[dict[str, str]]:
     """``[{interface, method, docs, error}]`` for each method of ``backend`` raising NotImplementedError."""
     found: dict[tuple[str, str], dict[str, str]] = {}
 

@@ -10,10 +10,14 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from chipset.conformance import GROUPS
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 _OUTCOMES = ("passed", "failed", "skipped")
 
@@ -208,12 +212,12 @@ def backend(backend_name):
 
 
 @pytest.fixture(scope="session")
-def caps(backend):
+def caps(backend: Backend):
     """The backend's declared Capabilities."""
     return backend.capabilities
 
 
 @pytest.fixture(scope="session")
-def dev(backend):
+def dev(backend: Backend):
     """The torch.device tensors of device 0 live on."""
     return backend.device.torch_device(0)

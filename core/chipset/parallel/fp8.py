@@ -18,6 +18,7 @@ before a run starts.
 from __future__ import annotations
 
 import fnmatch
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -26,13 +27,16 @@ from chipset.kernels.fp8 import FP8_SCALINGS
 from chipset.parallel.linear import route
 from chipset.parallel.lora import LINEAR_TYPES, default_targets
 
+if TYPE_CHECKING:
+    from chipset.loader import Backend
+
 __all__ = ["FP8_MODES", "Fp8Linear", "apply_fp8", "check_fp8", "fp8_targets"]
 
 FP8_MODES = ("off", *FP8_SCALINGS)
 """``train.fp8`` values: off, or the FP8 GEMM scaling to train with."""
 
 
-def check_fp8(mode: str, backend) -> None:
+def check_fp8(mode: str, backend: Backend) -> None:
     """ConfigError (exit 2) unless ``backend`` declares FP8 GEMMs with scaling ``mode``."""
     if mode == "off" or mode in backend.capabilities.fp8:
         return

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from chipset.train.config import RunConfig
 from chipset.train.loop import build_model, lr_at, make_dims, train_step, wrap
 from chipset.train.progress import Progress, fmt_duration
 from chipset.train.rundir import atomic_write_text, finite_json, read_run_id, strict_dumps
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 __all__ = ["RLResult", "check", "run", "rollout_seed"]
 
@@ -84,7 +88,7 @@ def rollout_seed(seed: int, step: int, prompt: int) -> int:
     return (seed * 1_000_003 + step) * 1_000_033 + prompt
 
 
-def _reference(cfg, backend, dims, family):
+def _reference(cfg, backend: Backend, dims, family):
     """The frozen reference policy: the starting weights, under the same layout, no optimizer state."""
     model = build_model(cfg, backend, dims, family)
     for p in model.parameters():
@@ -112,7 +116,7 @@ def _all_or_none(col, ok: bool, error: Exception | None) -> None:
                                                           "is in that rank's output)")
 
 
-def run(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=None, resume: str = "none",
+def run(cfg: RunConfig, backend: Backend, run_dir: str | Path | None = None, *, out=None, resume: str = "none",
         rollout=None) -> RLResult:
     """Run ``cfg``'s RL job on this rank (process group up, device set). ``rollout``: a
     :class:`chipset.rl.rollout.RolloutEngine` to sample with instead of the in-process one."""

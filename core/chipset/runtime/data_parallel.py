@@ -43,6 +43,7 @@ import contextlib
 import math
 import weakref
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -58,6 +59,9 @@ from chipset.runtime.matrices import BucketMatrices, hidden_matrix_names
 from chipset.runtime.optim import AdamW, Optimizer
 from chipset.runtime.precision import LossScaler, compute_input
 from chipset.runtime.trace import trace_range
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 __all__ = ["DataParallel", "Bucket"]
 
@@ -338,8 +342,10 @@ def _placeholders_for_meta(model: nn.Module, dtype: torch.dtype, device: torch.d
             if p is None or not p.is_meta:
                 continue
             if not allowed:
+                # the class the user built, not the routing subclass chipset gave it (parallel/linear.py)
+                given = next(c for c in type(mod).__mro__ if not c.__module__.startswith("chipset.parallel"))
                 raise UsageError(
-                    f"parameter {name!r} of {type(mod).__name__} is on the meta device (it has no values); "
+                    f"parameter {name!r} of {given.__name__} is on the meta device (it has no values); "
                     "build the model on a real device, or let chipset fill it from a file (model.init_from)")
             if id(p) not in made:
                 kind = dtype if p.is_floating_point() else p.dtype
@@ -370,7 +376,7 @@ class DataParallel:
     ``dp.step(lr)``. ``dp.full_parameters()`` returns every parameter unsharded, float32.
     """
 
-    def __init__(self, model: nn.Module, backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, model: nn.Module, backend: Backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
                  bucket_mb: float = 25.0, micro_batches: int = 1, grad_clip: float = 0.0,
                  optimizer: Optimizer | None = None, scaler: LossScaler | None = None,
                  offload_optimizer: bool = False, weights_to_load: bool = False,

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from chipset.errors import ConfigError
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 __all__ = ["Completion", "Generated", "generate"]
 
@@ -79,7 +83,7 @@ class _Codec:
 
 def generate(run_dir: str | Path, *, prompt: str | None = None, prompt_ids: list[int] | None = None,
              step: int | None = None, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-             greedy: bool = False, num: int = 1, seed: int = 0, backend=None) -> Generated:
+             greedy: bool = False, num: int = 1, seed: int = 0, backend: Backend=None) -> Generated:
     """Completions of ``prompt`` (text) or ``prompt_ids`` from checkpoint ``step`` of ``run_dir``."""
     from chipset.loader import backend as load_backend
     from chipset.models.family import bind, build_for

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -54,6 +55,9 @@ from chipset.train.rundir import (
 )
 from chipset.train.signals import stop_point
 
+if TYPE_CHECKING:
+    from chipset.loader import Backend
+
 __all__ = ["TrainResult", "build", "build_model", "make_dims", "params_digest", "rank_batches", "train",
            "train_step", "wrap"]
 
@@ -91,7 +95,7 @@ def param_line(cfg: RunConfig, engine, dims: ParallelDims) -> str:
     return f"{total:,} params" + ("" if held == total else f" ({held:,} on rank 0)")
 
 
-def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | TextBytes, ParallelDims]:
+def build(cfg: RunConfig, backend: Backend) -> tuple[DataParallel, SyntheticTokens | TextBytes, ParallelDims]:
     """Model, engine and data for this rank (process group must be initialised)."""
     dims = make_dims(cfg, backend.collective.world_size())
     family = resolve_family(cfg.model.family)
@@ -100,7 +104,7 @@ def build(cfg: RunConfig, backend) -> tuple[DataParallel, SyntheticTokens | Text
     return engine, data, dims
 
 
-def build_model(cfg: RunConfig, backend, dims: ParallelDims, family) -> torch.nn.Module:
+def build_model(cfg: RunConfig, backend: Backend, dims: ParallelDims, family) -> torch.nn.Module:
     """``family``'s model for ``cfg``, split for ``dims`` (tp, cp, ep), with recompute and compile
     applied, bound to the family (models/family.py ``bind``: units, loss, pipeline chain): this
     rank's share, not yet wrapped. Refuses a layout the family does not support."""
@@ -161,7 +165,7 @@ def document_eos(cfg: RunConfig) -> int:
     return int(eos)
 
 
-def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
+def wrap(model: torch.nn.Module, cfg: RunConfig, backend: Backend, dims: ParallelDims):
     """The engine that trains ``model`` (from :func:`build_model`) under ``dims``: gradient
     reduction, ZeRO sharding, the optimizer ``train.optimizer`` names (runtime/optim.py), loss
     scaling, and the pipeline schedule when pp > 1."""
@@ -241,7 +245,7 @@ def lr_at(cfg: RunConfig, step: int) -> float:
 _fmt_bytes = fmt_bytes
 
 
-def train(cfg: RunConfig, backend, run_dir: str | Path | None = None, *, out=None, keep_params: bool = False,
+def train(cfg: RunConfig, backend: Backend, run_dir: str | Path | None = None, *, out=None, keep_params: bool = False,
           resume: str = "none", elastic=None) -> TrainResult:
     """Run ``cfg`` on this rank. The process group must be initialised and the device set.
 

@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chipset.train.config import parse_profile_steps
 from chipset.train.sinks import SinkSet, open_sinks
 from chipset.train.watch import LiveWatch
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ _FIXED = 5  # step time, blocked seconds, memory allocated, memory peak, data wa
 class StepMetrics:
     """One rank's per-step metrics; call :meth:`begin_step` / :meth:`end_step` on every rank."""
 
-    def __init__(self, cfg, backend, dims, *, device: torch.device, run_dir: Path | None, rank: int, out,
+    def __init__(self, cfg, backend: Backend, dims, *, device: torch.device, run_dir: Path | None, rank: int, out,
                  cross=None) -> None:
         self.backend = backend
         self.cross = cross
@@ -221,7 +224,7 @@ class StepMetrics:
                          "or chrome://tracing)", self._profile[0], step or "?", path.parent)
 
 
-def _flops(cfg, backend) -> tuple[int, float]:
+def _flops(cfg, backend: Backend) -> tuple[int, float]:
     """PaLM model FLOPs per token (the planner's count) and the total peak FLOP/s of one device."""
     from chipset.models.registry import resolve_family
     from chipset.planner.flops import model_flops_per_token

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 AMP = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -14,7 +19,7 @@ def _need(caps, name):
 
 
 @pytest.mark.parametrize("name", list(AMP))
-def test_matmul_runs_in_the_amp_dtype(backend, caps, dev, name):
+def test_matmul_runs_in_the_amp_dtype(backend: Backend, caps, dev, name):
     _need(caps, name)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(16, 32, generator=g).to(dev), torch.randn(32, 8, generator=g).to(dev)
@@ -29,7 +34,7 @@ def test_matmul_runs_in_the_amp_dtype(backend, caps, dev, name):
 
 
 @pytest.mark.parametrize("name", list(AMP))
-def test_linear_backward_gives_fp32_grads_for_fp32_params(backend, caps, dev, name):
+def test_linear_backward_gives_fp32_grads_for_fp32_params(backend: Backend, caps, dev, name):
     _need(caps, name)
     lin = torch.nn.Linear(32, 8).to(dev)
     x = torch.randn(4, 32, device=dev)
@@ -41,7 +46,7 @@ def test_linear_backward_gives_fp32_grads_for_fp32_params(backend, caps, dev, na
 
 
 @pytest.mark.parametrize("name", list(AMP))
-def test_autocast_leaves_code_outside_untouched(backend, caps, dev, name):
+def test_autocast_leaves_code_outside_untouched(backend: Backend, caps, dev, name):
     _need(caps, name)
     a = torch.randn(8, 8, device=dev)
     with torch.autocast(device_type=backend.device.device_type, dtype=AMP[name]):
@@ -50,7 +55,7 @@ def test_autocast_leaves_code_outside_untouched(backend, caps, dev, name):
 
 
 @pytest.mark.parametrize("name", list(AMP))
-def test_disabled_autocast_region_stays_fp32(backend, caps, dev, name):
+def test_disabled_autocast_region_stays_fp32(backend: Backend, caps, dev, name):
     _need(caps, name)
     a = torch.randn(8, 8, device=dev)
     dt = backend.device.device_type

@@ -9,11 +9,15 @@ declared floating dtype, and the device RNG stream replays after its state round
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from chipset.train.checkpoint import store
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -38,7 +42,7 @@ def _round_trip(tmp_path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.T
     return back
 
 
-def test_device_tensors_round_trip_bit_exact(backend, caps, dev, tmp_path):
+def test_device_tensors_round_trip_bit_exact(backend: Backend, caps, dev, tmp_path):
     declared = {n: d for n, d in FLOATS.items() if n in caps.dtypes}
     if not declared:
         pytest.skip("backend declares no floating dtype")
@@ -52,7 +56,7 @@ def test_device_tensors_round_trip_bit_exact(backend, caps, dev, tmp_path):
         assert torch.equal(got.cpu(), v.cpu()), k
 
 
-def test_rng_state_round_trips_through_a_checkpoint(backend, dev, tmp_path):
+def test_rng_state_round_trips_through_a_checkpoint(backend: Backend, dev, tmp_path):
     d = backend.device
     d.manual_seed(2024)
     state = d.get_rng_state()

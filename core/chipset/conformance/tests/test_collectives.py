@@ -6,14 +6,19 @@ each test here reports one check's verdict over every rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 from chipset.conformance._collective_checks import CHECK_IDS, WORLD
 from chipset.conformance._world import run_world
 
+if TYPE_CHECKING:
+    from chipset.loader import Backend
+
 
 @pytest.fixture(scope="module")
-def session(request, backend_name, caps, backend):
+def session(request, backend_name, caps, backend: Backend):
     if not caps.multi_process:
         pytest.skip("backend does not declare capability multi_process")
     world = WORLD

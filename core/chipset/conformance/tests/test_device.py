@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
 from chipset.discovery.profiles import all_profiles
 from chipset.errors import DeviceIndexError
 
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
-def _indices(backend, limit=4):
+
+def _indices(backend: Backend, limit=4):
     return list(range(min(backend.device.device_count(), limit)))
 
 
-def test_device_count_is_positive(backend):
+def test_device_count_is_positive(backend: Backend):
     assert backend.device.device_count() >= 1
 
 
-def test_set_device_makes_each_device_current(backend):
+def test_set_device_makes_each_device_current(backend: Backend):
     d = backend.device
     try:
         for i in _indices(backend):
@@ -28,7 +33,7 @@ def test_set_device_makes_each_device_current(backend):
 
 
 @pytest.mark.parametrize("bad", ["count", -1, "count+5"])
-def test_out_of_range_index_raises_device_index_error(backend, bad):
+def test_out_of_range_index_raises_device_index_error(backend: Backend, bad):
     n = backend.device.device_count()
     index = {"count": n, "count+5": n + 5}.get(bad, bad)
     with pytest.raises(DeviceIndexError, match="out of range"):
@@ -38,19 +43,19 @@ def test_out_of_range_index_raises_device_index_error(backend, bad):
     assert backend.device.current_device() == 0
 
 
-def test_torch_device_has_the_declared_type(backend):
+def test_torch_device_has_the_declared_type(backend: Backend):
     t = backend.device.torch_device(0)
     assert isinstance(t, torch.device) and t.type == backend.device.device_type
     x = torch.ones(4, device=t)
     assert x.device.type == backend.device.device_type
 
 
-def test_synchronize_returns(backend):
+def test_synchronize_returns(backend: Backend):
     backend.device.synchronize()
     backend.device.synchronize(0)
 
 
-def test_properties_are_sane(backend):
+def test_properties_are_sane(backend: Backend):
     for i in _indices(backend):
         p = backend.device.properties(i)
         assert p.name and p.index == i
@@ -60,7 +65,7 @@ def test_properties_are_sane(backend):
         assert p.intra_node_latency >= 0 and p.inter_node_latency >= 0
 
 
-def test_properties_agree_with_memory_interface(backend):
+def test_properties_agree_with_memory_interface(backend: Backend):
     p = backend.device.properties(0)
     free, total = backend.memory.mem_get_info(0)
     assert total == p.total_memory, f"mem_get_info total {total} != properties.total_memory {p.total_memory}"
@@ -74,7 +79,7 @@ def test_properties_agree_with_memory_interface(backend):
 MEMORY_SLACK = 0.01
 
 
-def test_properties_match_a_declared_profile_of_the_same_name(backend, backend_name):
+def test_properties_match_a_declared_profile_of_the_same_name(backend: Backend, backend_name):
     """The device's properties agree with the profile the backend declares for it: the profile
     named like the device, or whose own ``name`` is the device's (a profile key such as
     ``h200`` for a device reporting "NVIDIA H200")."""
@@ -94,7 +99,7 @@ def test_properties_match_a_declared_profile_of_the_same_name(backend, backend_n
         "(capacity in GB where GiB was meant?)")
 
 
-def test_visible_devices_variable_limits_the_device_count(backend, backend_name):
+def test_visible_devices_variable_limits_the_device_count(backend: Backend, backend_name):
     """The backend's ``visible_devices_env`` must restrict what a fresh process sees (launchers
     and the engine set it per rank)."""
     import os

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -13,6 +14,9 @@ from chipset.discovery.descriptor import BackendDescriptor
 from chipset.discovery.records import discover
 from chipset.interfaces import ALL_COLLECTIVES, Collective, Device, Memory
 from chipset.interfaces.device import dtype_name
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +85,13 @@ def test_probe_does_not_initialise_the_device(isolated):
     )
 
 
-def test_spec_builds_the_interfaces(backend):
+def test_spec_builds_the_interfaces(backend: Backend):
     assert isinstance(backend.device, Device)
     assert isinstance(backend.memory, Memory)
     assert isinstance(backend.collective, Collective)
 
 
-def test_capabilities_name_known_collectives_and_real_dtypes(caps, backend):
+def test_capabilities_name_known_collectives_and_real_dtypes(caps, backend: Backend):
     unknown = [c for c in caps.collectives if c not in ALL_COLLECTIVES]
     assert not unknown, f"capabilities name unknown collectives {unknown}; valid: {ALL_COLLECTIVES}"
     declared = {dtype_name(d) for d in backend.device.supported_dtypes}
@@ -98,6 +102,6 @@ def test_capabilities_name_known_collectives_and_real_dtypes(caps, backend):
     assert set(caps.amp_dtypes) <= declared
 
 
-def test_registered_kernels_match_capabilities(caps, backend):
+def test_registered_kernels_match_capabilities(caps, backend: Backend):
     own = sorted(n for n in backend.kernels.names() if backend.kernels.implementations(n))
     assert sorted(caps.kernels) == own

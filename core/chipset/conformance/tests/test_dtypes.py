@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
 from chipset.errors import UnsupportedDTypeError
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -15,7 +20,7 @@ DTYPES = {
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
-def test_declared_dtype_works(backend, caps, dev, name):
+def test_declared_dtype_works(backend: Backend, caps, dev, name):
     if name not in caps.dtypes:
         pytest.skip(f"backend does not declare dtype {name}")
     dt = DTYPES[name]
@@ -29,7 +34,7 @@ def test_declared_dtype_works(backend, caps, dev, name):
     assert torch.equal(back, want)
 
 
-def test_undeclared_dtypes_are_refused_clearly(backend, caps):
+def test_undeclared_dtypes_are_refused_clearly(backend: Backend, caps):
     exotic = {"complex64": torch.complex64, "complex128": torch.complex128}
     undeclared = {n: d for n, d in {**DTYPES, **exotic}.items() if n not in caps.dtypes}
     assert undeclared, "every dtype is declared; nothing to refuse"

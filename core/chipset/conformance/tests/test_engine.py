@@ -27,8 +27,12 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 WORLD = 2
 STEPS = 4
@@ -228,7 +232,7 @@ def _process(launch: str, path: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def session(backend_name, caps, backend):
+def session(backend_name, caps, backend: Backend):
     if not caps.multi_process:
         pytest.skip("backend does not declare capability multi_process")
     if not caps.ranks_share_device and backend.device.device_count() < WORLD:

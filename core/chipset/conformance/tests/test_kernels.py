@@ -20,12 +20,16 @@ same size at other elements, so comparing the two directly fails it
 from __future__ import annotations
 
 import zlib
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from chipset.conformance import assert_close_to_exact, exact, tolerance
 from chipset.kernels import REFERENCE_KERNELS
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,7 +99,7 @@ def _compare(got, want, name, dtype, caps, what, exacts):
 
 @pytest.mark.parametrize("dtype", list(FLOATS))
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
-def test_forward_matches_reference(backend, caps, dev, name, dtype):
+def test_forward_matches_reference(backend: Backend, caps, dev, name, dtype):
     _require(caps, dtype)
     dt = FLOATS[dtype]
     args, kwargs, _ = _inputs(name, dt, dev)
@@ -109,7 +113,7 @@ def test_forward_matches_reference(backend, caps, dev, name, dtype):
 
 @pytest.mark.parametrize("dtype", list(FLOATS))
 @pytest.mark.parametrize("name", DIFFERENTIABLE)
-def test_backward_matches_reference(backend, caps, dev, name, dtype):
+def test_backward_matches_reference(backend: Backend, caps, dev, name, dtype):
     _require(caps, dtype)
     dt = FLOATS[dtype]
     args, kwargs, _ = _inputs(name, dt, dev)
@@ -121,7 +125,7 @@ def test_backward_matches_reference(backend, caps, dev, name, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_adamw_matches_reference(backend, caps, dev, dtype):
+def test_fused_adamw_matches_reference(backend: Backend, caps, dev, dtype):
     _require(caps, dtype)
     dt = FLOATS[dtype]
     g = torch.Generator().manual_seed(11)
@@ -143,7 +147,7 @@ def test_fused_adamw_matches_reference(backend, caps, dev, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_fp8_matmul_matches_exact_emulation(backend, caps, dev, scaling, dtype):
+def test_fp8_matmul_matches_exact_emulation(backend: Backend, caps, dev, scaling, dtype):
     """``fp8_matmul`` (kernels/fp8.py) forward and backward, against the exact answer from the
     same FP8 operands: the specified quantisation (scales, rounding) is the contract; only the
     summation may differ, as for any GEMM. The rows and columns span 2^-6..2^6 in magnitude, so a
@@ -178,7 +182,7 @@ EPS32 = torch.finfo(torch.float32).eps
 
 @pytest.mark.parametrize("dtype", list(FLOATS))
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-def test_linear_matches_reference(backend, caps, dev, dtype, bias):
+def test_linear_matches_reference(backend: Backend, caps, dev, dtype, bias):
     """``linear(x, weight, bias)`` = ``x @ weight.T + bias`` forward and backward (dx, dweight,
     dbias), with a non-square weight and two leading dims, against the exact answer. A GEMM may
     order and block its sums any way, so each element gets the bound of a K-term dot product
@@ -216,7 +220,7 @@ def test_linear_matches_reference(backend, caps, dev, dtype, bias):
 
 @pytest.mark.parametrize("dtype", list(FLOATS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attention_block_matches_reference(backend, caps, dev, dtype, causal):
+def test_attention_block_matches_reference(backend: Backend, caps, dev, dtype, causal):
     """``attention_block``'s (out, lse) and ``attention_block_backward``'s (dq, dk, dv), given a
     merged out and lse of two blocks, as the reference's (kernels/blockwise.py)."""
     _require(caps, dtype)
@@ -246,7 +250,7 @@ def test_attention_block_matches_reference(backend, caps, dev, dtype, causal):
     _compare(got, want, "attention_block", dtype, caps, "blockwise", truth)
 
 
-def test_every_reference_kernel_is_dispatchable(backend):
+def test_every_reference_kernel_is_dispatchable(backend: Backend):
     for name in REFERENCE_KERNELS:
         assert backend.kernels.has_kernel(name), name
 
@@ -308,7 +312,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", VARIANTS)
-def test_argument_variants_match_reference(backend, caps, dev, case, dtype):
+def test_argument_variants_match_reference(backend: Backend, caps, dev, case, dtype):
     """Dispatch honours every argument (a kernel that ignores ``eps`` or a mask fails here)."""
     _require(caps, dtype)
     dt = FLOATS[dtype]

@@ -7,12 +7,16 @@ rounded up to GRANULARITY bytes (512, the caching-allocator block every backend 
 from __future__ import annotations
 
 import gc
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 import chipset
 from chipset.interfaces import MemoryStats
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 GRANULARITY = 512
 
@@ -22,17 +26,17 @@ def _round(n: int) -> int:
 
 
 @pytest.fixture
-def exact(backend):
+def exact(backend: Backend):
     if backend.capabilities.memory_accounting != "exact":
         pytest.skip(f"backend declares memory_accounting={backend.capabilities.memory_accounting!r}, not exact")
 
 
-def _allocated(backend) -> int:
+def _allocated(backend: Backend) -> int:
     backend.device.synchronize()
     return backend.memory.stats(0).allocated
 
 
-def test_stats_have_every_key_as_non_negative_ints(backend):
+def test_stats_have_every_key_as_non_negative_ints(backend: Backend):
     s = backend.memory.stats(0)
     assert isinstance(s, MemoryStats)
     for key, value in s.to_dict().items():
@@ -42,7 +46,7 @@ def test_stats_have_every_key_as_non_negative_ints(backend):
 
 
 @pytest.mark.parametrize("numel", [1, 256, 1000, 4097, 65536])
-def test_allocation_is_accounted_exactly(backend, dev, numel, exact):
+def test_allocation_is_accounted_exactly(backend: Backend, dev, numel, exact):
     gc.collect()
     before = _allocated(backend)
     x = torch.empty(numel, dtype=torch.float32, device=dev)
@@ -57,14 +61,14 @@ def test_allocation_is_accounted_exactly(backend, dev, numel, exact):
     assert _allocated(backend) == before, "freeing the tensor did not return allocated to its previous value"
 
 
-def test_float32_256_elements_adds_1024_bytes(backend, dev, exact):
+def test_float32_256_elements_adds_1024_bytes(backend: Backend, dev, exact):
     before = _allocated(backend)
     x = torch.zeros(256, dtype=torch.float32, device=dev)
     assert _allocated(backend) - before == 1024
     del x
 
 
-def test_a_leak_is_visible_in_the_stats(backend, dev, exact):
+def test_a_leak_is_visible_in_the_stats(backend: Backend, dev, exact):
     before = _allocated(backend)
     kept = [torch.ones(1024, device=dev) for _ in range(4)]
     assert _allocated(backend) - before >= 4 * 4096
@@ -73,7 +77,7 @@ def test_a_leak_is_visible_in_the_stats(backend, dev, exact):
     assert _allocated(backend) == before
 
 
-def test_views_are_not_double_counted(backend, dev, exact):
+def test_views_are_not_double_counted(backend: Backend, dev, exact):
     x = torch.ones(4096, device=dev)
     before = _allocated(backend)
     views = [x[:100], x.view(64, 64), x[1::2]]
@@ -81,7 +85,7 @@ def test_views_are_not_double_counted(backend, dev, exact):
     del views, x
 
 
-def test_peak_tracks_the_maximum_and_resets(backend, dev, exact):
+def test_peak_tracks_the_maximum_and_resets(backend: Backend, dev, exact):
     m = backend.memory
     m.reset_peak_stats(0)
     base = _allocated(backend)
@@ -98,7 +102,7 @@ def test_peak_tracks_the_maximum_and_resets(backend, dev, exact):
     )
 
 
-def test_empty_cache_releases_cached_blocks(backend, dev):
+def test_empty_cache_releases_cached_blocks(backend: Backend, dev):
     m = backend.memory
     x = torch.empty(1 << 18, dtype=torch.float32, device=dev)
     del x
@@ -117,7 +121,7 @@ def test_empty_cache_releases_cached_blocks(backend, dev):
         )
 
 
-def test_mem_get_info_is_consistent(backend):
+def test_mem_get_info_is_consistent(backend: Backend):
     free, total = backend.memory.mem_get_info(0)
     assert 0 <= free <= total
     assert total == backend.memory.total_memory(0) == backend.device.properties(0).total_memory
@@ -129,19 +133,19 @@ def enforced(caps):
         pytest.skip("backend does not declare capability memory_capacity_enforced")
 
 
-def _oom(backend, dev):
+def _oom(backend: Backend, dev):
     total = backend.memory.total_memory(0)
     with backend.memory.oom_guard(str(dev)):
         return torch.empty(total + (64 << 20), dtype=torch.uint8, device=dev)
 
 
-def test_allocating_past_capacity_raises_chipset_oom(backend, dev, enforced):
+def test_allocating_past_capacity_raises_chipset_oom(backend: Backend, dev, enforced):
     with pytest.raises(chipset.OutOfMemoryError) as info:
         _oom(backend, dev)
     assert "Tried to allocate" in str(info.value)
 
 
-def test_oom_error_is_a_runtime_error_with_requested_bytes(backend, dev, enforced):
+def test_oom_error_is_a_runtime_error_with_requested_bytes(backend: Backend, dev, enforced):
     with pytest.raises(RuntimeError) as info:
         _oom(backend, dev)
     assert isinstance(info.value, chipset.OutOfMemoryError)
@@ -149,7 +153,7 @@ def test_oom_error_is_a_runtime_error_with_requested_bytes(backend, dev, enforce
     assert info.value.requested_bytes is None or info.value.requested_bytes > total // 2
 
 
-def test_device_is_usable_after_oom(backend, dev, enforced):
+def test_device_is_usable_after_oom(backend: Backend, dev, enforced):
     before = _allocated(backend)
     with pytest.raises(chipset.OutOfMemoryError):
         _oom(backend, dev)

@@ -2,33 +2,38 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 
 def _draw(dev, n=64):
     return torch.rand(n, device=dev).cpu()
 
 
-def test_same_seed_same_numbers(backend, dev):
+def test_same_seed_same_numbers(backend: Backend, dev):
     backend.device.manual_seed(1234)
     a = _draw(dev)
     backend.device.manual_seed(1234)
     assert torch.equal(a, _draw(dev))
 
 
-def test_different_seeds_differ(backend, dev):
+def test_different_seeds_differ(backend: Backend, dev):
     backend.device.manual_seed(1)
     a = _draw(dev)
     backend.device.manual_seed(2)
     assert not torch.equal(a, _draw(dev))
 
 
-def test_successive_draws_differ(backend, dev):
+def test_successive_draws_differ(backend: Backend, dev):
     backend.device.manual_seed(7)
     assert not torch.equal(_draw(dev), _draw(dev))
 
 
-def test_state_round_trip_replays_the_stream(backend, dev):
+def test_state_round_trip_replays_the_stream(backend: Backend, dev):
     d = backend.device
     d.manual_seed(99)
     state = d.get_rng_state(0)
@@ -38,7 +43,7 @@ def test_state_round_trip_replays_the_stream(backend, dev):
     assert torch.equal(a, _draw(dev))
 
 
-def test_fork_rng_isolates_the_block(backend, dev):
+def test_fork_rng_isolates_the_block(backend: Backend, dev):
     d = backend.device
     d.manual_seed(5)
     expected = _draw(dev)
@@ -49,7 +54,7 @@ def test_fork_rng_isolates_the_block(backend, dev):
     assert torch.equal(expected, _draw(dev))
 
 
-def test_manual_seed_all_seeds_every_device(backend):
+def test_manual_seed_all_seeds_every_device(backend: Backend):
     d = backend.device
     n = min(d.device_count(), 2)
     d.manual_seed_all(42)

@@ -10,11 +10,15 @@ declares ``streams``, the timing figures where it declares ``event_timing``.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from chipset.interfaces import Event, Stream
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 
 @pytest.fixture
@@ -29,11 +33,11 @@ def timing(caps):
         pytest.skip("backend does not declare capability event_timing")
 
 
-def test_current_stream_is_a_stream(backend):
+def test_current_stream_is_a_stream(backend: Backend):
     assert isinstance(backend.device.current_stream(), Stream)
 
 
-def test_stream_context_makes_it_current_and_restores(backend, streams):
+def test_stream_context_makes_it_current_and_restores(backend: Backend, streams):
     d = backend.device
     before = d.current_stream()
     s = d.stream()
@@ -42,7 +46,7 @@ def test_stream_context_makes_it_current_and_restores(backend, streams):
     assert d.current_stream() is before
 
 
-def test_recorded_event_completes_after_synchronize(backend, dev):
+def test_recorded_event_completes_after_synchronize(backend: Backend, dev):
     d = backend.device
     x = torch.ones(1000, device=dev) * 3
     e = d.current_stream().record_event()
@@ -56,7 +60,7 @@ def test_recorded_event_completes_after_synchronize(backend, dev):
     assert mark.query() is True
 
 
-def test_event_recorded_on_a_stream_in_its_context_completes(backend, streams, dev):
+def test_event_recorded_on_a_stream_in_its_context_completes(backend: Backend, streams, dev):
     s = backend.device.stream()
     with s.context():
         x = torch.ones(1000, device=dev) * 3
@@ -66,7 +70,7 @@ def test_event_recorded_on_a_stream_in_its_context_completes(backend, streams, d
     assert float(x.sum()) == 3000.0
 
 
-def test_wait_event_orders_work_across_streams(backend, streams, dev):
+def test_wait_event_orders_work_across_streams(backend: Backend, streams, dev):
     d = backend.device
     s1, s2 = d.stream(), d.stream()
     with s1.context():
@@ -80,7 +84,7 @@ def test_wait_event_orders_work_across_streams(backend, streams, dev):
     assert torch.equal(y.cpu(), torch.full((4096,), 11.0))
 
 
-def test_wait_stream_orders_work(backend, streams, dev):
+def test_wait_stream_orders_work(backend: Backend, streams, dev):
     d = backend.device
     s1, s2 = d.stream(), d.stream()
     with s1.context():
@@ -92,13 +96,13 @@ def test_wait_stream_orders_work(backend, streams, dev):
     assert float(y) == float(sum(range(4096)) * 2)
 
 
-def test_stream_synchronize_and_query(backend):
+def test_stream_synchronize_and_query(backend: Backend):
     s = backend.device.stream()
     s.synchronize()
     assert s.query() is True
 
 
-def test_elapsed_time_is_positive_and_covers_the_interval(backend, timing, dev):
+def test_elapsed_time_is_positive_and_covers_the_interval(backend: Backend, timing, dev):
     d = backend.device
     start, end = d.event(enable_timing=True), d.event(enable_timing=True)
     start.record()
@@ -112,7 +116,7 @@ def test_elapsed_time_is_positive_and_covers_the_interval(backend, timing, dev):
     assert ms < 10_000
 
 
-def test_elapsed_time_is_monotonic(backend, timing):
+def test_elapsed_time_is_monotonic(backend: Backend, timing):
     d = backend.device
     a, b, c = (d.event(enable_timing=True) for _ in range(3))
     a.record()
@@ -125,7 +129,7 @@ def test_elapsed_time_is_monotonic(backend, timing):
     assert 0 <= ab <= ac, f"a->b {ab} ms, a->c {ac} ms"
 
 
-def test_elapsed_time_without_timing_raises(backend):
+def test_elapsed_time_without_timing_raises(backend: Backend):
     d = backend.device
     a, b = d.event(enable_timing=False), d.event(enable_timing=False)
     a.record()
@@ -135,7 +139,7 @@ def test_elapsed_time_without_timing_raises(backend):
         a.elapsed_time(b)
 
 
-def test_elapsed_time_on_unrecorded_event_raises(backend):
+def test_elapsed_time_on_unrecorded_event_raises(backend: Backend):
     d = backend.device
     a, b = d.event(enable_timing=True), d.event(enable_timing=True)
     a.record()

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from chipset.errors import ConfigError
 from chipset.parallel.split import parse_split
 from chipset.parallel.stages import UnitSpec, UnitStageModel, split_units
@@ -29,6 +31,9 @@ from chipset.runtime.pipeline.schedules import (
     make_schedule,
     one_f_one_b,
 )
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 __all__ = [
     "SCHEDULES",
@@ -90,7 +95,7 @@ def pipeline_problems(cfg, units: int | None = None) -> list[str]:
     return problems
 
 
-def build_pipeline(par, model, backend, dims, **dp_kwargs) -> PipelineEngine:
+def build_pipeline(par, model, backend: Backend, dims, **dp_kwargs) -> PipelineEngine:
     """This rank's :class:`PipelineEngine` for ``model`` (bound to its family) under ``par``."""
     sched = schedule_for(par)
     specs = split_units(model, par.pp * par.virtual_stages, par.pipeline_split)

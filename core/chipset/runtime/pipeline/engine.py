@@ -22,6 +22,7 @@ all-reduce over the pp group. Gradient norm and fp16 overflow are summed over th
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from chipset.runtime.pipeline.schedules import Instruction, Op, PipelineSchedule
 from chipset.runtime.precision import compute_input
 from chipset.runtime.trace import trace_range
 
+if TYPE_CHECKING:
+    from chipset.loader import Backend
+
 __all__ = ["PipelineEngine"]
 
 
@@ -48,7 +52,7 @@ class PipelineEngine:
     their single-process names on every rank (collective over the pp group).
     """
 
-    def __init__(self, model, backend, dims: ParallelDims, schedule: PipelineSchedule,
+    def __init__(self, model, backend: Backend, dims: ParallelDims, schedule: PipelineSchedule,
                  specs: list[UnitSpec], **dp_kwargs):
         self.backend = backend
         self.collective = backend.collective

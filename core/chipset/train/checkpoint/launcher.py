@@ -6,12 +6,16 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chipset.errors import UsageError
 from chipset.train.checkpoint import store
 from chipset.train.checkpoint.hangs import HANGS, diagnose
 from chipset.train.checkpoint.manager import refuse_shapes, resolve_resume, shape_mismatches
 from chipset.train.resume_check import check_compatible
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 __all__ = ["parse_nnodes", "check_resume", "report_failure", "clear_hang_logs"]
 
@@ -28,7 +32,7 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return a, b
 
 
-def check_resume(run_dir: Path, mode: str, cfg, backend, run_id: str | None = None) -> Path | None:
+def check_resume(run_dir: Path, mode: str, cfg, backend: Backend, run_id: str | None = None) -> Path | None:
     """Before launch: the checkpoint ``mode`` selects must exist, fit the model and have been written
     under a compatible config (ConfigError, exit 2). ``auto`` looks only at run ``run_id``'s checkpoints."""
     if mode == "none":

@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from chipset.train.checkpoint.layout import (
 )
 from chipset.train.resume_check import check_compatible
 from chipset.train.rundir import atomic_write_text, disk_full, ensure_run_id, find_enospc
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 __all__ = ["Checkpointer", "shape_mismatches", "resolve_resume"]
 
@@ -125,7 +129,7 @@ def _foreign_shard(path: Path, state: dict) -> ConfigError:
 class Checkpointer:
     """Checkpoints of one run directory for one engine; collective: every rank calls each method."""
 
-    def __init__(self, cfg, backend, engine, run_dir: str | Path, *, out=None):
+    def __init__(self, cfg, backend: Backend, engine, run_dir: str | Path, *, out=None):
         self.cfg = cfg
         self.backend = backend
         self.engine = engine

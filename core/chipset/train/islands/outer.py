@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from chipset.train.islands.config import client_paths, federated, per_round
 from chipset.train.islands.link import HEARTBEAT_S, IslandLink, Quorum
 from chipset.train.islands.privacy import rounds_spent
 from chipset.train.islands.secure import SecureSum, decode_sum, scale_for
+
+if TYPE_CHECKING:
+    from chipset.loader import Backend
 
 __all__ = ["Islands", "ProxTerm", "INT8_BLOCK", "quantize_int8", "dequantize_int8", "islands_for_run"]
 
@@ -42,7 +46,7 @@ INT8_BLOCK = 2048
 """Elements per int8 scale: one float32 scale per block of the flat pseudo-gradient (0.2% extra bytes)."""
 
 
-def islands_for_run(cfg, backend, engine, run_dir=None) -> Islands | None:
+def islands_for_run(cfg, backend: Backend, engine, run_dir=None) -> Islands | None:
     """This rank's :class:`Islands` in an islands job (``CHIPSET_ISLAND`` set by the launcher), else None.
     ``run_dir``: the island's run directory (``islands.wire_log`` writes under it)."""
     import os
@@ -102,7 +106,7 @@ class ProxTerm:
 class Islands:
     """One rank's part in the islands' training. Every rank of an island calls every method."""
 
-    def __init__(self, cfg, backend, engine, link: IslandLink, island: int, *, rejoin: bool = False):
+    def __init__(self, cfg, backend: Backend, engine, link: IslandLink, island: int, *, rejoin: bool = False):
         isl = cfg.islands
         self.cfg, self.backend, self.link, self.island = cfg, backend, link, island
         self.col = backend.collective
