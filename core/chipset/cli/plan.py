@@ -73,6 +73,9 @@ def add_parser(sub) -> None:
     p.add_argument("--validation", action="store_true",
                    help="print how far the planner is from published training runs and from steps timed on an "
                         "H200 (the tables of docs/planner.md, computed now) and exit")
+    from chipset.cli.plan_islands import add_arguments
+
+    add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -274,6 +277,14 @@ def run(args) -> int:
         return _run_module(args, cluster, fix, a, _train_spec(args, batch, args.dtype or DEFAULT_DTYPE))
     model = _model(args)
     train = _train_spec(args, *_train_settings(args))
+    from chipset.cli import plan_islands
+
+    isl = plan_islands.settings(args)
+    if isl is not None:
+        if args.context or args.write_config:
+            raise ConfigError("--context and --write-config plan one island's job without islands; drop --islands "
+                              "(or islands.count from the config)")
+        train = plan_islands.island_train(train, isl)
     if args.context:
         return _context(args, model, train, cluster, a)
     res = search(model, train, cluster, fix=fix, assumptions=a)
@@ -320,6 +331,9 @@ def run(args) -> int:
         fixed = res.fixed_only is not None
         print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and not fixed else None,
                       model, cluster, "The fixed layout" if fixed else "The fastest layout"))
+        if isl is not None:
+            print()
+            print("\n".join(plan_islands.report(args, shown[0], model, train, cluster, isl)))
     return 0
 
 
