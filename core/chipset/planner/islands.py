@@ -255,7 +255,9 @@ def _b(n: float) -> str:
 
 
 def _s(s: float) -> str:
-    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-4 else f"{s * 1e6:.3g} us"
+    if s >= 1:
+        return f"{s:.3g} s" if s < 100 else f"{s:,.0f} s"
+    return f"{s * 1e3:.3g} ms" if s >= 1e-4 else f"{s * 1e6:.3g} us"
 
 
 def default_link(dev, ranks: int, gbps: float | None, target: float) -> tuple[LinkSpec, str]:
