@@ -115,6 +115,13 @@ def test_plan_shows_the_islands_of_its_best_layout():
     lines = [x for x in r.stdout.splitlines() if x.startswith("chipset plan: islands:")]
     assert len(lines) == 3, r.stdout
     assert "4 x 8 rank(s), H = 500, fp32" in lines[0] and "break-even H = " in lines[2]
+    # the islands of a config (examples/islands-tiny.toml: 2 islands, H = 10, bf16), in --json too
+    r = _cli("plan", str(testenv.TESTS.parent / "examples" / "islands-tiny.toml"), "--cluster", "1x1:h100-sxm", "--json",
+             "--top", "1")
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stdout)[0]["islands"]
+    assert (t["islands"], t["sync_every"], t["pseudo_grad_dtype"]) == (2, 10, "bf16")
+    assert t["inter_island_bw_source"].startswith("the profile's inter-node bandwidth")
 
 
 @pytest.fixture(scope="module")

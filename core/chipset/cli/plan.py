@@ -298,7 +298,10 @@ def run(args) -> int:
     if args.write_config:
         _write_config(args, model, train, cluster, shown)
     if args.json:
-        print(json.dumps([p.to_json() for p in shown], indent=2))
+        out = [p.to_json() for p in shown]
+        if isl is not None and shown:  # the outer step of the best layout
+            out[0]["islands"] = plan_islands.terms(args, shown[0], model, train, cluster, isl)
+        print(json.dumps(out, indent=2))
         return 0
     n = cluster.world_size
     print(f"model {model.name}: {model.num_params() / 1e9:.3g}B parameters"
@@ -333,7 +336,7 @@ def run(args) -> int:
                       model, cluster, "The fixed layout" if fixed else "The fastest layout"))
         if isl is not None:
             print()
-            print("\n".join(plan_islands.report(args, shown[0], model, train, cluster, isl)))
+            print("\n".join(plan_islands.report(plan_islands.terms(args, shown[0], model, train, cluster, isl))))
     return 0
 
 

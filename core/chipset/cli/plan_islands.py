@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
 def settings(args):
     """The ``[islands]`` table to plan (the config's, flags over it), or None for a job without islands;
     ConfigError (exit 2) for bad values."""
-    from chipset.planner.islands import LinkSpec
+    from chipset.planner.islands import DEFAULT_TARGET, LinkSpec
     from chipset.train.islands.config import IslandsConfig, island_problems
 
     table = {}
@@ -56,12 +56,9 @@ def settings(args):
         raise ConfigError("islands: " + "; ".join(problems))
     if isl.count < 2:
         return None
-    LinkSpec(1.0 if args.inter_island_bw is None else args.inter_island_bw * 1e9, 0.0, target(args)).check()
+    LinkSpec(1.0 if args.inter_island_bw is None else args.inter_island_bw * 1e9, 0.0,
+             DEFAULT_TARGET if args.outer_target is None else args.outer_target).check()
     return isl
-
-
-def target(args) -> float:
-    return 0.05 if args.outer_target is None else args.outer_target
 
 
 def island_train(train, isl):
@@ -72,12 +69,19 @@ def island_train(train, isl):
     return dataclasses.replace(train, global_batch=train.global_batch // isl.count)
 
 
-def report(args, best, model, train, cluster, isl) -> list[str]:
-    """The islands lines for the planner's best layout ``best`` on one island (``cluster``)."""
-    from chipset.planner.islands import default_link, format_islands, islands_terms
+def terms(args, best, model, train, cluster, isl) -> dict:
+    """The islands terms (planner/islands.py) of the planner's best layout ``best`` on one island
+    (``cluster``), with ``inter_island_bw_source`` saying where the bandwidth came from."""
+    from chipset.planner.islands import default_link, islands_terms
 
-    link, source = default_link(cluster.device, cluster.world_size, args.inter_island_bw, target(args))
-    terms = islands_terms(model, best.layout, train, cluster.device, isl, link, best.step_time_s,
-                          best.micro_batches)
-    return [f"islands: {isl.count} of this cluster each; inter-island bandwidth: {source}",
-            *format_islands(terms, prefix="chipset plan")]
+    link, source = default_link(cluster.device, cluster.world_size, args.inter_island_bw, args.outer_target)
+    out = islands_terms(model, best.layout, train, cluster.device, isl, link, best.step_time_s, best.micro_batches)
+    return {**out, "inter_island_bw_source": source}
+
+
+def report(t: dict) -> list[str]:
+    """The lines ``chipset plan`` prints for :func:`terms`."""
+    from chipset.planner.islands import format_islands
+
+    return [f"islands: {t['islands']} of this cluster each; inter-island bandwidth: {t['inter_island_bw_source']}",
+            *format_islands(t, prefix="chipset plan")]

@@ -274,16 +274,11 @@ def _check_islands_projection(args, cfg) -> None:
         raise UsageError(f"{' and '.join(given)} describe(s) the outer step of an islands job: use with --project "
                          f"PROFILE and islands.count >= 2 (found islands.count = {cfg.islands.count}"
                          f"{'' if args.project else ', no --project'})")
-    if args.project and cfg.islands.count > 1:
-        from chipset.planner.islands import LinkSpec
+    if args.project and cfg.islands.count > 1:  # a bad or missing bandwidth, a bad target: refused now
+        from chipset.planner.islands import default_link
+        from chipset.planner.projection import resolve_profile
 
-        bw = args.inter_island_bw
-        LinkSpec(1.0 if bw is None else bw * 1e9, 0.0, outer_target(args)).check()
-
-
-def outer_target(args) -> float:
-    """``--outer-target``, 5% when not given."""
-    return 0.05 if args.outer_target is None else args.outer_target
+        default_link(resolve_profile(args.project, cfg.train.dtype), 1, args.inter_island_bw, args.outer_target)
 
 
 def _print_schedule(cfg, b) -> int:

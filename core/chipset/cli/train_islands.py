@@ -105,8 +105,7 @@ def project_islands(args, cfg, per_island: int, run_dir: Path, island0: Path) ->
         print(f"chipset train: no islands projection on this node: {island0} has no projected summary.json")
         return None
     dev = resolve_profile(args.project, cfg.train.dtype)
-    link, source = default_link(dev, per_island, args.inter_island_bw,
-                                target=0.05 if args.outer_target is None else args.outer_target)
+    link, source = default_link(dev, per_island, args.inter_island_bw, args.outer_target)
     terms = islands_for_config(cfg, per_island, dev, link, proj["step_time_s"])
     terms["inter_island_bw_source"] = source
     summary["projection"] = {**proj, "islands": terms}

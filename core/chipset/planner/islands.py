@@ -37,12 +37,15 @@ from chipset.planner.memory import params_per_device
 from chipset.planner.run import from_run_config
 from chipset.planner.time import dp_exposed_time
 
-__all__ = ["INT8_BLOCK", "LinkSpec", "owned_elements", "exchange_calls", "outer_step_bytes", "break_even_sync_every",
+__all__ = ["INT8_BLOCK", "DEFAULT_TARGET", "LinkSpec", "owned_elements", "exchange_calls", "outer_step_bytes", "break_even_sync_every",
            "outer_fraction", "islands_terms", "islands_for_config", "island_view", "default_link",
            "format_islands"]
 
 INT8_BLOCK = 2048
 """Elements per float32 scale of an int8 pseudo-gradient (``train/islands/outer.py``'s block)."""
+
+DEFAULT_TARGET = 0.05
+"""The largest share of the time outer steps may take, for the break-even H, unless told otherwise."""
 
 OUTER_ACCESSES = {"nesterov": 5, "sgd": 3}
 """Float32 reads and writes per owned element of the outer optimizer's update of the global
@@ -57,7 +60,7 @@ class LinkSpec:
     """Bytes/s each island's link to the others carries per direction (all its ranks share it)."""
     latency: float = 0.0
     """Seconds per message step on it."""
-    target: float = 0.05
+    target: float = DEFAULT_TARGET
     """Largest fraction of the time the outer step may take, for the break-even H."""
 
     def check(self) -> LinkSpec:
@@ -260,9 +263,11 @@ def _s(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s >= 1e-4 else f"{s * 1e6:.3g} us"
 
 
-def default_link(dev, ranks: int, gbps: float | None, target: float) -> tuple[LinkSpec, str]:
+def default_link(dev, ranks: int, gbps: float | None, target: float | None) -> tuple[LinkSpec, str]:
     """The link: ``gbps`` GB/s if given, else every rank's share of the profile's inter-node bandwidth
-    (islands on their own nodes); and a note saying which. ConfigError when neither is known."""
+    (islands on their own nodes); and a note saying which. ConfigError when neither is known.
+    ``target`` None: :data:`DEFAULT_TARGET`."""
+    target = DEFAULT_TARGET if target is None else target
     if gbps is not None:
         return LinkSpec(gbps * 1e9, dev.inter_node_latency, target).check(), "given"
     if dev.inter_node_bandwidth > 0:
