@@ -153,9 +153,11 @@ def _signal_tree(pid: int, signum: int) -> None:
 
 
 def _crossed(island: dict) -> int:
-    """Bytes an island's ranks handed to the link: every rank's (``cross_island_totals``), not rank 0's
-    alone (``cross_island``, the link of the rank that writes the summary)."""
-    return int((island["cross_island_totals"] or island["cross_island"] or {}).get("bytes", 0))
+    """Bytes an island's ranks handed to the link. One rank: its link's count (``cross_island``, a
+    rejoin's state transfer before the first step included). Several: the steps' counts of every rank
+    (``cross_island_totals``), since ``cross_island`` is the link of rank 0 alone."""
+    several = (island.get("world_size") or 1) > 1 and island["cross_island_totals"]
+    return int((island["cross_island_totals"] if several else island["cross_island"] or {}).get("bytes", 0))
 
 
 def merge_summaries(cfg, run_dir: Path, backends: list[str], restarts: dict[int, int]) -> dict | None:
