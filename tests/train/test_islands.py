@@ -48,7 +48,8 @@ def runs(request, tmp_path_factory):
     for test, keys in ((test_diloco_trains_with_16x_fewer_bytes_crossing, ("dp", "diloco")),
                        (test_fedavg_with_h1_is_dp, ("dp", "fedavg")),
                        (test_mixed_backend_islands_match_one_backend, ("fedavg", "mixed")),
-                       (test_outer_state_survives_a_resume, ("diloco",))):
+                       (test_outer_state_survives_a_resume, ("diloco",)),
+                       (test_planner_predicts_the_bytes_crossing, ("diloco",))):
         if selected(request, test):
             wanted.update(keys)
     jobs = {
@@ -113,6 +114,19 @@ def test_diloco_trains_with_16x_fewer_bytes_crossing(runs):
     assert [p["outer_steps"] for p in s["per_island"]] == [STEPS // H] * 2
     crossed = s["cross_island_bytes"]
     assert crossed > 0 and dp >= 15 * crossed, (dp, crossed)
+
+
+@pytest.mark.multirank
+def test_planner_predicts_the_bytes_crossing(runs):
+    """planner/islands.py's bytes of an outer step are what the link counted (fp32, one rank per island;
+    tests/planner/test_planner_islands.py checks int8 with 2 ranks per island)."""
+    from chipset.planner.islands import outer_step_bytes, owned_elements
+    from chipset.planner.run import from_run_config
+
+    cfg = resolve_config(None, [*BASE, "islands.count=2", f"islands.sync_every={H}"], world_size=2)
+    m, lay, _ = from_run_config(cfg, 1)
+    handed, _ = outer_step_bytes(owned_elements(m, lay)["only"], "fp32", 2)
+    assert _summary(runs["diloco"])["cross_island_bytes"] == (STEPS // H) * 2 * handed
 
 
 @pytest.mark.multirank

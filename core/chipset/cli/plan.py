@@ -76,6 +76,9 @@ def add_parser(sub) -> None:
     p.add_argument("--validation", action="store_true",
                    help="print how far the planner is from published training runs and from steps timed on an "
                         "H200 (the tables of docs/planner.md, computed now) and exit")
+    from chipset.cli.plan_islands import add_arguments
+
+    add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -277,6 +280,14 @@ def run(args) -> int:
         return _run_module(args, cluster, fix, a, _train_spec(args, batch, args.dtype or DEFAULT_DTYPE))
     model = _model(args)
     train = _train_spec(args, *_train_settings(args))
+    from chipset.cli import plan_islands
+
+    isl = plan_islands.settings(args)
+    if isl is not None:
+        if args.context or args.write_config:
+            raise ConfigError("--context and --write-config plan one island's job without islands; drop --islands "
+                              "(or islands.count from the config)")
+        train = plan_islands.island_train(train, isl)
     if args.context:
         return _context(args, model, train, cluster, a)
     res = search(model, train, cluster, fix=fix, assumptions=a)
@@ -290,7 +301,10 @@ def run(args) -> int:
     if args.write_config:
         _write_config(args, model, train, cluster, shown)
     if args.json:
-        print(json.dumps([p.to_json() for p in shown], indent=2))
+        out = [p.to_json() for p in shown]
+        if isl is not None and shown:  # the outer step of the best layout
+            out[0]["islands"] = plan_islands.terms(args, shown[0], model, train, cluster, isl)
+        print(json.dumps(out, indent=2))
         return 0
     n = cluster.world_size
     print(f"model {model.name}: {model.num_params() / 1e9:.3g}B parameters"
@@ -326,6 +340,9 @@ def run(args) -> int:
         fixed = res.fixed_only is not None
         print(explain(shown[0], res.candidates[1] if len(res.candidates) > 1 and not fixed else None,
                       model, cluster, "The fixed layout" if fixed else "The fastest layout"))
+        if isl is not None:
+            print()
+            print("\n".join(plan_islands.report(plan_islands.terms(args, shown[0], model, train, cluster, isl))))
     return 0
 
 

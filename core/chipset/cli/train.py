@@ -55,6 +55,14 @@ def add_parser(sub) -> None:
                    help="after the run, report the step time the same work would take on the named device profile "
                    "(chipset plan --list-profiles), from the FLOPs and collective bytes of the run, through the "
                    "planner's cost model; written to summary.json as 'projection' (docs/planner.md)")
+    p.add_argument("--inter-island-bw", type=float, default=None, metavar="GBps",
+                   help="with --project on an islands job (islands.count > 1): GB/s of each island's link to the "
+                   "others, for the outer step's time, the break-even islands.sync_every and the comparison with "
+                   "plain dp (default: the profile's inter-node bandwidth per device x ranks per island; "
+                   "docs/islands.md)")
+    p.add_argument("--outer-target", type=float, default=None, metavar="FRACTION",
+                   help="with --project on an islands job: the largest share of the time outer steps may take, "
+                   "for the break-even islands.sync_every (default 0.05)")
     p.add_argument("--island", type=int, default=None, metavar="I",
                    help="with islands.count > 1: run only island I here, on --nproc ranks (one command per island, "
                    "e.g. per node with its own CHIPSET_BACKEND; islands.endpoint names where they meet); without "
@@ -107,6 +115,7 @@ def run(args) -> int:
         from chipset.planner.projection import resolve_profile
 
         resolve_profile(args.project, cfg.train.dtype)
+    _check_islands_projection(args, cfg)
     if cfg.islands.count > 1:  # islands: each its own world and backend (cli/train_islands.py)
         from chipset.cli.train_islands import run_islands
 
@@ -254,6 +263,22 @@ def _project(profile: str, cfg, world: int, run_dir: Path) -> int:
     print(format_projection(proj, last.get("step_time_s"), summary.get("tokens_per_s"),
                             backend=summary.get("backend", "?")), flush=True)
     return 0
+
+
+def _check_islands_projection(args, cfg) -> None:
+    """``--inter-island-bw`` / ``--outer-target``: only with ``--project`` on an islands job, and sane
+    (ConfigError, exit 2, before anything is written)."""
+    given = [f for f, v in (("--inter-island-bw", args.inter_island_bw), ("--outer-target", args.outer_target))
+             if v is not None]
+    if given and not (args.project and cfg.islands.count > 1):
+        raise UsageError(f"{' and '.join(given)} describe(s) the outer step of an islands job: use with --project "
+                         f"PROFILE and islands.count >= 2 (found islands.count = {cfg.islands.count}"
+                         f"{'' if args.project else ', no --project'})")
+    if args.project and cfg.islands.count > 1:  # a bad or missing bandwidth, a bad target: refused now
+        from chipset.planner.islands import default_link
+        from chipset.planner.projection import resolve_profile
+
+        default_link(resolve_profile(args.project, cfg.train.dtype), 1, args.inter_island_bw, args.outer_target)
 
 
 def _print_schedule(cfg, b) -> int:

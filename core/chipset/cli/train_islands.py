@@ -80,8 +80,39 @@ def run_islands(args, cfg, default_backend, run_dir: Path, family, *, preflight,
         rc = launch_islands(cfg, islands_here=here, backends=names, nproc=per_island, run_dir=run_dir,
                             config_path=config_path, resume=args.resume, max_restarts=args.max_restarts)
     if rc == 0 and args.project:
-        return project(args.project, cfg, per_island, island_dir(run_dir, here[0]))
+        from chipset.planner.islands import island_view
+
+        # one island's work: its ranks and its 1/count of the global batch
+        rc = project(args.project, island_view(cfg), per_island, island_dir(run_dir, here[0]))
+        if rc == 0:
+            project_islands(args, cfg, per_island, run_dir, island_dir(run_dir, here[0]))
     return rc
+
+
+def project_islands(args, cfg, per_island: int, run_dir: Path, island0: Path) -> dict | None:
+    """The outer step on the profile (planner/islands.py), from island ``island0``'s projected inner
+    step: printed and written to ``RUN_DIR/summary.json`` as ``projection`` with its ``islands`` terms."""
+    import json
+
+    from chipset.planner.islands import default_link, format_islands, islands_for_config
+    from chipset.planner.projection import resolve_profile
+    from chipset.train.rundir import atomic_write_text, strict_dumps
+
+    try:
+        proj = json.loads((island0 / "summary.json").read_text())["projection"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError, KeyError):
+        print(f"chipset train: no islands projection on this node: {island0} has no projected summary.json")
+        return None
+    dev = resolve_profile(args.project, cfg.train.dtype)
+    link, source = default_link(dev, per_island, args.inter_island_bw, args.outer_target)
+    terms = islands_for_config(cfg, per_island, dev, link, proj["step_time_s"])
+    terms["inter_island_bw_source"] = source
+    summary["projection"] = {**proj, "islands": terms}
+    atomic_write_text(run_dir / "summary.json", strict_dumps(summary, indent=2) + "\n")
+    for line in format_islands(terms):
+        print(line, flush=True)
+    return terms
 
 
 def _nodes(args) -> tuple[int, int]:

@@ -152,6 +152,14 @@ def _signal_tree(pid: int, signum: int) -> None:
             pass
 
 
+def _crossed(island: dict) -> int:
+    """Bytes an island's ranks handed to the link. One rank: its link's count (``cross_island``, a
+    rejoin's state transfer before the first step included). Several: the steps' counts of every rank
+    (``cross_island_totals``), since ``cross_island`` is the link of rank 0 alone."""
+    several = (island.get("world_size") or 1) > 1 and island["cross_island_totals"]
+    return int((island["cross_island_totals"] if several else island["cross_island"] or {}).get("bytes", 0))
+
+
 def merge_summaries(cfg, run_dir: Path, backends: list[str], restarts: dict[int, int]) -> dict | None:
     """``RUN_DIR/summary.json`` from the islands' own (those on this node): losses, the bytes that
     crossed between islands, and whether every island ended on the same parameters."""
@@ -164,7 +172,8 @@ def merge_summaries(cfg, run_dir: Path, backends: list[str], restarts: dict[int,
                     "final_loss": s.get("final_loss"), "world_size": s.get("world_size"),
                     "layout": s.get("layout"), "params_digest": s.get("params_digest"),
                     "restarts": restarts.get(i, 0), "outer_steps": isl.get("outer_steps"),
-                    "cross_island": isl.get("cross_island"), "inner_comm_totals": s.get("comm_totals", {}),
+                    "cross_island": isl.get("cross_island"), "cross_island_totals": s.get("cross_island_totals"),
+                    "inner_comm_totals": s.get("comm_totals", {}),
                     "tokens_per_s": s.get("tokens_per_s"), **{k: s[k] for k in ("eval_loss", "eval_ppl") if k in s}})
     if not per:
         return None
@@ -172,7 +181,7 @@ def merge_summaries(cfg, run_dir: Path, backends: list[str], restarts: dict[int,
     digests = {p["params_digest"] for p in per if p["params_digest"]}
     summary = {"islands": cfg.islands.count, "sync_every": cfg.islands.sync_every,
                "steps": cfg.train.steps, "final_loss": sum(losses) / len(losses) if losses else None,
-               "cross_island_bytes": sum((p["cross_island"] or {}).get("bytes", 0) for p in per),
+               "cross_island_bytes": sum(_crossed(p) for p in per),
                "same_parameters": len(digests) == 1, "per_island": per}
     privacy = next((s["islands"]["privacy"] for s in _island_summaries(cfg, run_dir)
                     if s and "privacy" in s.get("islands", {})), None)
