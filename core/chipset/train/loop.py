@@ -180,6 +180,7 @@ def wrap(model: torch.nn.Module, cfg: RunConfig, backend, dims: ParallelDims):
         model, backend, dims, dtype=dtype, bucket_mb=par.bucket_mb, micro_batches=par.micro_batches,
         grad_clip=tr.grad_clip, optimizer=make_optimizer(tr),
         scaler=scaler, offload_optimizer=par.offload_optimizer, weights_to_load=bool(cfg.model.init_from),
+        fp8_all_gather=tr.fp8_all_gather,
     )
     if cfg.model.init_from:  # Hugging Face weights into the shards this rank holds (models/hf/weights.py)
         from chipset.train.hf_weights import load_into_engine
