@@ -13,6 +13,11 @@ Engine's recipes leave them.
 A backend runs FP8 only where it declares the scaling in ``Capabilities.fp8`` (conformance
 certifies its kernel against the core's emulation); anywhere else ``train.fp8`` is refused
 before a run starts.
+
+Under ZeRO-3 with tensorwise scaling (and ``train.fp8_all_gather``, on by default) the engine
+gathers these weights in FP8 (runtime/data_parallel.py): while a unit is gathered each such
+weight carries its :class:`~chipset.kernels.fp8.Fp8Weight` as the attribute :data:`GATHERED`,
+and :class:`Fp8Linear` hands that to ``fp8_matmul`` instead of the weight.
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ from chipset.parallel.lora import LINEAR_TYPES, default_targets
 if TYPE_CHECKING:
     from chipset.loader import Backend
 
-__all__ = ["FP8_MODES", "Fp8Linear", "apply_fp8", "check_fp8", "fp8_targets"]
+__all__ = ["FP8_MODES", "GATHERED", "Fp8Linear", "apply_fp8", "check_fp8", "fp8_targets", "gathered_weights"]
 
 FP8_MODES = ("off", *FP8_SCALINGS)
 """``train.fp8`` values: off, or the FP8 GEMM scaling to train with."""
+GATHERED = "chipset_fp8_gathered"
+"""The attribute ZeRO-3's FP8 all-gather sets on a weight while its unit is gathered: the
+weight's :class:`~chipset.kernels.fp8.Fp8Weight` (absent otherwise)."""
 
 
 def check_fp8(mode: str, backend: Backend) -> None:
@@ -55,7 +63,8 @@ class Fp8Linear:
         self.kernels, self.scaling = kernels, scaling
 
     def __call__(self, x, weight, bias=None):
-        y = self.kernels.fp8_matmul(x, weight, scaling=self.scaling)
+        gathered = getattr(weight, GATHERED, None)  # ZeRO-3 gathered it in FP8: its bytes, as they are
+        y = self.kernels.fp8_matmul(x, weight if gathered is None else gathered, scaling=self.scaling)
         return y if bias is None else y + bias
 
 
@@ -76,3 +85,16 @@ def apply_fp8(model: nn.Module, names: list[str], kernels, scaling: str) -> None
     linear = Fp8Linear(kernels, scaling)
     for name in names:
         route(model.get_submodule(name), linear)
+
+
+def gathered_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The weights ZeRO-3 may all-gather in FP8: those of the layers routed through
+    :class:`Fp8Linear` with tensorwise scaling (one scale per weight, which every shard can
+    share; a rowwise weight is scaled per row forward but per column for the input gradient,
+    so its FP8 bytes would not serve both GEMMs)."""
+    out = []
+    for mod in model.modules():
+        fn = vars(mod).get("linear")
+        if isinstance(fn, Fp8Linear) and fn.scaling == "tensorwise" and isinstance(mod.weight, nn.Parameter):
+            out.append(mod.weight)
+    return out

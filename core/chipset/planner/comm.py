@@ -150,10 +150,13 @@ def data_parallel_items(lay: Layout, train: TrainSpec, cl: Cluster, dense: float
             out.append(_item(cl, lay, "dp", "reduce_scatter", "gradients" + what, n, G * psi, mb, "grad_micro"))
             out.append(_item(cl, lay, "dp", "all_gather", "parameters" + what, n, P * psi, 1, "param"))
         else:
-            out.append(_item(cl, lay, "dp", "all_gather", "parameters (forward)" + what, n, P * psi, mb, "param_micro"))
-            out.append(_item(cl, lay, "dp", "all_gather", "parameters (backward)" + what, n, P * psi, mb, "grad_micro"))
+            # FP8 all-gather: the projection weights (a share of the dense ones) at 1 byte each
+            f = train.fp8_gather_fraction if not what else 0.0
+            ag = (P * (1 - f) + f) * psi
+            out.append(_item(cl, lay, "dp", "all_gather", "parameters (forward)" + what, n, ag, mb, "param_micro"))
+            out.append(_item(cl, lay, "dp", "all_gather", "parameters (backward)" + what, n, ag, mb, "grad_micro"))
             if regather:
-                out.append(_item(cl, lay, "dp", "all_gather", "parameters (recompute)" + what, n, P * psi, mb,
+                out.append(_item(cl, lay, "dp", "all_gather", "parameters (recompute)" + what, n, ag, mb,
                                  "grad_micro"))
             out.append(_item(cl, lay, "dp", "reduce_scatter", "gradients" + what, n, G * psi, mb, "grad_micro"))
     return [i for i in out if i is not None]

@@ -150,6 +150,10 @@ class TrainSpec:
     without reentrancy does from torch 2.1 (chipset's engine): a dense block does not rerun its
     MLP output projection. False: the whole forward reruns (Megatron-LM's and reentrant
     checkpointing, torch 2.0's non-reentrant one)."""
+    fp8_gather_fraction: float = 0.0
+    """The share of the dense parameters ZeRO-3 all-gathers in FP8, 1 byte each instead of
+    ``param_bytes`` (``train.fp8 = "tensorwise"`` with ``train.fp8_all_gather``: the projection
+    weights; runtime/data_parallel.py). 0: every parameter gathered in the compute dtype."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (ZeRO 0-2): reduce-scatters and optimizer temporaries work one
     bucket at a time (used by the reference-kernel memory model)."""

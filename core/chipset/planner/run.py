@@ -64,8 +64,22 @@ def from_run_config(cfg: Any, world_size: int | None = None,
                  offload_activations=bool(getattr(tr, "offload_activations", False)),
                  loss_chunk=int(getattr(tr, "loss_chunk", 0)))
     train = TrainSpec(global_batch=tr.global_batch, dtype=tr.dtype, fp8=getattr(tr, "fp8", "off"), param_bytes=e, grad_bytes=e,
-                      optimizer_bytes=optimizer_bytes(tr, masters_are_params), bucket_mb=par.bucket_mb)
+                      optimizer_bytes=optimizer_bytes(tr, masters_are_params), bucket_mb=par.bucket_mb,
+                      fp8_gather_fraction=fp8_gather_fraction(m, cfg))
     return m, lay.check(), train
+
+
+def fp8_gather_fraction(m: ModelSpec, cfg: Any) -> float:
+    """The share of the dense parameters the engine all-gathers in FP8 under ``cfg``
+    (``TrainSpec.fp8_gather_fraction``): the attention and MLP projection weights (every block's
+    attention, the dense blocks' MLP) over the parameters outside the experts."""
+    tr = cfg.train
+    if not (cfg.parallel.zero == 3 and tr.fp8 == "tensorwise" and getattr(tr, "fp8_all_gather", True)):
+        return 0.0
+    h, kv = m.hidden, m.kv_dim
+    attention = 2 * h * h + 2 * h * kv
+    mlp = (3 if m.mlp == "swiglu" else 2) * h * m.ffn
+    return (m.layers * attention + m.dense_layers * mlp) / (m.num_params() - m.expert_params())
 
 
 def peak_memory_per_rank(cfg: Any, world_size: int | None = None,

@@ -29,6 +29,13 @@ How it works (one mechanism for every stage):
   updated slices; stage 3 keeps only its slice and gathers a unit just in time (forward
   pre-hook, or during backward when autograd unpacks a saved weight) and frees it after
   use (forward hook, or once every gradient of the unit has arrived).
+* ZeRO-3 with FP8 all-gather (``fp8_all_gather``: ``train.fp8 = "tensorwise"``): the weights the
+  FP8 projections read get a bucket of their own per unit, gathered in FP8. Each rank takes the
+  amax of its part of each weight, one all-reduce MAX per bucket gives every rank the whole
+  weight's amax, hence its tensorwise scale; each rank quantises its shard with it and the FP8
+  bytes are all-gathered (1 byte a parameter instead of 2 or 4). The layer's ``fp8_matmul``
+  then reads those bytes as they are (``parallel/fp8.py``): exactly the quantisation of the
+  gathered weight, so the run is bit for bit the one that gathers in ``train.dtype``.
 * Global-norm clipping: each rank sums squares over the gradient it owns (stage 0: the
   whole, already-reduced gradient; stage >= 1: its slice, then an all-reduce over dp), so
   the norm equals the unsharded norm under every stage.
@@ -50,7 +57,9 @@ from torch import nn
 
 from chipset.errors import UsageError
 from chipset.interfaces import Group, Handle
+from chipset.kernels.fp8 import Fp8Weight, quantize_with, tensorwise_scale
 from chipset.parallel.dims import ParallelDims
+from chipset.parallel.fp8 import GATHERED, gathered_weights
 from chipset.parallel.tensor import is_tp_sharded
 from chipset.runtime.bf16_update import Bf16Update
 from chipset.runtime.digest import combine, param_hash
@@ -73,6 +82,7 @@ class Bucket:
                  group: Group | None = None):
         self.index = index
         self.frozen = not params[0][1].requires_grad  # a bucket is all frozen or all trainable
+        self.fp8 = id(params[0][1]) in engine.fp8_ids  # all gathered in FP8, or none (stage 3)
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.engine = engine
@@ -105,6 +115,7 @@ class Bucket:
                     flat[off:off + n].copy_(p.detach().reshape(-1))
         # Parameters: full flat buffer (stage < 3) or only the owned slice (stage 3).
         self.full: torch.Tensor | None = None
+        self.full8: torch.Tensor | None = None  # stage 3, FP8 all-gather: the gathered FP8 bytes
         if e.zero == 3:
             self.param_shard = flat[self.lo:self.hi].clone()
             del flat
@@ -205,9 +216,51 @@ class Bucket:
         self._bind_params(full)
         e._live[full.untyped_storage().data_ptr()] = self
 
+    def gather_compute(self) -> None:
+        """Stage 3: what a forward or backward reads: the full parameters, or (an FP8 bucket)
+        their FP8 form alone (:meth:`gather_fp8`)."""
+        if self.fp8:
+            self.gather_fp8()
+        else:
+            self.gather()
+
+    @torch.no_grad()
+    def gather_fp8(self) -> None:
+        """Stage 3, FP8 bucket: all-gather the weights quantised tensorwise, each with the scale of
+        the whole weight (module docstring); each weight then carries its ``Fp8Weight``
+        (``parallel/fp8.py``'s ``GATHERED``). No-op when gathered."""
+        if self.full8 is not None:
+            return
+        e, fmt = self.engine, Fp8Weight.fmt
+        spans = [(i, max(self.lo, off) - self.lo, min(self.hi, off + n) - self.lo)
+                 for i, (off, n) in enumerate(zip(self.offsets, self.numels, strict=True))]
+        spans = [(i, a, b) for i, a, b in spans if a < b]  # the parts of weights this rank owns
+        amax = torch.zeros(len(self.params), dtype=torch.float32, device=e.device)
+        for i, a, b in spans:
+            amax[i] = self.param_shard[a:b].float().abs().amax()
+        if self.n > 1:
+            e.collective.all_reduce(amax, "max", group=self.group)
+        scales = tensorwise_scale(amax, fmt)
+        mine = torch.zeros(self.shard, dtype=torch.uint8, device=e.device)  # bytes: what every backend gathers
+        for i, a, b in spans:
+            mine[a:b].view(fmt).copy_(quantize_with(self.param_shard[a:b], scales[i], fmt))
+        full = torch.empty(self.padded, dtype=torch.uint8, device=e.device)
+        e.collective.all_gather(full, mine, group=self.group)
+        self.full8 = full.view(fmt)
+        for i, (p, off, n, shape) in enumerate(zip(self.params, self.offsets, self.numels, self.shapes, strict=True)):
+            setattr(p, GATHERED, Fp8Weight(self.full8[off:off + n].view(shape), scales[i], p))
+        e._live[full.untyped_storage().data_ptr()] = self
+
     def release(self) -> None:
         """Stage 3: free the full parameters (the owned slice stays)."""
-        if self.full is None or self.engine.zero != 3:
+        if self.engine.zero != 3:
+            return
+        if self.full8 is not None:
+            self.engine._live.pop(self.full8.untyped_storage().data_ptr(), None)
+            self.full8 = None
+            for p in self.params:
+                p.__dict__.pop(GATHERED, None)
+        if self.full is None:
             return
         self.engine._live.pop(self.full.untyped_storage().data_ptr(), None)
         self.full = None
@@ -380,7 +433,7 @@ class DataParallel:
                  bucket_mb: float = 25.0, micro_batches: int = 1, grad_clip: float = 0.0,
                  optimizer: Optimizer | None = None, scaler: LossScaler | None = None,
                  offload_optimizer: bool = False, weights_to_load: bool = False,
-                 bf16_update: Bf16Update | None = None):
+                 bf16_update: Bf16Update | None = None, fp8_all_gather: bool = False):
         self.model = model
         self.backend = backend
         self.collective = backend.collective
@@ -434,6 +487,8 @@ class DataParallel:
         # model.init_from) get zero-storage placeholders; their buckets start at zero.
         _placeholders_for_meta(model, dtype, self.device, weights_to_load)
         model.to(device=self.device, dtype=dtype)
+        self.fp8_ids = {id(p) for p in gathered_weights(model)} if fp8_all_gather and self.zero == 3 else set()
+        """ZeRO-3: the weights gathered in FP8 (``fp8_all_gather``, module docstring); empty otherwise."""
         named = list(model.named_parameters())
         self.buckets = self._make_buckets(named, bucket_mb)
         # Hooks hold their bucket weakly: a tensor's hooks live in C++, where Python's
@@ -448,7 +503,7 @@ class DataParallel:
             for i, unit in enumerate(model.units()):
                 # One bucket per unit; two when ep splits a MoE block into dense and expert weights.
                 bs = [b for b, u in zip(self.buckets, self._bucket_units, strict=True) if u == i]
-                unit.register_forward_pre_hook(lambda _m, _a, bs=bs: _each(bs, Bucket.gather))
+                unit.register_forward_pre_hook(lambda _m, _a, bs=bs: _each(bs, Bucket.gather_compute))
                 unit.register_forward_hook(lambda _m, _a, _o, bs=bs: _each(bs, Bucket.release))
 
     def host_scope(self):
@@ -472,8 +527,9 @@ class DataParallel:
                 raise UsageError(f"model.units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all of them")
             experts = self._expert_names()
 
-            def kind(x):  # ep: expert weights are sharded over edp; frozen ones get value-only buckets
-                return (x[0] in experts, not x[1].requires_grad)
+            def kind(x):  # ep: expert weights are sharded over edp; frozen ones get value-only buckets;
+                # weights gathered in FP8 get buckets of their own
+                return (x[0] in experts, not x[1].requires_grad, id(x[1]) in self.fp8_ids)
 
             # One bucket per unit, split by kind (kinds in a fixed order, so every rank agrees).
             split = [[[x for x in g if kind(x) == k] for k in sorted({kind(x) for x in g})] for g in groups]
@@ -562,7 +618,10 @@ class DataParallel:
         def unpack(x):
             if not isinstance(x, tuple):
                 return x
-            b, off, shape, stride, _ = x
+            b, off, shape, stride, dtype = x
+            if dtype == Fp8Weight.fmt and b.fp8:  # the FP8 bytes of a weight (fp8_all_gather)
+                b.gather_fp8()
+                return b.full8.as_strided(shape, stride, off)
             b.gather()
             return b.full.as_strided(shape, stride, off)
 

@@ -152,6 +152,8 @@ class TrainConfig:
     """Compute dtype: float32, bfloat16 or float16 (master weights stay float32 unless train.master_weights = "none"); auto = the backend's default compute dtype (bfloat16 on cuda and ascend devices with bf16, float32 on the CPU backends, where bf16 is about 6x slower): `chipset info` shows it."""
     fp8: str = "off"
     """FP8 training: off, tensorwise or rowwise (the scaling of the FP8 GEMMs): the attention and MLP projections run their forward and backward GEMMs in FP8 through the backend's fp8_matmul kernel; weights, gradients and optimizer stay in train.dtype. Only on a backend declaring the scaling (Capabilities.fp8): docs/engine.md, "FP8 training"."""
+    fp8_all_gather: bool = True
+    """With train.fp8 = tensorwise and parallel.zero = 3: gather the FP8 projections' weights in FP8 (1 byte a parameter; each rank quantises its shard with the whole weight's scale, the GEMMs read the gathered bytes as they are: the same run bit for bit). False gathers them in train.dtype. No effect otherwise (rowwise, zero < 3): docs/engine.md, "FP8 all-gather under ZeRO-3"."""
     loss_scale: float = 0.0
     """float16 only: 0 = dynamic loss scaling, > 0 = this fixed scale."""
     initial_loss_scale: float = 2.0**16

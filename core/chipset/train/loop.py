@@ -186,6 +186,7 @@ def wrap(model: torch.nn.Module, cfg: RunConfig, backend: Backend, dims: Paralle
         grad_clip=tr.grad_clip, optimizer=make_optimizer(tr),
         scaler=scaler, offload_optimizer=par.offload_optimizer, weights_to_load=bool(cfg.model.init_from),
         **_bf16_update(tr),
+        fp8_all_gather=tr.fp8_all_gather,
     )
     if cfg.model.init_from:  # Hugging Face weights into the shards this rank holds (models/hf/weights.py)
         from chipset.train.hf_weights import load_into_engine

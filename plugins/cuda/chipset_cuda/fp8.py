@@ -35,6 +35,7 @@ fp8_matmul = partial(_reference_matmul, gemm=scaled_mm_gemm)
 
 
 def fp8_matmul_available(x, w, scaling="tensorwise") -> bool:
+    w = getattr(w, "param", w)  # an Fp8Weight (ZeRO-3's FP8 all-gather): its weight's dtype, shape, device
     if not (isinstance(x, torch.Tensor) and x.is_cuda and w.is_cuda and hasattr(torch, "_scaled_mm")):
         return False
     if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):

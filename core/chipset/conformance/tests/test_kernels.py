@@ -177,6 +177,38 @@ def test_fp8_matmul_matches_exact_emulation(backend: Backend, caps, dev, scaling
     _compare(got, want, "fp8_matmul", dtype, caps, f"{scaling} (out, dx, dw)", truth)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_matmul_uses_a_weight_gathered_in_fp8_as_it_is(backend, caps, dev, dtype):
+    """Under ZeRO-3 the engine hands ``fp8_matmul`` a weight already quantised tensorwise
+    (``chipset.kernels.fp8.Fp8Weight``: the bytes ``quantize`` makes of it, its scale, and the
+    weight for its gradient; runtime/data_parallel.py). Those are the operands the kernel would
+    make itself, so the output, dx and dw must be bit for bit those of the call on the weight. The
+    weight it is handed holds zeros, as ZeRO-3's placeholder does: its values must not be read."""
+    from chipset.kernels.fp8 import FORWARD_FORMAT, Fp8Weight, quantize
+
+    if "tensorwise" not in caps.fp8:
+        pytest.skip(f"backend does not declare fp8 scaling 'tensorwise' (Capabilities.fp8 = {caps.fp8})")
+    _require(caps, dtype)
+    dt = FLOATS[dtype]
+    g = torch.Generator().manual_seed(19)
+    x, w, up = (torch.randn(*shape, generator=g).to(dt) for shape in ((16, 32), (48, 32), (16, 48)))
+
+    def run(gathered: bool):
+        a = x.to(dev).requires_grad_(True)
+        if gathered:
+            b = torch.zeros((), dtype=dt, device=dev).expand(w.shape).detach().requires_grad_(True)
+            weight = Fp8Weight(*quantize(w.to(dev), FORWARD_FORMAT, "tensorwise", dim=0), b)
+        else:
+            b = weight = w.to(dev).requires_grad_(True)
+        y = backend.kernels("fp8_matmul", a, weight, scaling="tensorwise")
+        y.backward(up.to(dev))
+        return [t.detach().cpu() for t in (y, a.grad, b.grad)]
+
+    got, want = run(True), run(False)
+    for name, a, b in zip(("out", "dx", "dw"), got, want, strict=True):
+        assert torch.equal(a, b), f"fp8_matmul on an Fp8Weight, {dtype}: {name} differs from the call on the weight"
+
+
 EPS32 = torch.finfo(torch.float32).eps
 
 
