@@ -857,7 +857,9 @@ def torchtitan_peer(out_dir: Path, only: tuple[str, ...] = ()) -> dict:
     """torchtitan as the GPU peer: each TITAN_SHAPES row trained by `chipset train` and by torchtitan
     (torchrun, one GPU), eager and compiled, same data and recipe; tokens/s, MFU, peak memory, loss
     side by side. ``only``: rows as "shape:eager" / "shape:compile" (empty = all, in table order)."""
-    reason = peers.titan_importable(timeout=min(120.0, _left()))
+    standins = out_dir / "titan_standins"
+    stood_in = peers.write_standins(standins, peers.missing_modules())
+    reason = peers.titan_importable(timeout=min(120.0, _left()), path=str(standins))
     if reason:
         raise Skip(f"torchtitan not importable: {reason}")
     import chipset
@@ -885,7 +887,8 @@ def torchtitan_peer(out_dir: Path, only: tuple[str, ...] = ()) -> dict:
                                   dump_folder=str(row_dir / "dump"))
             (row_dir / "chipset_titan_peer.py").write_text(peers.titan_module(run))
             cmd, env = peers.titan_command(str(row_dir))
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (env["PYTHONPATH"], os.environ.get("PYTHONPATH")) if x))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                x for x in (env["PYTHONPATH"], str(standins), os.environ.get("PYTHONPATH")) if x))
             try:
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10.0, _left()), env=env, cwd=row_dir)
                 log = r.stdout + "\n" + r.stderr
@@ -902,7 +905,7 @@ def torchtitan_peer(out_dir: Path, only: tuple[str, ...] = ()) -> dict:
     failed = [k for k, v in rows.items() if "error" in (v.get("chipset") or {}) or "error" in (v.get("torchtitan") or {})]
     if failed:
         raise RuntimeError(f"rows failed: {failed} | {json.dumps(rows, default=str)[-3000:]}")
-    return {"rows": rows, "notes": peers.TITAN_NOTES}
+    return {"rows": rows, "notes": peers.TITAN_NOTES, "stand_ins": stood_in}
 
 
 def _comparison_lines(data: dict) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -35,13 +36,13 @@ LR, LR_WARMUP = 3e-4, 2
 ROPE = {"theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max": 8192}
 TOKEN_VOCAB = 32000  # ids in the shared token file (uint16); the models' vocabulary stays 128256
 
-# The wheels the device machine lacks (it has torch, triton, pluggy, pytest, numpy, rich): torchtitan
-# and what `import torchtitan.train` imports at module level. Fetched once on a machine with internet
-# into vendor_wheels/ (git-ignored) and carried to the device run; see docs/benchmarks.md.
-VENDOR_WHEELS = ("torchtitan==0.3.0", "tyro", "docstring_parser", "typeguard", "shtab", "typing_extensions",
-                 "spmd_types==0.2.3", "torchdata", "torch_checkpointing", "einops", "tokenizers", "tensorboard",
-                 "protobuf", "datasets", "pyarrow", "pandas", "huggingface_hub", "dill", "multiprocess", "xxhash",
-                 "fsspec", "requests", "tqdm", "pyyaml", "filelock", "packaging", "jinja2", "markupsafe")
+# The wheels the device machine lacks (it has torch, triton, pluggy, pytest, numpy, rich) for
+# `import torchtitan.train`: torchtitan and what it imports at module level, checked by importing
+# it with every other package of a full environment hidden. Pure Python but for tokenizers and
+# protobuf (abi3 wheels: any CPython >= 3.10 on x86-64 Linux); ~11 MB. HF datasets is the one
+# left out (see _STANDINS). plugins/cuda/fetch_torchtitan_wheels.sh downloads them.
+VENDOR_WHEELS = ("torchtitan==0.3.0", "tyro", "docstring_parser", "typeguard", "shtab", "spmd_types==0.2.3", "torchdata",
+                 "torch_checkpointing", "einops", "tokenizers", "tensorboard", "protobuf", "absl-py")
 
 
 def chipset_sets(shape: dict, *, steps: int, compile_: bool, data_path: str) -> list[str]:
@@ -186,10 +187,62 @@ def titan_command(module_dir: str, python: str = sys.executable) -> tuple[list[s
     return cmd, {"PYTHONPATH": module_dir}
 
 
-def titan_importable(python: str = sys.executable, timeout: float = 120) -> str | None:
-    """None when ``import torchtitan.train`` works in a fresh interpreter, else the reason."""
+# Hugging Face `datasets` is imported at module level by torchtitan's text loaders
+# (torchtitan/hf_datasets/text_datasets.py, reached from torchtitan/trainer.py through
+# components/validate.py) but never called by this comparison, which feeds TokenFile. With pyarrow
+# and pandas it weighs ~70 MB, more than a device run can carry; where it is missing, the
+# torchtitan process gets this stand-in, whose every use raises, and the result says so.
+_STANDINS = {
+    "datasets/__init__.py": '''"""Stand-in for Hugging Face datasets, written by chipset's gpu_check_peers.py for a torchtitan
+comparison run that reads its tokens without it. Any use raises."""
+
+
+def _absent(*args, **kwargs):
+    raise RuntimeError("Hugging Face datasets is not installed here; chipset's GPU check gave torchtitan a stand-in "
+                       "because its comparison run reads a token file (gpu_check_peers.TokenFile)")
+
+
+load_dataset = _absent
+
+
+class Dataset:
+    def __init__(self, *args, **kwargs):
+        _absent()
+
+
+class IterableDataset(Dataset):
+    pass
+''',
+    "datasets/distributed.py": "from datasets import _absent as split_dataset_by_node  # noqa: F401\n",
+}
+
+
+def missing_modules(names: tuple[str, ...] = ("datasets",), python: str = sys.executable) -> list[str]:
+    """Those of ``names`` a fresh interpreter cannot import."""
+    code = ("import importlib, sys\nfor n in sys.argv[1:]:\n    try:\n        importlib.import_module(n)\n"
+            "    except Exception:\n        print(n)")
+    r = subprocess.run([python, "-c", code, *names], capture_output=True, text=True, timeout=60)
+    return r.stdout.split()
+
+
+def write_standins(folder: Path, names: list[str]) -> list[str]:
+    """Write the stand-ins of ``names`` (only ``datasets`` has one) into ``folder``; the names written."""
+    written = []
+    for rel, text in _STANDINS.items():
+        if rel.split("/")[0] in names:
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            (folder / rel).write_text(text)
+            written.append(rel.split("/")[0])
+    return sorted(set(written))
+
+
+def titan_importable(python: str = sys.executable, timeout: float = 120, path: str = "") -> str | None:
+    """None when ``import torchtitan.train`` works in a fresh interpreter (``path`` first on its
+    PYTHONPATH), else the reason."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (path, os.environ.get("PYTHONPATH", "")) if x))
     try:
-        r = subprocess.run([python, "-c", "import torchtitan.train"], capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run([python, "-c", "import torchtitan.train"], capture_output=True, text=True, timeout=timeout,
+                           env=env)
     except subprocess.TimeoutExpired:
         return f"`import torchtitan.train` took over {timeout:.0f} s"
     if r.returncode == 0:

@@ -250,3 +250,20 @@ def test_steps_and_groups_select_what_runs():
     assert gc.selected_steps("all", names) == set(names)
     with pytest.raises(SystemExit, match="unknown step or group 'fp16'"):
         gc.selected_steps("core,fp16", names)
+
+
+def test_the_datasets_stand_in_lets_torchtitan_import_and_refuses_any_use(tmp_path):
+    """Where HF datasets is missing (the device machine), torchtitan's module-level import of it
+    gets a stand-in: importable under the names torchtitan imports, raising on any call."""
+    import os
+
+    peers = _peers()
+    assert peers.missing_modules(("json", "no_such_module_for_gpu_check")) == ["no_such_module_for_gpu_check"]
+    assert peers.write_standins(tmp_path, ["datasets", "no_such_module_for_gpu_check"]) == ["datasets"]
+    code = ("from datasets import Dataset, load_dataset\nfrom datasets.distributed import split_dataset_by_node\n"
+            "for f in (load_dataset, Dataset, split_dataset_by_node):\n    try:\n        f('c4')\n"
+            "    except RuntimeError as exc:\n        print('refused:', exc)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("refused: Hugging Face datasets is not installed here") == 3
