@@ -144,7 +144,7 @@ def chipset_peer():
         dataloader=TokenFile.Config(path=RUN["data_path"]),
         loss=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec)),
         optimizer=default_adamw(lr=RUN["lr"]),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=RUN["warmup"], decay_ratio=None),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=RUN["warmup"], decay_ratio=0.0),  # 0: constant after warm-up
         training=TrainingConfig(local_batch_size=RUN["batch"], seq_len=RUN["seq"], steps=RUN["steps"],
                                 max_norm=1.0, mixed_precision_param="bfloat16"),
         metrics=MetricsProcessor.Config(log_freq=1, disable_color_printing=True),

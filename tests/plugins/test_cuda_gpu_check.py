@@ -148,6 +148,8 @@ def test_torchtitan_rows_configure_the_same_model_and_recipe_on_both_sides(tmp_p
             assign = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "RUN")
             assert ast.literal_eval(assign.value) == run
             assert "FullAC.Config()" in text and 'CompileConfig(enable=RUN["compile"]' in text
+            # torchtitan decays over every step after warm-up unless decay_ratio is 0 (constant, as chipset's)
+            assert 'decay_ratio=0.0' in text and 'max_norm=1.0' in text and "default_adamw(lr=RUN[\"lr\"])" in text
         # chipset's model has exactly as many parameters as torchtitan's of the same row
         assert sum(p.numel() for p in meta_model(resolve_family(cfg.model.family), cfg).parameters()) == TITAN_PARAMS[name]
     cmd, env = peers.titan_command("/x")
