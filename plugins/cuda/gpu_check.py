@@ -56,6 +56,14 @@ class Skip(Exception):
     """A step that cannot run here, with the reason (recorded as skipped, not as an error)."""
 
 
+class StepFailed(Exception):
+    """A step that failed with partial results worth keeping (recorded as the entry's detail)."""
+
+    def __init__(self, message: str, detail):
+        super().__init__(message)
+        self.detail = detail
+
+
 def _left() -> float:
     """Seconds left to the running step (its cap, or the total budget)."""
     return min(_deadline[0], T0 + TOTAL_BUDGET_S) - time.monotonic()
@@ -95,6 +103,8 @@ class Report:
             entry = {"ok": False, "skipped": str(exc)}
         except Exception as exc:
             entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            if isinstance(exc, StepFailed):
+                entry["detail"] = exc.detail
         _deadline[0] = float("inf")
         entry["seconds"] = round(time.monotonic() - t, 2)
         self.data["steps"][name] = entry
@@ -845,8 +855,7 @@ def lora_memory(out_dir: Path) -> dict:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_memory.py"), "--rank", str(peers.LORA_RANK)]
     for s_ in peers.shape_sets(ENGINE_SHAPE):
         cmd += ["--set", s_]
-    env = dict(os.environ, CHIPSET_BACKEND="cuda", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0",
-               WORLD_SIZE="1", LOCAL_RANK="0")
+    env = dict(os.environ, CHIPSET_BACKEND="cuda")  # one process, no launcher: a private world of one
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10.0, _left()), env=env)
     if r.returncode != 0:
         raise RuntimeError(f"benchmarks/lora_memory.py exit {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
@@ -864,7 +873,8 @@ def torchtitan_peer(out_dir: Path, only: tuple[str, ...] = ()) -> dict:
         raise Skip(f"torchtitan not importable: {reason}")
     import chipset
 
-    chipset.backend("cuda")  # the reason, where cuda is unavailable
+    b = chipset.backend("cuda")  # the reason, where cuda is unavailable
+    memory = b.device.properties(0).total_memory
     data = peers.write_token_file(out_dir / "titan_tokens.bin", 600_000)
     rows = {}
     for shape_name, shape in peers.TITAN_SHAPES.items():
@@ -874,6 +884,11 @@ def torchtitan_peer(out_dir: Path, only: tuple[str, ...] = ()) -> dict:
                 continue
             if _left() < 60:
                 rows[key] = {"skipped": "the step's time cap is spent"}
+                continue
+            state = peers.TRAINING_STATE_BYTES_PER_PARAM * peers.titan_params(shape)
+            if state > 0.8 * memory:  # the table is sized for an H200; an 80 GB GPU cannot hold the 8B row
+                rows[key] = {"skipped": f"weights, gradients and AdamW state alone are {state / 1e9:.0f} GB, "
+                                        f"over 80% of this GPU's {memory / 1e9:.0f} GB"}
                 continue
             row_dir = out_dir / f"titan_{shape_name}_{mode}"
             row_dir.mkdir(parents=True, exist_ok=True)
@@ -903,9 +918,10 @@ def torchtitan_peer(out_dir: Path, only: tuple[str, ...] = ()) -> dict:
             rows[key] = {**(peers.side_by_side(ours, theirs) if ok else {"chipset": ours, "torchtitan": theirs}),
                          "shape": shape, "torchtitan_run": run}
     failed = [k for k, v in rows.items() if "error" in (v.get("chipset") or {}) or "error" in (v.get("torchtitan") or {})]
+    detail = {"rows": rows, "notes": peers.TITAN_NOTES, "stand_ins": stood_in}
     if failed:
-        raise RuntimeError(f"rows failed: {failed} | {json.dumps(rows, default=str)[-3000:]}")
-    return {"rows": rows, "notes": peers.TITAN_NOTES, "stand_ins": stood_in}
+        raise StepFailed(f"rows failed: {', '.join(failed)} (their errors are in the rows)", detail)
+    return detail
 
 
 def _comparison_lines(data: dict) -> list[str]:

@@ -30,6 +30,17 @@ TITAN_SHAPES = {
     "llama3_8b_16l": {"flavor": "8B", "hidden": 4096, "layers": 16, "heads": 32, "kv_heads": 8, "ffn": 14336,
                       "vocab": 128256, "tie": False, "seq": 2048, "batch": 2},
 }
+TRAINING_STATE_BYTES_PER_PARAM = 16  # fp32 weights and gradients, two fp32 AdamW moments
+
+
+def titan_params(shape: dict) -> int:
+    """Parameters of a TITAN_SHAPES row: embedding (and untied output), per layer q/k/v/o, SwiGLU's
+    three matrices and two norms, the final norm."""
+    h, kv = shape["hidden"], shape["kv_heads"] * shape["hidden"] // shape["heads"]
+    layer = h * (h + 2 * kv) + h * h + 3 * h * shape["ffn"] + 2 * h
+    return shape["vocab"] * h * (1 if shape["tie"] else 2) + shape["layers"] * layer + h
+
+
 TITAN_STEPS = 20  # steps per run; tokens/s and MFU are medians over the steps after TITAN_WARMUP
 TITAN_WARMUP = 5
 LR, LR_WARMUP = 3e-4, 2

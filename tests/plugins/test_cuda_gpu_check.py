@@ -150,8 +150,10 @@ def test_torchtitan_rows_configure_the_same_model_and_recipe_on_both_sides(tmp_p
             assert "FullAC.Config()" in text and 'CompileConfig(enable=RUN["compile"]' in text
             # torchtitan decays over every step after warm-up unless decay_ratio is 0 (constant, as chipset's)
             assert 'decay_ratio=0.0' in text and 'max_norm=1.0' in text and "default_adamw(lr=RUN[\"lr\"])" in text
-        # chipset's model has exactly as many parameters as torchtitan's of the same row
+        # chipset's model has exactly as many parameters as torchtitan's of the same row, and as the
+        # count the step sizes a row's memory by
         assert sum(p.numel() for p in meta_model(resolve_family(cfg.model.family), cfg).parameters()) == TITAN_PARAMS[name]
+        assert peers.titan_params(shape) == TITAN_PARAMS[name]
     cmd, env = peers.titan_command("/x")
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m"]
     assert cmd[6:] == ["torchtitan.train", "--module", "chipset_titan_peer", "--config", "chipset_peer"] and env == {"PYTHONPATH": "/x"}
