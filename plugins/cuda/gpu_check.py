@@ -5,7 +5,8 @@ downloading anything), or directly: ``python plugins/cuda/gpu_check.py --out DIR
 Needs torch (CUDA build), pluggy and numpy; triton and pytest are used when present.
 Every step is recorded, pass or fail, and the next one still runs; results are
 rewritten to ``DIR/gpu_check.json`` (and a Markdown summary ``DIR/gpu_check.md``) after
-each step, so a timeout still leaves what was measured. Budget: under 5 minutes.
+each step, so a timeout still leaves what was measured. Budget: the core steps 250 s, everything
+540 s (``--budget``), each comparison step under its own cap (CAPS).
 
 Steps: environment; ``chipset backends``; ``chipset info``; fork-safety of the probe;
 device/memory/OOM/streams/RNG through the chipset interfaces; a one-rank NCCL

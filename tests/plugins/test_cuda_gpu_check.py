@@ -271,3 +271,23 @@ def test_the_datasets_stand_in_lets_torchtitan_import_and_refuses_any_use(tmp_pa
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("refused: Hugging Face datasets is not installed here") == 3
+
+
+def test_the_summary_shows_the_comparison_steps():
+    """The summary is rewritten after every step: it must render the results the steps return."""
+    gc, peers = _gpu_check_module(), _peers()
+    run = {"steps": 25, "median_tokens_per_s": 160000, "median_mfu": 0.48, "peak_memory_gib": 17.4,
+           "loss_first_last": [10.4, 6.2]}
+    fp8 = peers.fp8_result(run, {**run, "median_tokens_per_s": 208000})
+    state = {"AdamW moments (B)": {"full": 2**32, "lora": 2**22}, "trained parameters": {"full": 2**29, "lora": 2**19}}
+    lora = peers.lora_result(run, {**run, "peak_memory_gib": 8.7}, state)
+    titan = {"rows": {"llama3_1b:eager": peers.side_by_side(run, {**run, "median_tokens_per_s": 128000}),
+                      "llama3_8b_16l:compile": {"skipped": "the step's time cap is spent"}}}
+    data = {"started": "now", "seconds": 1, "all_ok": True, "not_selected": ["conformance"],
+            "steps": {"fp8_vs_bf16": {"ok": True, "detail": fp8}, "lora_memory": {"ok": True, "detail": lora},
+                      "torchtitan_peer": {"ok": True, "detail": titan}}}
+    text = gc.summary(data)
+    assert "FP8/bf16 tokens/s 1.3 (goal >= 1.25: met); final loss FP8 - bf16 +0.0" in text
+    assert f"| LoRA rank {peers.LORA_RANK} | 8.7 | 0.0039 | 160000 |" in text and "LoRA/full peak memory 0.5" in text
+    assert "| llama3_1b:eager | torchtitan | 128000 | 0.48 | 17.4 | 10.4 -> 6.2 | 1.25 |" in text
+    assert "Not selected (--steps): conformance." in text
