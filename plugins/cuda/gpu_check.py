@@ -5,7 +5,8 @@ downloading anything), or directly: ``python plugins/cuda/gpu_check.py --out DIR
 Needs torch (CUDA build), pluggy and numpy; triton and pytest are used when present.
 Every step is recorded, pass or fail, and the next one still runs; results are
 rewritten to ``DIR/gpu_check.json`` (and a Markdown summary ``DIR/gpu_check.md``) after
-each step, so a timeout still leaves what was measured. Budget: under 5 minutes.
+each step, so a timeout still leaves what was measured. Budget: the core steps 250 s, everything
+540 s (``--budget``), each comparison step under its own cap (CAPS).
 
 Steps: environment; ``chipset backends``; ``chipset info``; fork-safety of the probe;
 device/memory/OOM/streams/RNG through the chipset interfaces; a one-rank NCCL
@@ -19,7 +20,11 @@ timed beside the planner (the blocks of its published known-gap rows); tokens/s 
 and a plain PyTorch loop of the same shape (benchmarks/plain_torch_lm.py's model), each of
 these three steps beside the planner's step time for it (chipset.planner.measured_steps);
 ``chipset conformance --backend cuda``
-when the installed chipset has it.
+when the installed chipset has it. Then the comparison steps of gpu_check_peers.py, each under its
+own time cap and all within ``--budget``: FP8 beside bf16 (``fp8_vs_bf16``), LoRA beside a full
+fine-tune (``lora_memory``), and torchtitan beside ``chipset train`` (``torchtitan_peer``, only where
+torchtitan imports). ``--steps`` picks steps or groups (core, fp8, lora, torchtitan); docs/benchmarks.md
+has the device commands.
 """
 
 from __future__ import annotations
@@ -36,9 +41,33 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_peers as peers  # noqa: E402  (next to this script; run as a file, not a package)
+
 ROOT = Path(__file__).resolve().parents[2]
-BUDGET_S = 250.0
+BUDGET_S = 250.0  # the core steps
+TOTAL_BUDGET_S = 540.0  # everything, comparison steps included (the device call's limit is 600 s)
 T0 = time.monotonic()
+CAPS = {"fp8_vs_bf16": 110.0, "lora_memory": 100.0, "torchtitan_peer": 420.0}  # seconds per comparison step
+GROUPS = {"fp8": ("fp8_vs_bf16",), "lora": ("lora_memory",), "torchtitan": ("torchtitan_peer",)}
+_deadline = [float("inf")]  # monotonic time the running capped step must end by
+
+
+class Skip(Exception):
+    """A step that cannot run here, with the reason (recorded as skipped, not as an error)."""
+
+
+class StepFailed(Exception):
+    """A step that failed with partial results worth keeping (recorded as the entry's detail)."""
+
+    def __init__(self, message: str, detail):
+        super().__init__(message)
+        self.detail = detail
+
+
+def _left() -> float:
+    """Seconds left to the running step (its cap, or the total budget)."""
+    return min(_deadline[0], T0 + TOTAL_BUDGET_S) - time.monotonic()
 
 
 def _ensure_importable() -> None:
@@ -57,20 +86,31 @@ class Report:
         self.out = out
         self.data: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": {}}
 
-    def step(self, name: str, fn, *args):
-        left = BUDGET_S - (time.monotonic() - T0)
-        if left < 5:
-            self.data["steps"][name] = {"ok": False, "skipped": f"time budget spent ({BUDGET_S:.0f} s)"}
+    def step(self, name: str, fn, *args, cap: float | None = None):
+        """Run one step; ``cap`` (seconds) for the comparison steps, which share TOTAL_BUDGET_S
+        instead of the core steps' BUDGET_S."""
+        budget = TOTAL_BUDGET_S if cap is not None else BUDGET_S
+        left = budget - (time.monotonic() - T0)
+        if left < (30 if cap is not None else 5):
+            self.data["steps"][name] = {"ok": False, "skipped": f"time budget spent ({budget:.0f} s)"}
+            self.write()
             return None
         t = time.monotonic()
+        _deadline[0] = t + min(cap, left) if cap is not None else float("inf")
         try:
             detail = fn(*args)
             entry = {"ok": True, "detail": detail}
+        except Skip as exc:
+            entry = {"ok": False, "skipped": str(exc)}
         except Exception as exc:
             entry = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            if isinstance(exc, StepFailed):
+                entry["detail"] = exc.detail
+        _deadline[0] = float("inf")
         entry["seconds"] = round(time.monotonic() - t, 2)
         self.data["steps"][name] = entry
-        print(f"[{'ok' if entry['ok'] else 'FAIL'}] {name} ({entry['seconds']} s)" + ("" if entry["ok"] else f": {entry['error']}"), flush=True)
+        word = "ok" if entry["ok"] else ("SKIP" if "skipped" in entry else "FAIL")
+        print(f"[{word}] {name} ({entry['seconds']} s)" + ("" if entry["ok"] else f": {entry.get('error') or entry['skipped']}"), flush=True)
         self.write()
         return entry.get("detail")
 
@@ -771,6 +811,151 @@ def conformance(out_dir: Path) -> dict:
     return {"summary": summary_}
 
 
+# --- comparison steps (gpu_check_peers.py: shapes, configs, parsing) -------------------------------
+def _train_run(out_dir: Path, name: str, sets: list[str], timeout: float) -> dict:
+    """One `chipset train` run on cuda; its summary from metrics.jsonl (gpu_check_peers.run_summary)."""
+    run_dir = out_dir / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = ["train", "--run-dir", str(run_dir)]
+    for s_ in sets:
+        args += ["--set", s_]
+    try:
+        r = _cli(*args, timeout=timeout, env={"CHIPSET_BACKEND": "cuda"})
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{name}: chipset train did not finish within its {timeout:.0f} s") from None
+    (out_dir / f"{name}.log").write_text(r.stdout + "\n" + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"{name}: chipset train exit {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
+    return {**peers.run_summary(peers.parse_chipset_metrics((run_dir / "metrics.jsonl").read_text())), "config": sets}
+
+
+def fp8_vs_bf16(out_dir: Path) -> dict:
+    """`chipset train` of ENGINE_SHAPE (~0.4B) with train.fp8 = tensorwise beside bf16: tokens/s ratio
+    (goal >= 1.25), loss after the same steps on the same data."""
+    import chipset
+
+    b = chipset.backend("cuda")  # the reason, where cuda is unavailable
+    if "tensorwise" not in b.capabilities.fp8:
+        raise Skip(f"this GPU's cuda backend declares no tensorwise FP8 GEMM (Capabilities.fp8: {b.capabilities.fp8})")
+    runs = peers.fp8_runs(ENGINE_SHAPE)
+    bf16 = _train_run(out_dir, "fp8_bf16_run", runs["bf16"], timeout=_left() / 2)
+    fp8 = _train_run(out_dir, "fp8_fp8_run", runs["fp8"], timeout=_left())
+    return peers.fp8_result(bf16, fp8)
+
+
+def lora_memory(out_dir: Path) -> dict:
+    """`chipset train` of ENGINE_SHAPE, full fine-tune beside model.lora_rank = 8: peak memory of
+    both; training state (AdamW moments, masters, gradients) counted by benchmarks/lora_memory.py
+    on the cuda backend for the same model."""
+    import chipset
+
+    chipset.backend("cuda")  # the reason, where cuda is unavailable
+    runs = peers.lora_runs(ENGINE_SHAPE)
+    full = _train_run(out_dir, "lora_full_run", runs["full"], timeout=_left() * 0.4)
+    lora = _train_run(out_dir, "lora_lora_run", runs["lora"], timeout=_left() * 0.6)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_memory.py"), "--rank", str(peers.LORA_RANK)]
+    for s_ in peers.shape_sets(ENGINE_SHAPE):
+        cmd += ["--set", s_]
+    env = dict(os.environ, CHIPSET_BACKEND="cuda")  # one process, no launcher: a private world of one
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10.0, _left()), env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"benchmarks/lora_memory.py exit {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
+    return peers.lora_result(full, lora, peers.parse_lora_memory(r.stdout))
+
+
+def torchtitan_peer(out_dir: Path, only: tuple[str, ...] = ()) -> dict:
+    """torchtitan as the GPU peer: each TITAN_SHAPES row trained by `chipset train` and by torchtitan
+    (torchrun, one GPU), eager and compiled, same data and recipe; tokens/s, MFU, peak memory, loss
+    side by side. ``only``: rows as "shape:eager" / "shape:compile" (empty = all, in table order)."""
+    standins = out_dir / "titan_standins"
+    stood_in = peers.write_standins(standins, peers.missing_modules())
+    reason = peers.titan_importable(timeout=min(120.0, _left()), path=str(standins))
+    if reason:
+        raise Skip(f"torchtitan not importable: {reason}")
+    import chipset
+
+    b = chipset.backend("cuda")  # the reason, where cuda is unavailable
+    memory = b.device.properties(0).total_memory
+    data = peers.write_token_file(out_dir / "titan_tokens.bin", 600_000)
+    rows = {}
+    for shape_name, shape in peers.TITAN_SHAPES.items():
+        for mode in ("eager", "compile"):
+            key = f"{shape_name}:{mode}"
+            if only and key not in only:
+                continue
+            if _left() < 60:
+                rows[key] = {"skipped": "the step's time cap is spent"}
+                continue
+            state = peers.TRAINING_STATE_BYTES_PER_PARAM * peers.titan_params(shape)
+            if state > 0.8 * memory:  # the table is sized for an H200; an 80 GB GPU cannot hold the 8B row
+                rows[key] = {"skipped": f"weights, gradients and AdamW state alone are {state / 1e9:.0f} GB, "
+                                        f"over 80% of this GPU's {memory / 1e9:.0f} GB"}
+                continue
+            row_dir = out_dir / f"titan_{shape_name}_{mode}"
+            row_dir.mkdir(parents=True, exist_ok=True)
+            compile_ = mode == "compile"
+            sets = peers.chipset_sets(shape, steps=peers.TITAN_STEPS, compile_=compile_, data_path=str(data))
+            try:
+                ours = _train_run(out_dir, f"titan_chipset_{shape_name}_{mode}", sets, timeout=_left() / 2)
+            except RuntimeError as exc:
+                ours = {"error": str(exc)[-1500:]}
+            run = peers.titan_run(shape, steps=peers.TITAN_STEPS, compile_=compile_, data_path=str(data),
+                                  dump_folder=str(row_dir / "dump"))
+            (row_dir / "chipset_titan_peer.py").write_text(peers.titan_module(run))
+            cmd, env = peers.titan_command(str(row_dir))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                x for x in (env["PYTHONPATH"], str(standins), os.environ.get("PYTHONPATH")) if x))
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10.0, _left()), env=env, cwd=row_dir)
+                log = r.stdout + "\n" + r.stderr
+                (row_dir / "torchtitan.log").write_text(log)
+                theirs = peers.run_summary(peers.parse_titan_log(log)) if r.returncode == 0 else {
+                    "error": f"torchtitan exit {r.returncode}: {log[-1500:]}"}
+            except subprocess.TimeoutExpired:
+                theirs = {"error": "torchtitan did not finish within the step's time left"}
+            except ValueError as exc:
+                theirs = {"error": str(exc)}
+            ok = "error" not in ours and "error" not in theirs
+            rows[key] = {**(peers.side_by_side(ours, theirs) if ok else {"chipset": ours, "torchtitan": theirs}),
+                         "shape": shape, "torchtitan_run": run}
+    failed = [k for k, v in rows.items() if "error" in (v.get("chipset") or {}) or "error" in (v.get("torchtitan") or {})]
+    detail = {"rows": rows, "notes": peers.TITAN_NOTES, "stand_ins": stood_in}
+    if failed:
+        raise StepFailed(f"rows failed: {', '.join(failed)} (their errors are in the rows)", detail)
+    return detail
+
+
+def _comparison_lines(data: dict) -> list[str]:
+    """The FP8, LoRA and torchtitan tables of the summary."""
+    lines: list[str] = []
+    fp8 = (data["steps"].get("fp8_vs_bf16") or {}).get("detail") or {}
+    if fp8:
+        lines += ["", "| ~0.4B, chipset train | tokens/s | MFU | peak GiB | loss first -> last |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {fp8[k]['median_tokens_per_s']} | {fp8[k]['median_mfu']} | {fp8[k]['peak_memory_gib']} | "
+                  f"{fp8[k]['loss_first_last'][0]} -> {fp8[k]['loss_first_last'][1]} |" for k in ("bf16", "fp8")]
+        lines.append(f"FP8/bf16 tokens/s {fp8['tokens_per_s_ratio']} (goal >= {fp8['goal']}: "
+                     f"{'met' if fp8['meets_goal'] else 'not met'}); final loss FP8 - bf16 {fp8['final_loss_gap']:+}")
+    lora = (data["steps"].get("lora_memory") or {}).get("detail") or {}
+    if lora:
+        opt = lora["optimizer_state_gib"]
+        lines += ["", "| ~0.4B, chipset train | peak GiB | AdamW state GiB | tokens/s |", "|---|---|---|---|",
+                  f"| full fine-tune | {lora['full']['peak_memory_gib']} | {opt['full']} | {lora['full']['median_tokens_per_s']} |",
+                  f"| LoRA rank {peers.LORA_RANK} | {lora['lora']['peak_memory_gib']} | {opt['lora']} | "
+                  f"{lora['lora']['median_tokens_per_s']} |", f"LoRA/full peak memory {lora['peak_memory_ratio']}"]
+    rows = ((data["steps"].get("torchtitan_peer") or {}).get("detail") or {}).get("rows") or {}
+    if rows:
+        lines += ["", "| shape:mode | side | tokens/s | MFU | peak GiB | loss first -> last | chipset/torchtitan tokens/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for key, row in rows.items():
+            for side in ("chipset", "torchtitan"):
+                r = row.get(side) or {}
+                if "median_tokens_per_s" in r:
+                    lines.append(f"| {key} | {side} | {r['median_tokens_per_s']} | {r['median_mfu']} | {r['peak_memory_gib']} | "
+                                 f"{r['loss_first_last'][0]} -> {r['loss_first_last'][1]} | "
+                                 f"{row.get('tokens_per_s_ratio', '') if side == 'torchtitan' else ''} |")
+    return lines
+
+
 def summary(data: dict) -> str:
     lines = [f"# chipset-cuda GPU check ({data['started']})", ""]
     env = data["steps"].get("environment", {}).get("detail") or {}
@@ -826,34 +1011,56 @@ def summary(data: dict) -> str:
         for k, r in tp.items():
             if isinstance(r, dict):
                 lines.append(f"| {k} | {r.get('tflops')} | {r.get('fraction_of_peak')} |")
+    lines += _comparison_lines(data)
+    if data.get("not_selected"):
+        lines += ["", f"Not selected (--steps): {', '.join(data['not_selected'])}."]
     lines += ["", f"Total {data.get('seconds')} s; all ok: {data.get('all_ok')}.",
               "Command: `bash plugins/cuda/gpu_check.sh` (results in $OUT/gpu_check.json)."]
     return "\n".join(lines) + "\n"
 
 
+def selected_steps(spec: str, names: list[str]) -> set[str]:
+    """The step names ``--steps`` picks: names or groups (all, core, fp8, lora, torchtitan)."""
+    extra = {n for g in GROUPS.values() for n in g}
+    groups = {"all": set(names), "core": {n for n in names if n not in extra}, **{k: set(v) for k, v in GROUPS.items()}}
+    out: set[str] = set()
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part in groups:
+            out |= groups[part]
+        elif part in names:
+            out.add(part)
+        else:
+            raise SystemExit(f"--steps: unknown step or group {part!r}; expected one of {', '.join(list(groups) + names)}")
+    return out
+
+
 def main() -> int:
+    global TOTAL_BUDGET_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"), help="directory for gpu_check.json/.md")
+    ap.add_argument("--steps", default="all",
+                    help="comma-separated step names or groups: all, core, fp8, lora, torchtitan (default all)")
+    ap.add_argument("--titan", default="", help="torchtitan_peer rows, e.g. llama3_1b:eager,llama3_1b:compile (default all)")
+    ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for everything (default 540)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _ensure_importable()
+    TOTAL_BUDGET_S = args.budget
+    plan = [("environment", environment, ()), ("chipset_backends", backends, ()), ("chipset_info", info, ()),
+            ("probe_fork_safe", probe_is_fork_safe, ()), ("interfaces", interfaces, ()),
+            ("collective_nccl_world1", collective, ()), ("kernels_vs_reference", kernels_vs_reference, ()),
+            ("kernel_speed", kernel_speed, ()), ("throughput", throughput, ()), ("gemm_curve", gemm_curve, ()),
+            ("mpt_blocks", mpt_blocks, ()), ("train_gpt_1b", train_gpt, ()), ("engine_train", engine_train, (out,)),
+            ("plain_torch_gpu", plain_torch_gpu, ()), ("conformance", conformance, (out,)),
+            ("fp8_vs_bf16", fp8_vs_bf16, (out,)), ("lora_memory", lora_memory, (out,)),
+            ("torchtitan_peer", torchtitan_peer, (out, tuple(x for x in args.titan.split(",") if x)))]
+    chosen = selected_steps(args.steps, [n for n, _, _ in plan])
     rep = Report(out)
-    rep.step("environment", environment)
-    rep.step("chipset_backends", backends)
-    rep.step("chipset_info", info)
-    rep.step("probe_fork_safe", probe_is_fork_safe)
-    rep.step("interfaces", interfaces)
-    rep.step("collective_nccl_world1", collective)
-    rep.step("kernels_vs_reference", kernels_vs_reference)
-    rep.step("kernel_speed", kernel_speed)
-    rep.step("throughput", throughput)
-    rep.step("gemm_curve", gemm_curve)
-    rep.step("mpt_blocks", mpt_blocks)
-    rep.step("train_gpt_1b", train_gpt)
-    rep.step("engine_train", engine_train, out)
-    rep.step("plain_torch_gpu", plain_torch_gpu)
-    rep.step("conformance", conformance, out)
+    rep.data["not_selected"] = [n for n, _, _ in plan if n not in chosen]
+    for name, fn, fn_args in plan:
+        if name in chosen:
+            rep.step(name, fn, *fn_args, cap=CAPS.get(name))
     rep.write()
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {time.monotonic() - T0:.0f} s")
     return 0 if rep.data["all_ok"] else 1
