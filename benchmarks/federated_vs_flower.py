@@ -153,7 +153,7 @@ def flower_client(port: int, client: int, data_path: Path, local_steps: int, out
 
     class Client(flwr.client.NumPyClient):
         def fit(self, parameters, config):
-            model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in zip(keys, parameters)})
+            model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in zip(keys, parameters, strict=True)})
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0)
             r = int(config["round"])
             for step in range((r - 1) * local_steps, r * local_steps):
@@ -196,7 +196,7 @@ def flower_server(port: int, rounds: int, init: Path, out: Path) -> None:
             stats["round_s"].append(time.perf_counter() - clock[server_round])
             if server_round == rounds:
                 final = flwr.common.parameters_to_ndarrays(agg)
-                model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in zip(model.state_dict(), final)})
+                model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in zip(model.state_dict(), final, strict=True)})
                 write_hf(model, out.parent / "final")
             return agg, metrics
 
@@ -302,7 +302,7 @@ def flower_run(a, shards: list[Path], held: Path, init: Path, out: Path) -> dict
     wall = time.perf_counter() - t0
     for f in logs:
         f.close()
-    for p, f in zip(procs, logs):
+    for p, f in zip(procs, logs, strict=True):
         check(p, f"Flower {Path(f.name).stem}", Path(f.name).read_text())
     stats = json.loads((out / "server.json").read_text())
     first = json.loads((out / "client-0.json").read_text())["first_loss"]
