@@ -26,7 +26,8 @@ first outer step to the end of its last; round 1 holds each side's start-up and 
 held-out eval loss of the final global model (the same plain-torch evaluation for both), the bytes
 the replicas hand to the outer all-reduce per round (chipset: ``cross_island_bytes``; torchft
 reports none, so the script counts the float32 pseudo-gradients it averages: 4 bytes per parameter
-per replica) and replica 0's first-step loss.
+per replica), the CPU seconds of all the job's processes and replica 0's loss on the last inner
+step of round 1.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ from federated_vs_flower import (  # noqa: E402  (the shared task, model and chi
     check,
     chipset_run,
     client_batch,
+    cpu_time,
     env,
     eval_loss,
     loadavg,
     prepare,
     read_hf,
+    table,
     tokens,
     write_hf,
 )
@@ -113,7 +116,7 @@ def replica(address: str, client: int, data_path: Path, init: Path, steps: int, 
     train_s = time.perf_counter() - t1
     if client == 0:
         write_hf(model, out.parent / "final")
-    out.write_text(json.dumps({"first_loss": losses[0], "train_s": train_s, "outer_steps": manager.current_step(),
+    out.write_text(json.dumps({"round1_loss": losses[local_steps - 1], "train_s": train_s, "outer_steps": manager.current_step(),
                                "pseudo_grad_bytes": sum(p.numel() * 4 for p in model.parameters())}))
     manager.shutdown(wait=False)
 
@@ -125,7 +128,7 @@ def torchft_run(a, shards: list[Path], held: Path, init: Path, out: Path) -> dic
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     me = [sys.executable, __file__, "--peer-path", str(a.peer_path or "")]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_time()
     lh_log = open(out / "lighthouse.log", "w")
     lh = subprocess.Popen([*me, "--child", "lighthouse", "--out", str(out / "lighthouse.addr")], stdout=lh_log,
                           stderr=subprocess.STDOUT, env=env())
@@ -147,6 +150,7 @@ def torchft_run(a, shards: list[Path], held: Path, init: Path, out: Path) -> dic
         lh.terminate()
         lh.wait()
         lh_log.close()
+    cpu = cpu_time() - c0
     for c, (p, f) in enumerate(zip(procs, logs, strict=True)):
         f.close()
         check(p, f"torchft replica {c}", Path(f.name).read_text())
@@ -154,7 +158,7 @@ def torchft_run(a, shards: list[Path], held: Path, init: Path, out: Path) -> dic
     if r0["outer_steps"] != a.rounds:
         raise SystemExit(f"torchft took {r0['outer_steps']} outer steps; expected {a.rounds}")
     return {"wall_s": wall, "train_s": r0["train_s"], "eval_loss": eval_loss(out / "final", held),
-            "bytes_per_round": r0["pseudo_grad_bytes"] * CLIENTS, "first_loss": r0["first_loss"]}
+            "bytes_per_round": r0["pseudo_grad_bytes"] * CLIENTS, "round1_loss": r0["round1_loss"], "cpu_s": cpu}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,20 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                 r = chipset_run(a, shards, held, init, work / f"chipset-{rep + 1}", DILOCO)
             r["load1"] = load
             got[k].append(r)
-            print(f"rep {rep + 1} {k:8s} wall {r['wall_s']:6.1f} s  train {r['train_s']:6.1f} s  eval loss "
-                  f"{r['eval_loss']:.4f}  bytes/round {r['bytes_per_round']:,.0f}  first loss {r['first_loss']:.6f}  "
-                  f"load {load:.1f}", flush=True)
+            print(f"rep {rep + 1} {k:8s} wall {r['wall_s']:6.1f} s  CPU {r['cpu_s']:6.1f} s  rounds 2+ "
+                  f"{r['train_s']:6.2f} s  eval loss {r['eval_loss']:.4f}  bytes/round {r['bytes_per_round']:,.0f}  "
+                  f"replica 0 loss at step {a.local_steps} {r['round1_loss']:.6f}  load {load:.1f}", flush=True)
     print(f"\n{CLIENTS} replicas, {a.rounds} outer steps (Nesterov lr {OUTER_LR}, momentum {OUTER_MOMENTUM}) x "
           f"{a.local_steps} inner SGD steps at lr {LR}; {a.reps} rep(s), median load "
           f"{statistics.median(r['load1'] for v in got.values() for r in v):.1f}")
-    print("| run | wall s | train s | eval loss | bytes / round | wall / torchft | train / torchft |")
-    print("|---|---|---|---|---|---|---|")
-    ref = {key: statistics.median(r[key] for r in got["torchft"]) for key in ("wall_s", "train_s")}
-    for k, runs in got.items():
-        med = {key: statistics.median(r[key] for r in runs) for key in ("wall_s", "train_s", "eval_loss")}
-        print(f"| {k} | {med['wall_s']:.1f} | {med['train_s']:.1f} | {med['eval_loss']:.4f} | "
-              f"{runs[0]['bytes_per_round']:,.0f} | {med['wall_s'] / ref['wall_s']:.2f} | "
-              f"{med['train_s'] / ref['train_s']:.2f} |")
+    print(table(got, "torchft", "torchft"))
     if a.json:
         a.json.write_text(json.dumps(got, indent=1))
     return 0

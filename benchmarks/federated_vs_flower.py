@@ -33,8 +33,9 @@ processes still start up, load and wait for each other differently), the eval lo
 final global model on every window of the held-out file (the same plain-torch evaluation for both;
 chipset's from ``chipset export --format hf``), the bytes of model payload per round (chipset:
 ``cross_island_bytes``, what the clients handed to the all-reduce; Flower: the serialized
-parameters the server sent and received) and client 0's loss on its first step (the same weights
-and batch: equal up to kernel rounding, or the two are not training the same thing).
+parameters the server sent and received), the CPU seconds of all the job's processes, and client
+0's loss on the last local step of round 1 (the same weights, batches and SGD steps before any
+averaging: equal up to kernel rounding, or the two are not training the same thing).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -153,7 +155,7 @@ def flower_client(port: int, client: int, data_path: Path, local_steps: int, out
     torch.set_num_threads(1)
     model, data = build_model(), tokens(data_path)
     keys = list(model.state_dict())
-    first_losses: list[float] = []
+    round1: list[float] = []  # its loss on the last local step of round 1
 
     class Client(flwr.client.NumPyClient):
         def fit(self, parameters, config):
@@ -167,12 +169,12 @@ def flower_client(port: int, client: int, data_path: Path, local_steps: int, out
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
                 opt.step()
-                if step == 0:
-                    first_losses.append(float(loss.detach()))
+                if step == local_steps - 1:
+                    round1.append(float(loss.detach()))
             return [v.detach().numpy().copy() for v in model.state_dict().values()], int(x.shape[0]) * local_steps, {}
 
     flwr.client.start_client(server_address=f"127.0.0.1:{port}", client=Client().to_client(), insecure=True)
-    out.write_text(json.dumps({"first_loss": first_losses[0] if first_losses else None}))
+    out.write_text(json.dumps({"round1_loss": round1[0] if round1 else None}))
 
 
 def flower_server(port: int, rounds: int, init: Path, out: Path) -> None:
@@ -271,9 +273,9 @@ def chipset_run(a, shards: list[Path], held: Path, init: Path, out: Path, extra:
             "islands.client_data=\"" + ", ".join(map(str, shards)) + "\"", *extra]
     cmd = [sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(CLIENTS), "--run-dir", str(out),
            "--resume", "none", *[x for s in sets for x in ("--set", s)]]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_time()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env())
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_time() - c0
     check(r, "chipset train", r.stdout + r.stderr)
     x = subprocess.run([sys.executable, "-m", "chipset.cli.main", "export", str(out / "island-0"), "--out",
                         str(out / "final"), "--format", "hf"], capture_output=True, text=True, env=env())
@@ -283,7 +285,8 @@ def chipset_run(a, shards: list[Path], held: Path, init: Path, out: Path, extra:
     recs = [r for r in recs if "step_time_s" in r]
     later = [r["step_time_s"] for r in recs if r["step"] > a.local_steps]  # rounds 2 on (see train_s)
     return {"wall_s": wall, "train_s": sum(later), "eval_loss": eval_loss(out / "final", held),
-            "bytes_per_round": summary["cross_island_bytes"] / a.rounds, "first_loss": recs[0]["loss"]}
+            "bytes_per_round": summary["cross_island_bytes"] / a.rounds, "round1_loss": recs[a.local_steps - 1]["loss"],
+            "cpu_s": cpu}
 
 
 def flower_run(a, shards: list[Path], held: Path, init: Path, out: Path) -> dict:
@@ -293,7 +296,7 @@ def flower_run(a, shards: list[Path], held: Path, init: Path, out: Path) -> dict
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     me = [sys.executable, __file__, "--peer-path", str(a.peer_path or ""), "--port", str(port)]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_time()
     logs = [open(out / f"{n}.log", "w") for n in ("server", *(f"client-{c}" for c in range(CLIENTS)))]
     procs = [subprocess.Popen([*me, "--child", "server", "--rounds", str(a.rounds), "--init", str(init),
                                "--out", str(out / "server.json")], stdout=logs[0], stderr=subprocess.STDOUT, env=env())]
@@ -302,19 +305,41 @@ def flower_run(a, shards: list[Path], held: Path, init: Path, out: Path) -> dict
                                stdout=logs[c + 1], stderr=subprocess.STDOUT, env=env()) for c in range(CLIENTS)]
     for p in procs:
         p.wait(timeout=1800)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_time() - c0
     for f in logs:
         f.close()
     for p, f in zip(procs, logs, strict=True):
         check(p, f"Flower {Path(f.name).stem}", Path(f.name).read_text())
     stats = json.loads((out / "server.json").read_text())
-    first = json.loads((out / "client-0.json").read_text())["first_loss"]
+    round1 = json.loads((out / "client-0.json").read_text())["round1_loss"]
     return {"wall_s": wall, "train_s": sum(stats["round_s"][1:]), "eval_loss": eval_loss(out / "final", held),
-            "bytes_per_round": statistics.fmean(stats["bytes_per_round"]), "first_loss": first}
+            "bytes_per_round": statistics.fmean(stats["bytes_per_round"]), "round1_loss": round1, "cpu_s": cpu}
+
+
+def cpu_time() -> float:
+    """User + system seconds of this process's finished children (a job's every process, once waited for)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def loadavg() -> float:
     return os.getloadavg()[0]
+
+
+def table(got: dict[str, list[dict]], ref: str, name: str) -> str:
+    """Medians over the repetitions and their ratios to ``ref``'s (eval loss: the range over them)."""
+    med = {k: {key: statistics.median(r[key] for r in runs) for key in ("wall_s", "cpu_s", "train_s")}
+           for k, runs in got.items()}
+    rows = [f"| run | wall s | CPU s | rounds 2+ s | eval loss | bytes / round | wall / {name} | CPU / {name} | "
+            f"rounds 2+ / {name} |", "|---|---|---|---|---|---|---|---|---|"]
+    for k, runs in got.items():
+        m, f = med[k], med[ref]
+        lo, hi = min(r["eval_loss"] for r in runs), max(r["eval_loss"] for r in runs)
+        loss = f"{lo:.4f}" if f"{lo:.4f}" == f"{hi:.4f}" else f"{lo:.4f}-{hi:.4f}"
+        rows.append(f"| {k} | {m['wall_s']:.1f} | {m['cpu_s']:.1f} | {m['train_s']:.2f} | {loss} | "
+                    f"{runs[0]['bytes_per_round']:,.0f} | {m['wall_s'] / f['wall_s']:.2f} | "
+                    f"{m['cpu_s'] / f['cpu_s']:.2f} | {m['train_s'] / f['train_s']:.2f} |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,20 +383,13 @@ def main(argv: list[str] | None = None) -> int:
                 r = chipset_run(a, shards, held, init, work / f"{k}-{rep + 1}", FEDAVG + (SECURE if k != "chipset" else []))
             r["load1"] = load
             got[k].append(r)
-            print(f"rep {rep + 1} {k:15s} wall {r['wall_s']:6.1f} s  train {r['train_s']:6.1f} s  eval loss "
-                  f"{r['eval_loss']:.4f}  bytes/round {r['bytes_per_round']:,.0f}  first loss {r['first_loss']:.6f}  "
-                  f"load {load:.1f}", flush=True)
+            print(f"rep {rep + 1} {k:15s} wall {r['wall_s']:6.1f} s  CPU {r['cpu_s']:6.1f} s  rounds 2+ "
+                  f"{r['train_s']:6.2f} s  eval loss {r['eval_loss']:.4f}  bytes/round {r['bytes_per_round']:,.0f}  "
+                  f"client 0 loss at step {a.local_steps} {r['round1_loss']:.6f}  load {load:.1f}", flush=True)
     print(f"\n{CLIENTS} clients, {a.rounds} rounds x {a.local_steps} local SGD steps, lr {LR}, "
           f"{BATCH // CLIENTS} x {SHAPE.seq} tokens per client step; Flower {flwr.__version__}, {a.reps} rep(s), "
           f"median load {statistics.median(r['load1'] for v in got.values() for r in v):.1f}")
-    print("| run | wall s | train s | eval loss | bytes / round | wall / Flower | train / Flower |")
-    print("|---|---|---|---|---|---|---|")
-    fw = {key: statistics.median(r[key] for r in got["flower"]) for key in ("wall_s", "train_s")}
-    for k, runs in got.items():
-        med = {key: statistics.median(r[key] for r in runs) for key in ("wall_s", "train_s", "eval_loss")}
-        print(f"| {k} | {med['wall_s']:.1f} | {med['train_s']:.1f} | {med['eval_loss']:.4f} | "
-              f"{runs[0]['bytes_per_round']:,.0f} | {med['wall_s'] / fw['wall_s']:.2f} | "
-              f"{med['train_s'] / fw['train_s']:.2f} |")
+    print(table(got, "flower", "Flower"))
     if a.json:
         a.json.write_text(json.dumps(got, indent=1))
     return 0
