@@ -111,7 +111,8 @@ def replica_divergence(recs, summary):
             who = (f"rank(s) {', '.join(map(str, odd))} differ from the other replicas" if len(odd) < len(g)
                    else f"ranks {', '.join(map(str, g))} disagree")
             return [dict(
-                kind="replica_divergence", severity="error", rank=odd[0], step=x["step"],
+                kind="replica_divergence", severity="error", step=x["step"],
+                rank=odd[0] if len(odd) < len(g) else None,  # two replicas: which one is wrong is unknown
                 title=f"data-parallel replicas diverged at step {x['step']}: {who} (parameter checksums differ)",
                 evidence={"first_step": x["step"], "ranks": odd, "replica_group": g,
                           "param_sum": {str(r): x["param_sum"][r] for r in g},
