@@ -10,8 +10,8 @@
   counting a forward twice (activation recompute) or once per tensor-parallel rank leaves them
   as they are (``choices`` then counts each token that many times).
 - Replica checksum (``param_sum``, one number per rank, every ``train.replica_check_every``
-  steps): the sum of this rank's local parameters, each summed in float32 on the device, then
-  added in float64. Data-parallel replicas hold bit-identical parameters, so ranks that hold
+  steps): the sum of this rank's local parameters, each summed on the device with float32
+  accumulation (no copy of the parameter), then added in float64: one read of the parameters. Data-parallel replicas hold bit-identical parameters, so ranks that hold
   the same part of the model record the same number; a different one means a replica diverged.
 """
 
@@ -48,7 +48,7 @@ class ModelStats:
         if not self.params or step % self.every:
             return math.nan
         with torch.no_grad():
-            sums = torch.stack([p.detach().float().sum() for p in self.params])
+            sums = torch.stack([p.detach().sum(dtype=torch.float32) for p in self.params])  # no float32 copy
             return float(sums.double().sum().item())
 
     def moe_load(self, collective, device: torch.device, world: int) -> list[dict[str, Any]] | None:
