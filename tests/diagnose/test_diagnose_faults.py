@@ -25,6 +25,7 @@ FAULTS = {
     "tp_slow_link": "slow_link:rank=1,ms=20",  # with parallel.tp=2: every tp collective crosses the slow link
     "slow_loader": "slow_loader:rank=1,ms=200",
     "loss_spike": "loss_spike:step=3",  # the loss of 0-based step 3 (record step 4) times 10
+    "corrupt": "corrupt:rank=1,step=2",  # rank 1's all-reduce results of 0-based step 2 (record step 3) off
 }
 SETS = {"tp_slow_link": ["parallel.tp=2"]}
 
@@ -68,6 +69,7 @@ def test_clean_run_has_no_error_finding(runs, capsys):
     ("leak", "memory_leak", 0, 3),               # leaking from 0-based step 2 = record step 3
     ("slow_loader", "data_loader_stall", 1, 2),
     ("loss_spike", "loss_spike", None, 4),       # 0-based step 3 = record step 4
+    ("corrupt", "replica_divergence", None, 3),  # two replicas: which one is off is not known
 ])
 def test_the_injected_fault_is_ranked_first(runs, capsys, fault, kind, rank, step):
     code, out = _diagnose(runs[fault], capsys)
@@ -130,3 +132,16 @@ def test_a_mislaid_run_names_its_layout_and_the_planners(runs, capsys):
     from chipset.report import load_run, render_html
 
     assert "recommends dp=2 tp=1" in render_html(load_run(runs["tp_slow_link"]))  # the report's Findings too
+
+
+def test_corrupted_all_reduce_results_on_one_rank_split_the_replicas(runs, capsys):
+    """The clean job's two dp replicas record the same checksum at every step, bit for bit; with rank
+    1's all-reduce results of 0-based step 2 corrupted, they agree up to record step 2 and differ from
+    step 3 on (an update is never undone); the clean job has no such finding."""
+    clean = _column(runs["clean"], "param_sum")
+    assert len(clean) == 6 and all(a == b for a, b in clean)
+    sums = _column(runs["corrupt"], "param_sum")
+    assert [a == b for a, b in sums] == [True, True, False, False, False, False]
+    first = _diagnose(runs["corrupt"], capsys)[1]["findings"][0]
+    assert first["evidence"]["replica_group"] == [0, 1] and first["evidence"]["last_equal_step"] == 2
+    assert "replica_divergence" not in [f["kind"] for f in _diagnose(runs["clean"], capsys)[1]["findings"]]

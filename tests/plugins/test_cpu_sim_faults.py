@@ -246,6 +246,26 @@ def test_the_diagnose_faults_parse():
         parse_faults("leak:rank=1")
 
 
+def test_corrupt_concerns_one_ranks_floating_all_reduce_results_in_one_step():
+    import torch
+
+    from chipset_cpu_sim.collective import _corrupt
+
+    plan = FaultPlan(parse_faults("corrupt:rank=1,step=2"))
+    f32, i64 = [torch.ones(3)], [torch.ones(3, dtype=torch.int64)]
+    plan.on_step(1, 1)
+    assert not plan.corrupts(1, "all_reduce", f32)
+    plan.on_step(1, 2)
+    assert plan.corrupts(1, "all_reduce", f32)
+    assert not any([plan.corrupts(0, "all_reduce", f32), plan.corrupts(1, "all_gather", f32),
+                    plan.corrupts(1, "all_reduce", i64)])
+    t = torch.tensor([2.0, 2.0])
+    _corrupt(t)
+    assert t.tolist() == [2.0 + 2.0 / 1024 + 2.0 ** -10, 2.0]
+    with pytest.raises(ConfigError, match="missing step"):
+        parse_faults("corrupt:rank=1")
+
+
 def test_a_kill_with_island_concerns_only_that_island(monkeypatch):
     from chipset_cpu_sim.faults import ISLAND_ENV, parse_faults
 

@@ -16,14 +16,15 @@ from typing import Any
 
 from chipset.diagnose import rules
 from chipset.diagnose.layout import layout_check
+from chipset.diagnose.model import moe_skew, replica_divergence
 from chipset.diagnose.pipeline import pipeline_bubble
 from chipset.diagnose.read import check_records, read_run
 
 __all__ = ["Diagnosis", "Finding", "SEVERITIES", "check_layout", "diagnose_records", "diagnose_run"]
 
 SEVERITIES = ("error", "warning", "info")
-RULES = (rules.health, rules.memory, rules.data_loader, rules.straggler, rules.stage_imbalance, pipeline_bubble,
-         rules.communication)
+RULES = (rules.health, replica_divergence, rules.memory, rules.data_loader, rules.straggler, rules.stage_imbalance,
+         pipeline_bubble, moe_skew, rules.communication)
 """In this order; findings of equal severity and confidence keep it (the sort is stable): what the
 run computed (loss, gradients) before what it holds (memory) before how fast it went."""
 

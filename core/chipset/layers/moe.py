@@ -201,6 +201,20 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         """The latest forward's routing (inspection: which assignments were dropped)."""
+        self.layer: int | None = None
+        """The index of this layer's block in the model (set by the model; names the layer in metrics)."""
+        self.load: torch.Tensor | None = None
+        """Router choices per expert since :meth:`reset_load` (``[E]`` int64, before capacity dropping),
+        then the dropped count: the per-step routing summary of metrics.jsonl (``chipset diagnose``)."""
+
+    def reset_load(self) -> None:
+        self.load = None
+
+    def _count(self, r: Routing) -> None:
+        with torch.no_grad():
+            n = torch.bincount(r.experts.reshape(-1), minlength=self.num_experts)
+            counts = torch.cat([n, (~r.keep).sum().reshape(1)])
+            self.load = counts if self.load is None else self.load + counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -213,6 +227,7 @@ class MoE(nn.Module):
             sl = self.seq_layout
             r = Routing(sl.local(r.experts), sl.local(r.gates), sl.local(r.keep), r.aux_loss, r.capacity)
         self.aux_loss, self.last_routing = r.aux_loss, r
+        self._count(r)
         flat = x.reshape(b * s, h)
         token = torch.arange(b * s, device=x.device).repeat_interleave(self.top_k)
         keep = r.keep.reshape(-1)

@@ -236,6 +236,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, kernels, moe=is_moe_layer(cfg, i), rotary=self.rotary) for i in range(cfg.num_hidden_layers)
         )
+        for i, block in enumerate(self.layers):
+            if isinstance(block.mlp, MoE):
+                block.mlp.layer = i
         self.head = OutputHead(cfg, kernels)
         if cfg.tie_word_embeddings:  # one Parameter, named embed_tokens.weight
             self.head.lm_head.weight = self.embed_tokens.weight

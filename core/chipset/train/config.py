@@ -192,6 +192,8 @@ class TrainConfig:
     """Where rank 0 also sends each step's metrics, comma-separated: tensorboard, wandb, mlflow or a chipset.metrics_sinks entry point's name; auto = tensorboard when it is installed; none = metrics.jsonl only."""
     max_nonfinite_steps: int = 20
     """Stop the run (exit 1) after this many consecutive steps with a NaN/inf loss or a skipped (overflowed) update; 0 = never."""
+    replica_check_every: int = 1
+    """Every N steps each rank records a checksum of its parameters (metrics.jsonl param_sum) so chipset diagnose can tell when data-parallel replicas stop being bit-identical; one read of the local parameters per check; 0 = off (also off under parallel.zero = 3, where no replica holds whole parameters)."""
 
 
 @dataclass
@@ -612,6 +614,8 @@ def _validate_ranges(cfg: RunConfig, world_size: int | None, dtypes: tuple[str, 
     for name in ("checkpoint_every", "keep_checkpoints"):
         if getattr(tr, name) < 0:
             problems.append(f"train.{name} = {getattr(tr, name)!r}: expected an integer >= 0 (0 = {'never' if name == 'checkpoint_every' else 'keep all'})")
+    if tr.replica_check_every < 0:
+        problems.append(f"train.replica_check_every = {tr.replica_check_every!r}: expected an integer >= 0 (0 = off)")
     if tr.max_nonfinite_steps < 0:
         problems.append(f"train.max_nonfinite_steps = {tr.max_nonfinite_steps!r}: expected an integer >= 0 (0 = never stop)")
     try:

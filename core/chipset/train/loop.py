@@ -301,7 +301,7 @@ def train(cfg: RunConfig, backend: Backend, run_dir: str | Path | None = None, *
     overall_peak = 0
     times = []
     obs = StepMetrics(cfg, backend, dims, device=device, run_dir=run_dir, rank=rank, out=out,
-                      cross=islands.link if islands is not None else None)
+                      cross=islands.link if islands is not None else None, model=engine.model)
     progress = Progress(cfg, out, start_step=start, enabled=speaks)
     family = resolve_family(cfg.model.family)
     evaluator = Evaluator(cfg, engine, dims, col, rank, family) if tr.eval_every else None

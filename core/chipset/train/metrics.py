@@ -17,7 +17,9 @@ which adds them to the step's ``metrics.jsonl`` record (see docs/observability.m
 - ``mfu``: PaLM model FLOPs utilisation, tokens/s x (6N + 12LHQT) / (peak x ranks), with
   the planner's FLOPs count and the device's declared peak for the run dtype (None when
   the backend declares no peak for it); for another model family, samples/s x the family's
-  ``flops_per_sample`` / (peak x ranks).
+  ``flops_per_sample`` / (peak x ranks);
+- ``param_sum`` (every ``train.replica_check_every`` steps) and ``moe`` (MoE models): the
+  parameter checksum per rank and the routing load per MoE layer (chipset.train.model_stats).
 
 Optional outputs: the metrics sinks of ``train.metrics_sinks`` on rank 0 (chipset.train.sinks:
 TensorBoard event files under ``RUN_DIR/tensorboard`` by default when ``torch.utils.tensorboard``
@@ -33,12 +35,14 @@ own ranges (``chipset::forward``, ``chipset::backward``, ``chipset::optimizer``,
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chipset.train.config import parse_profile_steps
+from chipset.train.model_stats import ModelStats
 from chipset.train.sinks import SinkSet, open_sinks
 from chipset.train.watch import LiveWatch
 
@@ -53,15 +57,16 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", 
        "batch_p2p", "barrier", "other")
 """Collective types reported per step; ops of any other name are summed under ``other``."""
 
-_FIXED = 5  # step time, blocked seconds, memory allocated, memory peak, data wait
+_FIXED = 6  # step time, blocked seconds, memory allocated, memory peak, data wait, parameter checksum
 
 
 class StepMetrics:
     """One rank's per-step metrics; call :meth:`begin_step` / :meth:`end_step` on every rank."""
 
     def __init__(self, cfg, backend: Backend, dims, *, device: torch.device, run_dir: Path | None, rank: int, out,
-                 cross=None) -> None:
+                 cross=None, model: torch.nn.Module | None = None) -> None:
         self.backend = backend
+        self.model_stats = ModelStats(cfg, dims, model)
         self.cross = cross
         """An islands job's link (``totals()``: calls, bytes, seconds between islands), reported apart."""
         self._cross_snap = (0, 0, 0.0)
@@ -94,6 +99,7 @@ class StepMetrics:
         """Before step ``step`` (0-based) runs: hand the last step's record to the sinks, start the profiler
         if asked, snapshot counters."""
         self._flush_sinks()
+        self.model_stats.begin_step()
         if self._profile is not None and step + 1 == self._profile[0] and self._profiler is None:
             self._profiler = torch.profiler.profile(activities=torch.profiler.supported_activities(),
                                                     record_shapes=False)
@@ -118,7 +124,8 @@ class StepMetrics:
             d[2] += secs - s0
         mem = self.backend.memory.stats()
         blocked = sum(d[2] for d in delta.values())
-        local = [rec["step_time_s"], blocked, float(mem.allocated), float(mem.peak_allocated), self._data_wait]
+        local = [rec["step_time_s"], blocked, float(mem.allocated), float(mem.peak_allocated), self._data_wait,
+                 self.model_stats.param_sum(int(rec["step"]))]
         self._data_wait = 0.0
         for op in OPS:
             local += delta[op]
@@ -132,6 +139,11 @@ class StepMetrics:
             rows = allv.view(self.world, -1).tolist()
         else:
             rows = [vec.tolist()]
+        moe = self.model_stats.moe_load(self.col, self.device, self.world)  # after the snapshot: not counted
+        if moe:
+            rec["moe"] = moe
+        if not math.isnan(rows[0][5]):
+            rec["param_sum"] = [r[5] for r in rows]
         step_t = [r[0] for r in rows]
         blocked_t = [min(r[1], r[0]) for r in rows]
         compute = [s - b for s, b in zip(step_t, blocked_t, strict=True)]

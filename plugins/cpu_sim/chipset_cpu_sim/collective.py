@@ -72,14 +72,23 @@ class SimCollective(HostCollective):
             lag = self.faults.link_delay_s(self._global_rank())
             if lag:  # a slow link: the extra time falls inside the op, so it is timed as communication
                 fn = _lagged(fn, lag)
+        corrupt = bool(self.faults) and not raw and self.faults.corrupts(self._global_rank(), op, tensors)
         t0 = time.perf_counter()
         try:
-            return super()._run(op, group, tensors, fn, async_op, raw)
+            handle = super()._run(op, group, tensors, fn, async_op, raw)
+            return self.finish_after(handle, lambda: _corrupt(tensors[0])) if corrupt else handle
         finally:
             s = self.stats[(op, group.name)]
             s.calls += 1
             s.bytes += sum(t.numel() * t.element_size() for t in tensors)
             s.seconds += time.perf_counter() - t0
+
+
+def _corrupt(tensor) -> None:
+    """Silent data corruption: the first element off by one part in 1024 (and by 2**-10 if it is 0)."""
+    flat = tensor.view(-1)
+    if flat.numel():
+        flat[0] += flat[0].abs() / 1024 + 2.0 ** -10
 
 
 def _lagged(fn, seconds: float):

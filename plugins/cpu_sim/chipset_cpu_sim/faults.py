@@ -24,6 +24,10 @@ Grammar: ``;``-separated entries ``kind:key=value,key=value``::
     loss_spike:step=4,factor=10 a bad batch: the loss of step 4 is multiplied by 10 before backward
                                 (``Collective.loss_factor``), so the recorded loss and the gradients
                                 both carry it; factor optional, default 10, at least 2; every rank
+    corrupt:rank=1,step=2       silent data corruption: in step 2 every floating-point all_reduce
+                                result rank 1 receives has its first element off by one part in
+                                1024 (applied when the op completes); its peers keep the true
+                                result, so rank 1's parameters leave its data-parallel replicas'
 
 Counting: ``step`` is what the engine passes to ``Collective.notify_step`` (0-based);
 ``collective`` counts every collective op this process issues, from 0, in call order
@@ -74,6 +78,7 @@ _SCHEMA: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "leak": (("rank", "mib"), (), ("step",)),
     "slow_loader": (("rank", "ms"), (), ()),
     "loss_spike": ((), ("step",), ("factor",)),
+    "corrupt": (("rank", "step"), (), ()),
 }
 SPIKE_FACTOR = 10
 """``loss_spike``'s factor when the entry gives none: a spike the doctor calls an error (>= 3x)."""
@@ -114,7 +119,7 @@ def _bad(entry: str, why: str) -> ConfigError:
         f"{FAULTS_ENV}: entry {entry!r} is invalid: {why}. Expected ';'-separated entries "
         f"'kind:key=value,...' with kind kill (rank, step|collective, optional island), kill_node (step, optional rank), "
         f"delay (rank, ms), hang (rank, collective), slow (rank, ms), slow_link (rank, ms), leak (rank, mib, "
-        f"optional step), slow_loader (rank, ms) or loss_spike (step, optional factor), e.g. {_EXAMPLE!r}."
+        f"optional step), slow_loader (rank, ms), loss_spike (step, optional factor) or corrupt (rank, step), e.g. {_EXAMPLE!r}."
     )
 
 
@@ -201,6 +206,7 @@ class FaultPlan:
         self.faults = faults
         self._slow_due = 0.0  # seconds of injected compute still to spend in this step (``slow``)
         self._held: list = []  # the tensors a ``leak`` keeps alive
+        self._step = -1  # the step notify_step last gave (``corrupt``)
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -210,6 +216,7 @@ class FaultPlan:
         return bool(self.faults)
 
     def on_step(self, rank: int, step: int) -> None:
+        self._step = step
         for f in self.faults:
             if f.kind == "slow" and f.rank == rank:
                 self._slow_due = f.ms / 1000.0
@@ -254,6 +261,11 @@ class FaultPlan:
             if f.kind == "loss_spike" and f.step == step:
                 factor *= f.factor
         return factor
+
+    def corrupts(self, rank: int, op: str, tensors: list) -> bool:
+        """Whether this op's result on ``rank`` is to be corrupted (``corrupt``: a floating all_reduce in its step)."""
+        return op == "all_reduce" and len(tensors) == 1 and tensors[0].is_floating_point() and any(
+            f.kind == "corrupt" and f.rank == rank and f.step == self._step for f in self.faults)
 
     def link_delay_s(self, rank: int) -> float:
         """Extra seconds inside each collective of ``rank`` (``slow_link``), timed as communication."""
