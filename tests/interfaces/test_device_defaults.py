@@ -173,7 +173,7 @@ def test_a_module_with_streams_is_wrapped_one_wrapper_per_stream():
 def test_the_default_finds_a_complete_device_module_through_torch():
     code = f"""
 import sys
-sys.path[:0] = [{str(DOUBLE)!r}, {str(Path(__file__).parent)!r}]
+sys.path[:0] = [{str(DOUBLE)!r}, {str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]
 import toy_accel, torch
 from test_device_defaults import Bare
 
