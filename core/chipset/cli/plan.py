@@ -290,6 +290,10 @@ def run(args) -> int:
         train = plan_islands.island_train(train, isl)
     if args.context:
         return _context(args, model, train, cluster, a)
+    if args.write_config:  # before the search: a config for a model chipset train cannot build would not run
+        from chipset.cli.plan_config import check_buildable
+
+        check_buildable(model)
     res = search(model, train, cluster, fix=fix, assumptions=a)
     _warn_unknown_bandwidth(cluster)
     shown = res.candidates[: args.top]

@@ -38,8 +38,8 @@ def check_target(path: str, force: bool) -> None:
                           "or choose another file name")
 
 
-def _model_table(args, spec) -> dict[str, Any]:
-    """The [model] table: the source's Hugging Face reference carried through, else the spec's shape."""
+def check_buildable(spec) -> None:
+    """Refuse (before the search) a model ``chipset train`` cannot build: a config for it would not run."""
     refused = [f"{name} = {getattr(spec, name)!r} ({why})" for name, want, why in (
         ("mlp", "swiglu", "chipset train builds SwiGLU MLPs only"),
         ("norm", "rmsnorm", "chipset train builds RMSNorm only"),
@@ -51,6 +51,11 @@ def _model_table(args, spec) -> dict[str, Any]:
         raise ConfigError(f"--write-config: model {spec.name!r} is not one chipset train can build: "
                           + "; ".join(refused) + ". Plan a reference-family model (--preset llama3-8b, "
                           "a chipset train config or a Hugging Face config.json) to write a config")
+
+
+def _model_table(args, spec) -> dict[str, Any]:
+    """The [model] table: the source's Hugging Face reference carried through, else the spec's shape."""
+    check_buildable(spec)
     src: dict[str, Any] = {}
     if args.model:
         from chipset.planner.hf import is_hf_config
