@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chipset.kernels import KernelRegistry
-from chipset.parallel.linear import apply_linear, route
+from chipset.parallel.linear import KernelLinear, apply_linear
 
 
 def _backend_fn(x, weight, bias=None):
@@ -50,8 +50,7 @@ def layers() -> dict[str, nn.Module]:
     for name, reg in (("routed, reference", plain), ("routed, backend fn", fn), ("routed, predicate", pred)):
         m = nn.Linear(16, 16)
         m.load_state_dict(base.state_dict())
-        route(m, reg.resolve("linear"))
-        out[name] = m
+        out[name] = KernelLinear.replacing(m, reg.resolve("linear"))
 
     class PerCall(nn.Linear):
         def forward(self, x):
@@ -79,7 +78,7 @@ def model_step(routed: bool):
     kernels = KernelRegistry("bench")
     model = Transformer(cfg, kernels)
     if routed:
-        apply_linear(model, kernels)
+        model = apply_linear(model, kernels)
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
     def step():

@@ -83,12 +83,7 @@ def _replica_groups(summary, world):
                             zero=lay.get("zero", 0), world_size=world)
     except (ConfigError, TypeError):
         return None
-    groups: dict[tuple, list[int]] = {}
-    for r in range(world):
-        c = dims.coords(r)
-        ep_idx = (c["dp"] * dims.cp + c["cp"]) % dims.ep  # experts differ between ep ranks (parallel/dims.py)
-        groups.setdefault((c["pp"], c["tp"], c["cp"], ep_idx), []).append(r)
-    return [g for g in groups.values() if len(g) > 1]
+    return [g for g in dims.dp_replicas() if len(g) > 1]
 
 
 def replica_divergence(recs, summary):

@@ -139,6 +139,17 @@ class ParallelDims:
             out.setdefault(key, []).append(rank)
         return list(out.values())
 
+    def dp_replicas(self) -> list[list[int]]:
+        """Lists of ranks that hold the same parameters, bit for bit: they differ only along dp
+        and, under expert parallelism, hold the same experts (a list of one: a rank no other
+        rank replicates). What ``chipset diagnose`` compares ``param_sum`` within (train/model_stats.py)."""
+        out: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            ep_idx = (c["dp"] * self.cp + c["cp"]) % self.ep  # experts differ between ep ranks (module docstring)
+            out.setdefault((c["pp"], c["tp"], c["cp"], ep_idx), []).append(rank)
+        return list(out.values())
+
     # --- groups (lazy) ----------------------------------------------------------
     def group(self, dim: str, collective: Collective) -> Group:
         """This rank's group along ``dim``, created on first use (every rank must call this together)."""

@@ -29,7 +29,7 @@ from torch import nn
 
 from chipset.errors import ConfigError
 from chipset.kernels.fp8 import FP8_SCALINGS
-from chipset.parallel.linear import route
+from chipset.parallel.linear import RoutedLinear, routable
 from chipset.parallel.lora import LINEAR_TYPES, default_targets
 
 if TYPE_CHECKING:
@@ -81,10 +81,11 @@ def fp8_targets(model: nn.Module, family, cfg) -> list[str]:
 
 def apply_fp8(model: nn.Module, names: list[str], kernels, scaling: str) -> None:
     """Route the modules ``names`` (from :func:`fp8_targets`) through ``kernels.fp8_matmul``: FP8
-    replaces the ``linear`` kernel on them (parallel/linear.py, "Precedence")."""
+    replaces the ``linear`` kernel on them (parallel/linear.py, "Precedence"); a plain
+    ``nn.Linear`` among them is swapped for a routed one first."""
     linear = Fp8Linear(kernels, scaling)
     for name in names:
-        route(model.get_submodule(name), linear)
+        routable(model, name).route(linear)
 
 
 def gathered_weights(model: nn.Module) -> list[nn.Parameter]:
@@ -94,7 +95,9 @@ def gathered_weights(model: nn.Module) -> list[nn.Parameter]:
     so its FP8 bytes would not serve both GEMMs)."""
     out = []
     for mod in model.modules():
-        fn = vars(mod).get("linear")
+        if not isinstance(mod, RoutedLinear):
+            continue
+        fn = mod.product
         if isinstance(fn, Fp8Linear) and fn.scaling == "tensorwise" and isinstance(mod.weight, nn.Parameter):
             out.append(mod.weight)
     return out

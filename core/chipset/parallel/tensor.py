@@ -39,6 +39,7 @@ from torch import nn
 
 from chipset.errors import ConfigError
 from chipset.interfaces import Collective, Group
+from chipset.parallel.linear import Product, RoutedLinear
 from chipset.parallel.plan import PLAN_STYLES, plan_matches
 
 __all__ = [
@@ -220,20 +221,18 @@ def enter_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return copy_to_group(x, tp.collective, tp.group)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(RoutedLinear):
     """``y = x W^T (+ b)`` with W's output rows (and b) split over tp; the output stays split.
 
     ``enter_region=False``: the input has entered the tp region already (a
-    :class:`TPRegionNorm` in front, shared with the other projections reading it).
+    :class:`TPRegionNorm` in front, shared with the other projections reading it). ``product``:
+    the local ``x W_r^T (+ b_r)`` (parallel/linear.py; the engine routes it when it builds the model).
     """
 
-    linear = staticmethod(F.linear)
-    """The product ``(x, w, b) -> x w^T + b``: the backend's ``linear`` kernel once the engine routes
-    the model (parallel/linear.py), ``fp8_matmul`` where ``train.fp8`` replaces it (parallel/fp8.py)."""
-
     def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, enter_region: bool = True,
-                 full_bias: torch.Tensor | None = None):
+                 full_bias: torch.Tensor | None = None, product: Product = F.linear):
         super().__init__()
+        self.product = product
         self.tp = tp
         self.enter_region = enter_region
         self.weight = _sharded_param(full_weight, 0, tp)
@@ -242,26 +241,25 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
             x = enter_region(x, self.tp)
-        return self.linear(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(RoutedLinear):
     """``y = x W^T (+ b)`` with W's input columns split over tp; partial outputs are summed over
-    tp, then the (replicated) bias is added once."""
+    tp, then the (replicated) bias is added once. ``product``: the local partial ``x_r W_r^T``
+    (parallel/linear.py; the engine routes it when it builds the model)."""
 
-    linear = staticmethod(F.linear)
-    """The product ``(x, w, b) -> x w^T + b``: the backend's ``linear`` kernel once the engine routes
-    the model (parallel/linear.py), ``fp8_matmul`` where ``train.fp8`` replaces it (parallel/fp8.py)."""
-
-    def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, full_bias: torch.Tensor | None = None):
+    def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, full_bias: torch.Tensor | None = None,
+                 product: Product = F.linear):
         super().__init__()
+        self.product = product
         self.tp = tp
         self.weight = _sharded_param(full_weight, 1, tp)
         self.bias = None if full_bias is None else nn.Parameter(full_bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.tp
-        y = self.linear(x, self.weight)
+        y = self.product(x, self.weight)
         if t.sequence_parallel:
             y = reduce_scatter_along_grad(y, _SEQ, t.collective, t.group)
         else:

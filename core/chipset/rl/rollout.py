@@ -90,12 +90,12 @@ class LocalRollout:
     def __init__(self, family, cfg, device: torch.device, kernels=None):
         with on_meta():
             model = build_for(family, cfg, kernels)
+            if kernels is not None:  # the GEMM the policy trains with, before LoRA as there (parallel/linear.py)
+                model = apply_linear(model, kernels)
             lora = lora_of(cfg, family)
             if lora is not None:
                 apply_lora(model, lora, seed=cfg.train.seed,
                            linear=F.linear if kernels is None else kernels.resolve("linear"))
-            if kernels is not None:  # the GEMM the policy trains with (parallel/linear.py)
-                apply_linear(model, kernels)
         self.model = model.to_empty(device=device).eval()
         self.cfg = cfg
         self.vocab_size = cfg.model.vocab_size

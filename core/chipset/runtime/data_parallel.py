@@ -390,15 +390,17 @@ def _placeholders_for_meta(model: nn.Module, dtype: torch.dtype, device: torch.d
     takes it. Why: ``Parameter.data`` cannot be re-pointed from the meta device to a real
     one, and allocating the whole tensor would defeat building on the meta device."""
     made: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
+    for prefix, mod in model.named_modules():
         for name, p in list(mod._parameters.items()):
             if p is None or not p.is_meta:
                 continue
             if not allowed:
-                # the class the user built, not the routing subclass chipset gave it (parallel/linear.py)
+                # the class the user built, not the layer chipset swapped in for it (a KernelLinear for
+                # an nn.Linear, parallel/linear.py; a tensor-parallel split, parallel/tensor.py)
                 given = next(c for c in type(mod).__mro__ if not c.__module__.startswith("chipset.parallel"))
+                where = f"{prefix}.{name}" if prefix else name
                 raise UsageError(
-                    f"parameter {name!r} of {given.__name__} is on the meta device (it has no values); "
+                    f"parameter {where!r} of {given.__name__} is on the meta device (it has no values); "
                     "build the model on a real device, or let chipset fill it from a file (model.init_from)")
             if id(p) not in made:
                 kind = dtype if p.is_floating_point() else p.dtype

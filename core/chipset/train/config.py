@@ -193,7 +193,7 @@ class TrainConfig:
     max_nonfinite_steps: int = 20
     """Stop the run (exit 1) after this many consecutive steps with a NaN/inf loss or a skipped (overflowed) update; 0 = never."""
     replica_check_every: int = 1
-    """Every N steps each rank records a checksum of its parameters (metrics.jsonl param_sum) so chipset diagnose can tell when data-parallel replicas stop being bit-identical; one read of the local parameters per check; 0 = off (also off under parallel.zero = 3, where no replica holds whole parameters)."""
+    """Every N steps each rank records a checksum of its parameters (metrics.jsonl param_sum) so chipset diagnose can tell when data-parallel replicas stop being bit-identical; one read of the local parameters per check; 0 = off. Not computed where there is nothing to compare: under parallel.zero = 3 (no replica holds whole parameters) and where no rank has a data-parallel replica (one process; pp, tp or cp without dp)."""
 
 
 @dataclass

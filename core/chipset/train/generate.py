@@ -106,8 +106,7 @@ def generate(run_dir: str | Path, *, prompt: str | None = None, prompt_ids: list
     if bad:
         raise ConfigError(f"prompt token ids {bad[:5]} are outside the model's vocabulary 0..{cfg.model.vocab_size - 1}")
     b = backend or load_backend()
-    model = bind(family, build_for(family, cfg, b.kernels), cfg)
-    apply_linear(model, b.kernels)  # the GEMM training ran (parallel/linear.py)
+    model = bind(family, apply_linear(build_for(family, cfg, b.kernels), b.kernels), cfg)  # training's GEMM
     model.load_state_dict(weights)
     model.eval()
     gen = torch.Generator().manual_seed(seed)

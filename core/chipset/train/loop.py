@@ -118,13 +118,15 @@ def build_model(cfg: RunConfig, backend: Backend, dims: ParallelDims, family) ->
     if dims.tp_enabled:  # the family's plan; the engine names no module (models/family.py)
         tp = TPContext(col, dims.group("tp", col), sequence_parallel=par.sequence_parallel)
         apply_plan(model, family.plan(cfg), tp=tp)
+    # After the plan: every linear layer (the split ones too) on the backend's GEMM, plain nn.Linear
+    # layers swapped for routed ones, which LoRA and FP8 then act on (parallel/linear.py)
+    model = apply_linear(model, backend.kernels)
     lora = lora_of(cfg, family)
     if lora is not None:  # after the plan: the adapters follow its split (parallel/lora.py)
         apply_lora(model, lora, seed=cfg.train.seed, linear=backend.kernels.resolve("linear"))
     if tr.fp8 != "off":  # after the plan and LoRA: the split projections, the adapters stay in train.dtype
         check_fp8(tr.fp8, backend)
         apply_fp8(model, fp8_targets(model, family, cfg), backend.kernels, tr.fp8)
-    apply_linear(model, backend.kernels)  # every other linear layer: the backend's GEMM (parallel/linear.py)
     if dims.cp_enabled:
         group = dims.group("cp", col)
         subgroups = None

@@ -13,6 +13,8 @@
   steps): the sum of this rank's local parameters, each summed on the device with float32
   accumulation (no copy of the parameter), then added in float64: one read of the parameters. Data-parallel replicas hold bit-identical parameters, so ranks that hold
   the same part of the model record the same number; a different one means a replica diverged.
+  Not computed where no rank has a replica (``ParallelDims.dp_replicas``: one process, pp, tp or
+  cp without dp) nor under ZeRO-3 (no rank holds whole parameters): there is nothing to compare.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ class ModelStats:
         """Every MoE layer of the model (block indices), on every rank."""
         mods = [x for x in model.modules() if isinstance(x, MoE)] if model is not None else []
         self.moe = [x for x in mods if x.layer in self.moe_layers]
-        self.every = 0 if dims.zero == 3 else cfg.train.replica_check_every
+        # Nothing to compare where no rank has a replica (one process; pp, tp or cp without dp): no
+        # read of the parameters and no sync with the device for a number nobody checks. One decision
+        # for all ranks: the record keeps param_sum by rank 0's number.
+        replicated = dims.zero != 3 and any(len(g) > 1 for g in dims.dp_replicas())
+        self.every = cfg.train.replica_check_every if replicated else 0
         self.params = [p for p in model.parameters()] if model is not None and self.every else []
 
     def begin_step(self) -> None:
