@@ -31,7 +31,7 @@ import torch.distributed as dist
 from chipset.errors import CollectiveError, ConfigError
 from chipset.interfaces.collective import CommStats
 
-__all__ = ["ISLAND_ENV", "STORE_ENV", "REJOIN_ENV", "IslandLink", "Quorum", "island_index", "connect_store", "mark_restarting",
+__all__ = ["ISLAND_ENV", "STORE_ENV", "REJOIN_ENV", "IslandLink", "Pending", "Quorum", "island_index", "connect_store", "mark_restarting",
            "parse_endpoint"]
 
 log = logging.getLogger(__name__)
@@ -210,15 +210,16 @@ class IslandLink:
         return len(self.quorum.members)
 
     # --- ops (host tensors) -----------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum ``t`` over the quorum's islands, in place."""
-        self._op("all_reduce", [t], lambda: self.group.allreduce([t]))
+    def all_reduce(self, t: torch.Tensor, *, wait: bool = True) -> Pending | None:
+        """Sum ``t`` over the quorum's islands, in place (``wait=False``: started, and its
+        :class:`Pending` returned; ``t`` holds the sum once that is waited for)."""
+        return self._op("all_reduce", [t], lambda: self.group.allreduce([t]), wait=wait)
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every island's ``t``, in member order."""
+    def all_gather(self, t: torch.Tensor, *, wait: bool = True) -> list[torch.Tensor] | tuple[list[torch.Tensor], Pending]:
+        """Every island's ``t``, in member order (``wait=False``: the list to be filled and its :class:`Pending`)."""
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self._op("all_gather", [t], lambda: self.group.allgather([out], [t]))
-        return out
+        pending = self._op("all_gather", [t], lambda: self.group.allgather([out], [t]), wait=wait)
+        return out if wait else (out, pending)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src_island: int) -> None:
         """Copy ``tensors`` from island ``src_island`` to the quorum's islands."""
@@ -227,19 +228,22 @@ class IslandLink:
         for t in tensors:
             self._op("broadcast", [t], lambda t=t: self.group.broadcast([t], opts), sends=src_island == self.island)
 
-    def _op(self, op: str, tensors: list[torch.Tensor], fn, sends: bool = True) -> None:
+    def _op(self, op: str, tensors: list[torch.Tensor], fn, sends: bool = True, wait: bool = True) -> Pending | None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if self.wire_dir is not None and sends:  # a broadcast's receivers hand over a buffer to fill
             self.record(op, tensors)
         t0 = time.perf_counter()
+        members = list(self.quorum.members)
         try:
-            fn().wait()
+            work = fn()
         except RuntimeError as exc:
-            raise CollectiveError(f"islands: {op} between islands {list(self.quorum.members)} failed: "
-                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
-                                  ) from exc
-        finally:
             self._count(op, nbytes, time.perf_counter() - t0)
+            raise _failed(op, members, exc) from exc
+        pending = Pending(self, op, members, work, nbytes, t0 if wait else None)
+        if not wait:
+            return pending
+        pending.wait()
+        return None
 
     def record(self, op: str, tensors: list[torch.Tensor], sent: bool = True) -> None:
         """Write ``tensors`` to the wire log as ``<seq>-<op>.pt`` (``sent``: handed to the link;
@@ -250,9 +254,9 @@ class IslandLink:
                     "tensors": [t.detach().cpu().clone() for t in tensors]},
                    self.wire_dir / f"{self._wire_seq:06d}-{op}.pt")
 
-    def _count(self, op: str, nbytes: int, seconds: float) -> None:
+    def _count(self, op: str, nbytes: int, seconds: float, calls: int = 1) -> None:
         c = self.stats.counter(op)
-        c.calls += 1
+        c.calls += calls
         c.bytes += nbytes
         c.seconds += seconds
 
@@ -260,3 +264,35 @@ class IslandLink:
         """(calls, bytes, seconds) so far, every op together."""
         ops = self.stats.ops.values()
         return sum(c.calls for c in ops), sum(c.bytes for c in ops), sum(c.seconds for c in ops)
+
+
+def _failed(op: str, members: list[int], exc: RuntimeError) -> CollectiveError:
+    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CollectiveError(f"islands: {op} between islands {members} failed: {why}")
+
+
+class Pending:
+    """An op between islands started but not yet waited for (``islands.overlap = "delayed"``).
+
+    Its call and bytes are counted when it starts, so a step's ``cross_island`` shows them where
+    the blocking mode would; its seconds are the time this rank then waits in :meth:`wait` (the
+    part of the exchange the inner steps did not hide), counted when it is waited for. A peer
+    that died fails the wait with a CollectiveError within the link's timeout, as a blocking op."""
+
+    def __init__(self, link: IslandLink, op: str, members: list[int], work, nbytes: int, t0: float | None):
+        self.link, self.op, self.members, self.work = link, op, members, work
+        self.done = False
+        link._count(op, nbytes, 0.0)
+        self._t0 = t0  # a blocking op: its seconds run from its start
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        t0 = self._t0 if self._t0 is not None else time.perf_counter()
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise _failed(self.op, self.members, exc) from exc
+        finally:
+            self.link._count(self.op, 0, time.perf_counter() - t0, calls=0)
