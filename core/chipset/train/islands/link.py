@@ -134,7 +134,8 @@ class IslandLink:
 
         Waited for: every island that is alive, i.e. has not started yet (up to the quorum
         timeout), whose heartbeat moved within :data:`STALE_S`, or that its launcher is
-        restarting; never longer than ``islands.quorum_timeout`` (0: no limit)."""
+        restarting (not at a retry, which a restarted island never joins); never longer than
+        ``islands.quorum_timeout`` (0: no limit)."""
         names = [f"q/{key}/in/{i}" for i in range(self.count)]
         deadline = time.monotonic() + self.quorum_timeout_s if self.quorum_timeout_s else None
         seen: dict[int, tuple[int, float]] = {}  # island -> (heartbeat count, when it last moved)
@@ -145,7 +146,8 @@ class IslandLink:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 break
-            if not any(self._alive(i, now, seen) for i in range(self.count) if i not in present):
+            if not any(self._alive(i, now, seen, retry=serial % 1000 != 0) for i in range(self.count)
+                       if i not in present):
                 break
             time.sleep(0.02)
         joiners = [i for i in present if json.loads(self.store.get(names[i]))["joiner"]]
@@ -166,12 +168,14 @@ class IslandLink:
                                   "every live island")
         return Quorum(int(got["step"]), tuple(got["members"]), tuple(got["joiners"]), int(got["group_id"]))
 
-    def _alive(self, island: int, now: float, seen: dict[int, tuple[int, float]]) -> bool:
+    def _alive(self, island: int, now: float, seen: dict[int, tuple[int, float]], retry: bool = False) -> bool:
         key = f"hb/{island}"
         if not self.store.check([key]):
             return True  # not started yet: wait for it (up to the quorum timeout)
         if self.store.check([f"restarting/{island}"]):
-            return True
+            # A restarted island joins at a first try (the next outer step), never at a retry of one
+            # it died in (e.g. while a delayed exchange was in flight): a retry does not wait for it.
+            return not retry
         count = self.store.add(key, 0)
         last = seen.get(island)
         if last is None or last[0] != count:
