@@ -225,6 +225,11 @@ class Islands:
         if state:
             self.outer_steps = int(state.get("outer_steps", 0))
             self._held = self.delayed and bool(state.get("held", False))
+            if state.get("held") and not self.delayed:
+                log.warning("island %d: the checkpoint holds an outer step's average not yet applied "
+                            "(islands.overlap = \"delayed\"); resumed with islands.overlap = \"off\", it is "
+                            "dropped (that round's training is lost): resume with overlap \"delayed\" to apply it",
+                            self.island)
 
     def close(self) -> None:
         if self._beat is not None:
