@@ -59,7 +59,7 @@ class IslandsConfig:
     clients_per_round: int = 0
     """Islands (clients) that take part in each outer step (round): a subset of this size drawn from train.seed and the round's index; the others send zeros and receive the round's global parameters. The DP accountant then uses the sampling rate clients_per_round / count. 0 = every island, every round."""
     wire_log: bool = False
-    """Audit: every rank writes each tensor it hands to the link between islands (and, in federated runs, its own update before masking, which never leaves) to RUN_DIR/island-<i>/wire/."""
+    """Audit: every rank writes each tensor it hands to the link between islands (and, in federated runs, its own update before masking, which never leaves; with overlap = "delayed", the local parameters each outer step starts from and the global and local ones it ends on, kept here) to RUN_DIR/island-<i>/wire/."""
 
 
 def island_backends(isl: IslandsConfig) -> list[str]:
