@@ -28,6 +28,7 @@ RUNNABLE = {
     "gpt2-tiny.toml": ["train.steps=3"],
     "muon.toml": ["train.steps=3"],
     "islands-tiny.toml": ["train.steps=3"],
+    "islands-overlap.toml": ["train.steps=5"],  # a delayed outer step at 4, the last (blocking) at 5
 }
 
 

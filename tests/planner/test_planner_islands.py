@@ -23,6 +23,7 @@ from chipset.planner.islands import (
     islands_for_config,
     outer_fraction,
     outer_step_bytes,
+    sync_step_time,
 )
 from chipset.planner.projection import resolve_profile
 from chipset.train.config import resolve_config
@@ -56,6 +57,22 @@ def test_break_even_h_by_hand():
     assert break_even_sync_every(0.001, 1.0, 0.05) == 1  # an outer step cheaper than the target at H = 1
 
 
+def test_delayed_overlap_by_hand():
+    """islands.overlap = "delayed": the link's 1.5 s of a 2 s outer step runs beside the next H inner steps."""
+    # H = 10 at 0.1 s: the exchange (1.5 s) outlasts the inner steps (1 s) by 0.5 s; 0.5 s of the
+    # island's own part: a round takes max(1, 1.5) + 0.5 = 2 s, 0.2 s per step (blocking: 0.3 s)
+    assert sync_step_time(2.0, 0.1, 10, 1.5) == pytest.approx(0.2)
+    assert sync_step_time(2.0, 0.1, 10) == pytest.approx(0.3)
+    assert outer_fraction(2.0, 0.1, 10, 1.5) == pytest.approx((0.5 + 0.5) / 2.0)
+    # hidden from H = 15 on: then only the 0.5 s count: 0.5 / (0.1 H + 0.5) <= 5% from H = 95 (blocking: 380)
+    assert break_even_sync_every(2.0, 0.1, 0.05, 1.5) == 95
+    assert outer_fraction(2.0, 0.1, 95, 1.5) == pytest.approx(0.05) and outer_fraction(2.0, 0.1, 94, 1.5) > 0.05
+    # all of it on the link (1 s), inner 0.3 s, at most 20%: (1 - 0.3 H) / 1 <= 0.2 from H = 3 (2: 40%)
+    assert break_even_sync_every(1.0, 0.3, 0.2, 1.0) == 3
+    assert sync_step_time(1.0, 0.3, 3, 1.0) == pytest.approx(1.0 / 3)  # the link sets the pace
+    assert sync_step_time(1.0, 0.3, 4, 1.0) == pytest.approx(0.3)  # hidden: the inner step does
+
+
 def test_outer_step_bytes_by_hand():
     n = PARAMS // 2
     assert exchange_calls(n, "fp32") == [("all_reduce", 4 * n)]
@@ -82,6 +99,12 @@ def test_terms_add_up():
     h = t["break_even_sync_every"]
     assert outer_fraction(t["outer_time_s"], 2e-3, h) <= 0.05 < outer_fraction(t["outer_time_s"], 2e-3, h - 1)
     assert t["speedup_over_dp"] == pytest.approx(t["dp_step_time_s"] / t["step_time_s"])
+    d = islands_for_config(resolve_config(None, [*JOB, 'islands.overlap="delayed"'], world_size=4), 2, dev,
+                           LinkSpec(1.25e9, 1e-3, 0.05), t_inner=2e-3)
+    fixed = t["outer_time_s"] - t["outer_link_s"]
+    assert d["outer_time_s"] == t["outer_time_s"] and d["outer_hidden_s"] == pytest.approx(min(t["outer_link_s"], 4e-3))
+    assert d["step_time_s"] == pytest.approx(max(2e-3, t["outer_link_s"] / 2) + fixed / 2)
+    assert d["step_time_s"] < t["step_time_s"]
 
 
 @pytest.mark.parametrize("link, says", [

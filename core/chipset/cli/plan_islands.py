@@ -8,7 +8,7 @@ from pathlib import Path
 
 from chipset.errors import ConfigError
 
-_KEYS = ("count", "sync_every", "pseudo_grad_dtype", "outer_optimizer", "secure_aggregation")
+_KEYS = ("count", "sync_every", "pseudo_grad_dtype", "outer_optimizer", "secure_aggregation", "overlap")
 """The [islands] keys the outer step's cost depends on."""
 
 
@@ -20,6 +20,9 @@ def add_arguments(p) -> None:
                    help="with islands: inner steps between outer steps (default: the config's islands.sync_every)")
     p.add_argument("--pseudo-grad-dtype", default=None, choices=("fp32", "bf16", "int8"),
                    help="with islands: how pseudo-gradients cross (default: the config's islands.pseudo_grad_dtype)")
+    p.add_argument("--overlap", default=None, choices=("off", "delayed"),
+                   help="with islands: off (the outer step blocks) or delayed (the exchange runs beside the next H "
+                        "inner steps) (default: the config's islands.overlap)")
     p.add_argument("--inter-island-bw", type=float, default=None, metavar="GBps",
                    help="with islands: GB/s of each island's link to the others (default: the profile's "
                         "inter-node bandwidth per device x devices per island)")
@@ -41,11 +44,12 @@ def settings(args):
         table = {k: v for k, v in (_source_tables(Path(args.model).expanduser()).get("islands") or {}).items()
                  if k in _KEYS}
     for key, value in (("count", args.islands), ("sync_every", args.sync_every),
-                       ("pseudo_grad_dtype", args.pseudo_grad_dtype)):
+                       ("pseudo_grad_dtype", args.pseudo_grad_dtype), ("overlap", args.overlap)):
         if value is not None:
             table[key] = value
     isl = IslandsConfig(**table)
     extra = [f for f, v in (("--sync-every", args.sync_every), ("--pseudo-grad-dtype", args.pseudo_grad_dtype),
+                            ("--overlap", args.overlap),
                             ("--inter-island-bw", args.inter_island_bw), ("--outer-target", args.outer_target))
              if v is not None]
     problems = island_problems(isl, None, 0, 0, 0)

@@ -125,7 +125,8 @@ def _mode(isl) -> str:
     from chipset.train.islands.config import federated
 
     if not federated(isl):
-        return f"{isl.count} islands (DiLoCo, an outer step every {isl.sync_every} steps)"
+        overlap = ", its exchange overlapped with the next steps (delayed)" if isl.overlap == "delayed" else ""
+        return f"{isl.count} islands (DiLoCo, an outer step every {isl.sync_every} steps{overlap})"
     extras = [x for x, on in (("secure aggregation", isl.secure_aggregation),
                               (f"DP noise {isl.noise_multiplier} x clip {isl.clip_norm}", isl.noise_multiplier > 0)) if on]
     return f"{isl.count} federated clients (a round every {isl.sync_every} steps; {', '.join(extras)})"

@@ -16,10 +16,28 @@ Each rank *sends* the ring volume of them (``2(k-1)/k`` of an all-reduce's buffe
 times an all-gather's input), and every rank of an island sends at once, sharing the island's
 link of ``link_bandwidth`` bytes/s: the busiest rank's bytes take ``ranks * sent / bandwidth``.
 
-The outer step blocks training (outer.py has no streaming or overlap): its time is the
-exchange, the pseudo-gradient's trips between device and host, the outer optimizer's
+An outer step's time is the exchange on the link (``t_link``) and what the island does itself
+(``t_fixed``): the pseudo-gradient's trips between device and host, the outer optimizer's
 memory-bound pass over the owned slice, and the refresh of the island's parameters
-(all-gathers inside the island at ZeRO 0-2). Per inner step it costs ``t_outer / H``.
+(all-gathers inside the island at ZeRO 0-2); ``t_outer = t_link + t_fixed``.
+
+``islands.overlap = "off"``: the outer step blocks the inner loop. A round of ``H`` inner steps
+takes ``H t_inner + t_outer``, so per inner step ``T = t_inner + t_outer / H``.
+
+``islands.overlap = "delayed"``: the exchange is started at the end of a round and waited for at
+the end of the next, so the link works while the next ``H`` inner steps train; the island's own
+part (``t_fixed``: the copies, the update and the refresh run on the training thread) stays
+exposed. A round therefore takes ``t_fixed`` plus whichever is longer of the ``H`` inner steps and
+the exchange, which ran beside them: ``max(H t_inner, t_link) + t_fixed``. Per inner step::
+
+    T = max(t_inner, t_link / H) + t_fixed / H
+
+The exposed share is ``f = (t_fixed + max(0, t_link - H t_inner)) / (max(H t_inner, t_link) +
+t_fixed)``, non-increasing in ``H``; the break-even ``H`` is the smallest with ``f <= target``
+(once ``H t_inner >= t_link`` only ``t_fixed`` is left: the blocking formula with ``t_fixed`` for
+``t_outer``). The model assumes the link's transfer takes nothing from the inner steps (its
+gloo threads and the network are apart from the devices) and leaves out the last step's
+blocking outer step (one per run).
 """
 
 from __future__ import annotations
@@ -38,7 +56,7 @@ from chipset.planner.run import from_run_config
 from chipset.planner.time import dp_exposed_time
 
 __all__ = ["INT8_BLOCK", "DEFAULT_TARGET", "LinkSpec", "owned_elements", "exchange_calls", "outer_step_bytes", "break_even_sync_every",
-           "outer_fraction", "islands_terms", "islands_for_config", "island_view", "default_link",
+           "outer_fraction", "sync_step_time", "islands_terms", "islands_for_config", "island_view", "default_link",
            "format_islands"]
 
 INT8_BLOCK = 2048
@@ -110,21 +128,39 @@ def outer_step_bytes(elements: int, dtype: str, count: int, secure: bool = False
     return sum(b for _, b in calls), sum(_sent(op, b, count) for op, b in calls)
 
 
-def outer_fraction(t_outer: float, t_inner: float, h: int) -> float:
-    """Share of the time spent in outer steps: ``t_outer / (H t_inner + t_outer)``."""
-    return t_outer / (h * t_inner + t_outer) if t_outer > 0 else 0.0
+def outer_fraction(t_outer: float, t_inner: float, h: int, t_hidden: float = 0.0) -> float:
+    """Share of the time spent in outer steps: ``t_outer / (H t_inner + t_outer)``; with
+    ``t_hidden`` (the delayed mode's exchange, part of ``t_outer``) running beside the ``H`` inner
+    steps, only what it does not hide counts (module docstring)."""
+    fixed = t_outer - t_hidden
+    exposed = fixed + max(0.0, t_hidden - h * t_inner)
+    return exposed / (max(h * t_inner, t_hidden) + fixed) if exposed > 0 else 0.0
 
 
-def break_even_sync_every(t_outer: float, t_inner: float, target: float) -> int:
-    """The smallest H >= 1 whose outer steps take at most ``target`` of the time:
-    ``H >= t_outer (1 - target) / (target t_inner)``."""
+def sync_step_time(t_outer: float, t_inner: float, h: int, t_hidden: float = 0.0) -> float:
+    """Seconds per inner step: ``t_inner + t_outer / H``, or with ``t_hidden`` of ``t_outer``
+    overlapped with the next H inner steps, ``max(t_inner, t_hidden / H) + (t_outer - t_hidden) / H``."""
+    return max(t_inner, t_hidden / h) + (t_outer - t_hidden) / h
+
+
+def break_even_sync_every(t_outer: float, t_inner: float, target: float, t_hidden: float = 0.0) -> int:
+    """The smallest H >= 1 whose outer steps take at most ``target`` of the time (blocking:
+    ``H >= t_outer (1 - target) / (target t_inner)``; ``t_hidden``: the delayed mode, module docstring)."""
     if t_outer <= 0:
         return 1
     if t_inner <= 0:
         raise ConfigError("the inner step takes no time: no H amortises the outer step")
-    h = max(1, math.ceil(t_outer * (1 - target) / (target * t_inner)))
-    while h > 1 and outer_fraction(t_outer, t_inner, h - 1) <= target:  # float rounding above an exact H
-        h -= 1
+    fixed = t_outer - t_hidden
+    if fixed <= 0:  # everything hides once H t_inner covers the exchange
+        h = max(1, math.ceil(t_hidden * (1 - target) / t_inner))
+    else:
+        h = max(1, math.ceil(fixed * (1 - target) / (target * t_inner)))
+    while outer_fraction(t_outer, t_inner, h, t_hidden) > target:  # the exchange not yet hidden
+        h *= 2
+    lo = 1
+    while lo < h:  # the fraction does not rise with H: the smallest H that meets the target
+        mid = (lo + h) // 2
+        lo, h = (mid + 1, h) if outer_fraction(t_outer, t_inner, mid, t_hidden) > target else (lo, mid)
     return h
 
 
@@ -153,18 +189,23 @@ def islands_terms(m, lay, train, dev, isl: Any, link: LinkSpec, t_inner: float, 
     per_stage = lay.world_size // lay.pp
     island_handed = sum(per_stage * outer_step_bytes(e, dtype, k, secure)[0] for e in elements.values())
     dp = _plain_dp(m, lay, train, elements, per_stage, k, link, t_inner, mb, a)
-    t_isl = t_inner + t_outer / h
+    delayed = getattr(isl, "overlap", "off") == "delayed"
+    hidden = t_link if delayed else 0.0
+    t_isl = sync_step_time(t_outer, t_inner, h, hidden)
     t_dp = t_inner + dp["exposed"](link.bandwidth)
-    match = _solve_bandwidth(dp["exposed"], t_outer / h)
+    match = _solve_bandwidth(dp["exposed"], t_isl - t_inner)
     return {
         "islands": k, "sync_every": h, "pseudo_grad_dtype": "int64 (secure)" if secure else dtype,
         "ranks_per_island": ranks, "inter_island_gbps": link.bandwidth / 1e9, "inter_island_latency_s": link.latency,
         "elements_per_rank": n_el, "bytes_per_rank": handed, "bytes_per_island": island_handed,
         "bytes_sent_per_rank": sent, "inner_step_s": t_inner, "inner_time_s": h * t_inner,
         "outer_time_s": t_outer, "outer_link_s": t_link, "outer_host_s": t_host, "outer_update_s": t_update,
-        "outer_refresh_s": t_refresh, "overlap": "none (the outer step blocks the inner steps)",
-        "step_time_s": t_isl, "outer_fraction": outer_fraction(t_outer, t_inner, h), "target": link.target,
-        "break_even_sync_every": break_even_sync_every(t_outer, t_inner, link.target),
+        "outer_refresh_s": t_refresh,
+        "overlap": "delayed (the exchange runs beside the next H inner steps)" if delayed
+        else "none (the outer step blocks the inner steps)",
+        "outer_hidden_s": min(hidden, h * t_inner), "outer_exposed_s": t_outer - min(hidden, h * t_inner),
+        "step_time_s": t_isl, "outer_fraction": outer_fraction(t_outer, t_inner, h, hidden), "target": link.target,
+        "break_even_sync_every": break_even_sync_every(t_outer, t_inner, link.target, hidden),
         "dp_step_time_s": t_dp, "dp_bytes_per_island_step": dp["bytes"], "speedup_over_dp": t_dp / t_isl,
         "dp_match_gbps": None if match is None else match / 1e9,
     }
@@ -245,8 +286,11 @@ def format_islands(d: dict, prefix: str = "chipset train") -> list[str]:
         f"{_b(d['bytes_per_island'])} per island handed to the link each outer step",
         f"{prefix}: islands: inner {_s(d['inner_time_s'])} ({d['sync_every']} x {_s(d['inner_step_s'])}), outer "
         f"{_s(d['outer_time_s'])} at {d['inter_island_gbps']:.3g} GB/s (link {_s(d['outer_link_s'])}, host copies "
-        f"{_s(d['outer_host_s'])}, update {_s(d['outer_update_s'])}, refresh {_s(d['outer_refresh_s'])}; not "
-        f"overlapped): {_s(d['step_time_s'])} per inner step, {d['outer_fraction']:.1%} in outer steps",
+        f"{_s(d['outer_host_s'])}, update {_s(d['outer_update_s'])}, refresh {_s(d['outer_refresh_s'])}; "
+        + ("not overlapped" if d["overlap"].startswith("none") else
+           f"delayed: {_s(d['outer_hidden_s'])} of the link hidden behind the next {d['sync_every']} inner steps, "
+           f"{_s(d['outer_exposed_s'])} exposed")
+        + f"): {_s(d['step_time_s'])} per inner step, {d['outer_fraction']:.1%} in outer steps",
         f"{prefix}: islands: break-even H = {d['break_even_sync_every']} for at most {d['target']:.0%} in outer "
         f"steps; plain dp across the islands: {_s(d['dp_step_time_s'])} per step "
         f"(islands {d['speedup_over_dp']:.3g}x as fast); {match}",

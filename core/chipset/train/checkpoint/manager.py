@@ -247,12 +247,12 @@ class Checkpointer:
         alias = all(b.master_aliases_params for b in e.buckets)
         chunks, copies = {}, []
         have = {k.split(".")[0] + "." + k.split(".")[1] for k in md.state_dict_metadata if k.startswith("outer.")}
-        missing_outer = False
+        missing_outer = set()
         for kind in kinds(e):
             if kind == "model" and alias:
                 continue  # the parameters are their own fp32 masters: load optim.master into them
             if kind.startswith("outer.") and kind not in have:
-                missing_outer = True  # written without islands (or another wire format): rebuilt below
+                missing_outer.add(kind)  # written without islands (or another wire format / overlap): rebuilt below
                 continue
             for name, _, pieces in engine_pieces(e, kind, for_load=True):
                 for piece in pieces:
@@ -287,7 +287,7 @@ class Checkpointer:
         e.scaler.load_state_dict(state["scaler"])
         if self.islands is not None:
             self.islands.load_state(state.get("islands"))
-            if missing_outer:
+            if "outer.global" in missing_outer:
                 self.islands.reset_global()
         if "device" in rng:
             self.backend.device.set_rng_state(rng["device"])
@@ -310,6 +310,8 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Checkpoint the state after ``step`` completed steps (returns early when asynchronous)."""
         self.finish()
+        if self.islands is not None:
+            self.islands.settle()  # islands.overlap = "delayed": the exchange in flight ends; its average is kept
         t0 = time.perf_counter()
         e = self.engine
         tensors = {}  # staged to host now: an asynchronous save must not see later steps

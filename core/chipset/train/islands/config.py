@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["IslandsConfig", "OUTER_OPTIMIZERS", "PSEUDO_GRAD_DTYPES", "CLIENT_DATA_SOURCES", "federated", "island_problems",
+__all__ = ["IslandsConfig", "OUTER_OPTIMIZERS", "OVERLAP_MODES", "PSEUDO_GRAD_DTYPES", "CLIENT_DATA_SOURCES", "federated", "island_problems",
            "island_backends", "client_paths", "client_data_problems", "per_round"]
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
+OVERLAP_MODES = ("off", "delayed")
 CLIENT_DATA_SOURCES = ("text", "tokens")
 """data.source values islands.client_data works with (a local file or folder per client)."""
 
@@ -35,6 +36,8 @@ class IslandsConfig:
     """Momentum of the nesterov outer optimizer, in [0, 1)."""
     pseudo_grad_dtype: str = "fp32"
     """How pseudo-gradients cross between islands: fp32, bf16 or int8 (both with error feedback: what rounding dropped is added to the next outer step's pseudo-gradient)."""
+    overlap: str = "off"
+    """Whether the outer exchange overlaps the next inner steps: off (the outer step blocks: DiLoCo) or delayed (the pseudo-gradients' exchange runs on the link while the next sync_every inner steps train, and its average is applied one outer step late, with the local parameters re-based by the change of the global ones; the last step still ends with a blocking outer step). Not with secure_aggregation or noise_multiplier (federated rounds stay synchronous)."""
     backends: str = ""
     """Comma-separated backend per island (e.g. "cpu,cpu_sim"); empty = every island on the launcher's backend (CHIPSET_BACKEND). The outer exchange runs over host gloo, which every backend has."""
     endpoint: str = ""
@@ -56,7 +59,7 @@ class IslandsConfig:
     clients_per_round: int = 0
     """Islands (clients) that take part in each outer step (round): a subset of this size drawn from train.seed and the round's index; the others send zeros and receive the round's global parameters. The DP accountant then uses the sampling rate clients_per_round / count. 0 = every island, every round."""
     wire_log: bool = False
-    """Audit: every rank writes each tensor it hands to the link between islands (and, in federated runs, its own update before masking, which never leaves) to RUN_DIR/island-<i>/wire/."""
+    """Audit: every rank writes each tensor it hands to the link between islands (and, in federated runs, its own update before masking, which never leaves; with overlap = "delayed", the local parameters each outer step starts from and the global and local ones it ends on, kept here) to RUN_DIR/island-<i>/wire/."""
 
 
 def island_backends(isl: IslandsConfig) -> list[str]:
@@ -81,6 +84,13 @@ def island_problems(isl: IslandsConfig, world_size: int | None, dp: int,
         problems.append(f"islands.outer_momentum = {isl.outer_momentum!r}: expected a value in [0, 1)")
     if isl.pseudo_grad_dtype not in PSEUDO_GRAD_DTYPES:
         problems.append(f"islands.pseudo_grad_dtype = {isl.pseudo_grad_dtype!r}: expected one of {', '.join(PSEUDO_GRAD_DTYPES)}")
+    if isl.overlap not in OVERLAP_MODES:
+        problems.append(f"islands.overlap = {isl.overlap!r}: expected one of {', '.join(OVERLAP_MODES)} (off: the outer "
+                        "step blocks; delayed: the exchange overlaps the next sync_every inner steps)")
+    elif isl.overlap != "off" and federated(isl):
+        problems.append(f"islands.overlap = {isl.overlap!r} with secure_aggregation / noise_multiplier: federated "
+                        "rounds are synchronous (each round's clipped, masked update is applied in its round); "
+                        "set islands.overlap = \"off\"")
     if isl.quorum_timeout < 0:
         problems.append(f"islands.quorum_timeout = {isl.quorum_timeout!r}: expected seconds >= 0 (0 = wait for every island)")
     problems += _federated_problems(isl, world_size)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from chipset.errors import CollectiveError, ConfigError
 from chipset.interfaces.collective import CommStats
 
-__all__ = ["ISLAND_ENV", "STORE_ENV", "REJOIN_ENV", "IslandLink", "Quorum", "island_index", "connect_store", "mark_restarting",
+__all__ = ["ISLAND_ENV", "STORE_ENV", "REJOIN_ENV", "IslandLink", "Pending", "Quorum", "island_index", "connect_store", "mark_restarting",
            "parse_endpoint"]
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,8 @@ class IslandLink:
 
         Waited for: every island that is alive, i.e. has not started yet (up to the quorum
         timeout), whose heartbeat moved within :data:`STALE_S`, or that its launcher is
-        restarting; never longer than ``islands.quorum_timeout`` (0: no limit)."""
+        restarting (not at a retry, which a restarted island never joins); never longer than
+        ``islands.quorum_timeout`` (0: no limit)."""
         names = [f"q/{key}/in/{i}" for i in range(self.count)]
         deadline = time.monotonic() + self.quorum_timeout_s if self.quorum_timeout_s else None
         seen: dict[int, tuple[int, float]] = {}  # island -> (heartbeat count, when it last moved)
@@ -145,7 +146,8 @@ class IslandLink:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 break
-            if not any(self._alive(i, now, seen) for i in range(self.count) if i not in present):
+            if not any(self._alive(i, now, seen, retry=serial % 1000 != 0) for i in range(self.count)
+                       if i not in present):
                 break
             time.sleep(0.02)
         joiners = [i for i in present if json.loads(self.store.get(names[i]))["joiner"]]
@@ -166,12 +168,14 @@ class IslandLink:
                                   "every live island")
         return Quorum(int(got["step"]), tuple(got["members"]), tuple(got["joiners"]), int(got["group_id"]))
 
-    def _alive(self, island: int, now: float, seen: dict[int, tuple[int, float]]) -> bool:
+    def _alive(self, island: int, now: float, seen: dict[int, tuple[int, float]], retry: bool = False) -> bool:
         key = f"hb/{island}"
         if not self.store.check([key]):
             return True  # not started yet: wait for it (up to the quorum timeout)
         if self.store.check([f"restarting/{island}"]):
-            return True
+            # A restarted island joins at a first try (the next outer step), never at a retry of one
+            # it died in (e.g. while a delayed exchange was in flight): a retry does not wait for it.
+            return not retry
         count = self.store.add(key, 0)
         last = seen.get(island)
         if last is None or last[0] != count:
@@ -210,15 +214,16 @@ class IslandLink:
         return len(self.quorum.members)
 
     # --- ops (host tensors) -----------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum ``t`` over the quorum's islands, in place."""
-        self._op("all_reduce", [t], lambda: self.group.allreduce([t]))
+    def all_reduce(self, t: torch.Tensor, *, wait: bool = True) -> Pending | None:
+        """Sum ``t`` over the quorum's islands, in place (``wait=False``: started, and its
+        :class:`Pending` returned; ``t`` holds the sum once that is waited for)."""
+        return self._op("all_reduce", [t], lambda: self.group.allreduce([t]), wait=wait)
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every island's ``t``, in member order."""
+    def all_gather(self, t: torch.Tensor, *, wait: bool = True) -> list[torch.Tensor] | tuple[list[torch.Tensor], Pending]:
+        """Every island's ``t``, in member order (``wait=False``: the list to be filled and its :class:`Pending`)."""
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self._op("all_gather", [t], lambda: self.group.allgather([out], [t]))
-        return out
+        pending = self._op("all_gather", [t], lambda: self.group.allgather([out], [t]), wait=wait)
+        return out if wait else (out, pending)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src_island: int) -> None:
         """Copy ``tensors`` from island ``src_island`` to the quorum's islands."""
@@ -227,19 +232,22 @@ class IslandLink:
         for t in tensors:
             self._op("broadcast", [t], lambda t=t: self.group.broadcast([t], opts), sends=src_island == self.island)
 
-    def _op(self, op: str, tensors: list[torch.Tensor], fn, sends: bool = True) -> None:
+    def _op(self, op: str, tensors: list[torch.Tensor], fn, sends: bool = True, wait: bool = True) -> Pending | None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if self.wire_dir is not None and sends:  # a broadcast's receivers hand over a buffer to fill
             self.record(op, tensors)
         t0 = time.perf_counter()
+        members = list(self.quorum.members)
         try:
-            fn().wait()
+            work = fn()
         except RuntimeError as exc:
-            raise CollectiveError(f"islands: {op} between islands {list(self.quorum.members)} failed: "
-                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
-                                  ) from exc
-        finally:
             self._count(op, nbytes, time.perf_counter() - t0)
+            raise _failed(op, members, exc) from exc
+        pending = Pending(self, op, members, work, nbytes, t0 if wait else None)
+        if not wait:
+            return pending
+        pending.wait()
+        return None
 
     def record(self, op: str, tensors: list[torch.Tensor], sent: bool = True) -> None:
         """Write ``tensors`` to the wire log as ``<seq>-<op>.pt`` (``sent``: handed to the link;
@@ -250,9 +258,9 @@ class IslandLink:
                     "tensors": [t.detach().cpu().clone() for t in tensors]},
                    self.wire_dir / f"{self._wire_seq:06d}-{op}.pt")
 
-    def _count(self, op: str, nbytes: int, seconds: float) -> None:
+    def _count(self, op: str, nbytes: int, seconds: float, calls: int = 1) -> None:
         c = self.stats.counter(op)
-        c.calls += 1
+        c.calls += calls
         c.bytes += nbytes
         c.seconds += seconds
 
@@ -260,3 +268,35 @@ class IslandLink:
         """(calls, bytes, seconds) so far, every op together."""
         ops = self.stats.ops.values()
         return sum(c.calls for c in ops), sum(c.bytes for c in ops), sum(c.seconds for c in ops)
+
+
+def _failed(op: str, members: list[int], exc: RuntimeError) -> CollectiveError:
+    why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CollectiveError(f"islands: {op} between islands {members} failed: {why}")
+
+
+class Pending:
+    """An op between islands started but not yet waited for (``islands.overlap = "delayed"``).
+
+    Its call and bytes are counted when it starts, so a step's ``cross_island`` shows them where
+    the blocking mode would; its seconds are the time this rank then waits in :meth:`wait` (the
+    part of the exchange the inner steps did not hide), counted when it is waited for. A peer
+    that died fails the wait with a CollectiveError within the link's timeout, as a blocking op."""
+
+    def __init__(self, link: IslandLink, op: str, members: list[int], work, nbytes: int, t0: float | None):
+        self.link, self.op, self.members, self.work = link, op, members, work
+        self.done = False
+        link._count(op, nbytes, 0.0)
+        self._t0 = t0  # a blocking op: its seconds run from its start
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        t0 = self._t0 if self._t0 is not None else time.perf_counter()
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise _failed(self.op, self.members, exc) from exc
+        finally:
+            self.link._count(self.op, 0, time.perf_counter() - t0, calls=0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +29,7 @@ from chipset.errors import CollectiveError
 from chipset.runtime.optim import SGD
 from chipset.train.islands.clients import DataFingerprint, round_clients
 from chipset.train.islands.config import client_paths, federated, per_round
-from chipset.train.islands.link import HEARTBEAT_S, IslandLink, Quorum
+from chipset.train.islands.link import HEARTBEAT_S, IslandLink, Pending, Quorum
 from chipset.train.islands.privacy import rounds_spent
 from chipset.train.islands.secure import SecureSum, decode_sum, scale_for
 
@@ -103,6 +104,40 @@ class ProxTerm:
         grad.add_(bucket.master - bucket.outer["global"], alpha=self.mu)
 
 
+class _Exchange:
+    """An outer step's exchange on the link: ``result()`` waits for it and returns (the average,
+    what this island's share decoded to)."""
+
+    def __init__(self, quorum: Quorum, pending: list[Pending], finish, sent: torch.Tensor,
+                 error: CollectiveError | None = None):
+        self.quorum, self._pending, self._finish, self.sent, self._error = quorum, pending, finish, sent, error
+        self.done = not pending and error is None
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        for p in self._pending:
+            p.wait()
+        self.done = True
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.wait()
+        return self._finish(), self.sent
+
+
+@dataclass
+class _InFlight:
+    """A delayed outer step's exchange between its start and :meth:`Islands.settle`."""
+
+    x: torch.Tensor
+    step: int
+    ex: _Exchange
+    attempt: int
+    sent0: int
+    drift: float
+    took_part: bool
+
+
 class Islands:
     """One rank's part in the islands' training. Every rank of an island calls every method."""
 
@@ -118,6 +153,11 @@ class Islands:
         self.opt = SGD(momentum=isl.outer_momentum if isl.outer_optimizer == "nesterov" else 0.0,
                        nesterov=isl.outer_optimizer == "nesterov")
         self.outer_steps = 0
+        self.delayed = isl.overlap == "delayed"
+        self._pending: _InFlight | None = None
+        """The delayed outer step whose exchange is on the link (``islands.overlap = "delayed"``)."""
+        self._held = False
+        """Its average is in the buckets' ``outer["pending"]``, not yet applied (checkpointed)."""
         self.rejoin = rejoin
         self.history: list[dict] = []
         """One record per outer step: step, members, joiners, bytes sent between islands."""
@@ -129,6 +169,8 @@ class Islands:
                     b.outer["momentum"] = torch.zeros_like(b.master)
                 if self.dtype != "fp32":
                     b.outer["residual"] = torch.zeros_like(b.master)
+                if self.delayed:
+                    b.outer["pending"] = torch.zeros_like(b.master)
         self.federated = federated(isl)
         self.per_round = per_round(isl)
         self.seed = cfg.train.seed
@@ -176,11 +218,18 @@ class Islands:
 
     def state(self) -> dict:
         """What checkpoints keep besides the tensors."""
-        return {"outer_steps": self.outer_steps, "island": self.island, "count": self.count}
+        return {"outer_steps": self.outer_steps, "island": self.island, "count": self.count,
+                **({"held": self._held} if self.delayed else {})}
 
     def load_state(self, state: dict | None) -> None:
         if state:
             self.outer_steps = int(state.get("outer_steps", 0))
+            self._held = self.delayed and bool(state.get("held", False))
+            if state.get("held") and not self.delayed:
+                log.warning("island %d: the checkpoint holds an outer step's average not yet applied "
+                            "(islands.overlap = \"delayed\"); resumed with islands.overlap = \"off\", it is "
+                            "dropped (that round's training is lost): resume with overlap \"delayed\" to apply it",
+                            self.island)
 
     def close(self) -> None:
         if self._beat is not None:
@@ -207,38 +256,129 @@ class Islands:
             target = min(self.steps, target + self.every)
 
     def sync(self, step: int) -> None:
-        """The outer step after ``step`` completed inner steps (call when :meth:`due`)."""
+        """The outer step after ``step`` completed inner steps (call when :meth:`due`).
+
+        ``islands.overlap = "delayed"`` (before the last step): the exchange of the previous outer
+        step is waited for and its average applied first (:meth:`settle`, :meth:`_apply_held`),
+        then this step's exchange is only started and the local parameters restart from the
+        global ones; the next outer step applies it. At the last step, or with joiners in the
+        quorum (they receive the state right after the exchange), the outer step blocks."""
+        if self.delayed and self.link.wire_dir is not None:
+            self._record_params("outer-in", ("master",))
         with torch.no_grad():
+            if self.delayed:
+                if not self.settle():
+                    return  # left out of the exchange in flight: it rejoined meanwhile
+                self._apply_held()
             x = self._pseudo_gradient()
             drift = float(torch.linalg.vector_norm(x.double()))
             if self.federated and self.island in self.round_clients(step):
                 x = self._privatize(x)  # clipped (and noised) once per round: a retry resends the same update
-        attempt = 0
+        sent0 = self.link.totals()[1]
+        overlap = self.delayed and step < self.steps
+        done = self._round(x, step, overlap=overlap)
+        if done is None:
+            return  # left out of this quorum: it rejoined at a later one
+        q, ex, attempt = done
+        took_part = self.island in self.round_clients(step)
+        if not ex.done:  # started: the next inner steps run while it crosses
+            self._pending = _InFlight(x, step, ex, attempt, sent0, drift, took_part)
+            with torch.no_grad():
+                for b in self.buckets:
+                    self._owned(b, b.master).copy_(self._owned(b, b.outer["global"]))
+                self._refresh()
+        else:
+            avg, sent = ex.result()
+            with torch.no_grad():
+                self._apply(avg, x, sent, took_part=took_part)
+                if q.joiners:
+                    self._donate(q)
+            self._log_round(step, q, attempt, sent0, drift)
+        if self.delayed and self.link.wire_dir is not None:
+            self._record_params("outer-out", ("global", "master"))
+
+    def _round(self, x: torch.Tensor, step: int, *, attempt: int = 0, ex: _Exchange | None = None,
+               overlap: bool = False) -> tuple[Quorum, _Exchange, int] | None:
+        """Outer step ``step``'s exchange of ``x`` to its end, retried without islands that die:
+        (quorum, exchange, try). ``overlap``: only started (unless the quorum has joiners); ``ex``:
+        an exchange started earlier, waited for here. None: this island was left out of a quorum
+        and rejoined at a later outer step meanwhile."""
         while True:
-            q = self._agree(step, attempt=attempt)
-            if self.island not in q.members:  # too late for this quorum: fetch the state at the next one
-                log.warning("island %d was left out of the outer step at %d; it rejoins at the next one",
-                            self.island, step)
-                self.rejoin = True
-                self._restart_from(step)
-                return
-            sent0 = self.link.totals()[1]
+            if ex is None:
+                q = self._agree(step, attempt=attempt)
+                if self.island not in q.members:  # too late for this quorum: fetch the state at the next one
+                    log.warning("island %d was left out of the outer step at %d; it rejoins at the next one",
+                                self.island, step)
+                    self.rejoin = True
+                    self._restart_from(step)
+                    return None
+                ex = self._start_exchange(x, q, f"{step}/{attempt}")
+                if overlap and not q.joiners:
+                    return q, ex, attempt
             try:
-                avg, sent = self._exchange(x, q, f"{step}/{attempt}")
+                ex.wait()
                 ok = 1
             except CollectiveError as exc:  # an island died mid-exchange: a new quorum without it
                 log.warning("island %d: outer step at %d failed (%s); forming a new quorum", self.island, step, exc)
                 ok = 0
             if self._all_ok(ok):
-                break
+                return ex.quorum, ex, attempt
             attempt += 1
+            ex = None
+
+    def settle(self) -> bool:
+        """Wait for the delayed exchange in flight, if any, and hold its average in the buckets'
+        ``outer["pending"]`` (checkpointed) until the next outer step applies it. A peer that died
+        fails the wait within the link's timeout; the exchange is then retried, blocking, by a new
+        quorum of the live islands (as a blocking outer step is). False: this island was left out
+        of it and has rejoined at a later outer step meanwhile."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return True
+        done = self._round(p.x, p.step, attempt=p.attempt, ex=p.ex)
+        if done is None:
+            return False
+        q, ex, attempt = done
+        avg, sent = ex.result()
         with torch.no_grad():
-            self._apply(avg, x, sent, took_part=self.island in self.round_clients(step))
-            if q.joiners:
-                self._donate(q)
+            off = 0
+            for b in self.buckets:
+                n = self._owned(b, b.master).numel()
+                self._owned(b, b.outer["pending"]).copy_(avg[off:off + n].to(b.master.device))
+                if "residual" in b.outer and p.took_part:
+                    self._owned(b, b.outer["residual"]).copy_((p.x[off:off + n] - sent[off:off + n]).to(b.master.device))
+                off += n
+        self._held = True
+        self._log_round(p.step, q, attempt, p.sent0, p.drift)
+        return True
+
+    def _apply_held(self) -> None:
+        """The held average (the previous outer step's) applied: the global parameters take the
+        outer optimizer's step, and the local ones, which trained on from the old global
+        parameters, are re-based onto the new: ``local += new_global - old_global``."""
+        if not self._held:
+            return
+        self._held = False
+        self.outer_steps += 1
+        for b in self.buckets:
+            g = self._owned(b, b.outer["global"])
+            old = g.clone()
+            state = {"momentum": self._owned(b, b.outer["momentum"])} if "momentum" in b.outer else {}
+            self.opt.update(g, self._owned(b, b.outer["pending"]), state, self.outer_steps, self.lr,
+                            self.backend.kernels)
+            self._owned(b, b.master).add_(g - old)
+
+    def _log_round(self, step: int, q: Quorum, attempt: int, sent0: int, drift: float) -> None:
         self.history.append({"step": step, "members": list(q.members), "joiners": list(q.joiners),
                              "sampled": list(self.round_clients(step)), "attempts": attempt + 1,
                              "bytes": self.link.totals()[1] - sent0, "drift": drift})
+
+    def _record_params(self, what: str, names: tuple[str, ...]) -> None:
+        """Wire log (delayed mode): this rank's owned slices of ``names`` (master: the local
+        parameters; global), kept here, never sent: what an audit replays the delayed update from."""
+        with torch.no_grad():
+            self.link.record(what, [torch.cat([self._owned(b, b.master if n == "master" else b.outer[n]).float().cpu()
+                                               for b in self.buckets]) for n in names], sent=False)
 
     def _restart_from(self, step: int) -> None:
         target = min(self.steps, step + self.every)
@@ -273,27 +413,36 @@ class Islands:
 
     def _exchange(self, x: torch.Tensor, q: Quorum, round_key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the contributors' average pseudo-gradient, what this island's share decoded to)."""
-        self.link.use(q)
-        sampled = self.round_clients(q.step)
-        takers = [m for m in q.contributors if m in sampled]
-        n = max(1, len(takers))  # nobody sampled is alive: the sum is zeros
-        mine = x if self.island in takers else torch.zeros_like(x)
-        if self.noise > 0 and takers:  # the sum's noise: len(takers) shares of variance (noise * clip)^2 / k
-            self.round_noise.append(self.noise * (len(takers) / self.per_round) ** 0.5)
-        if self.secure is not None:
-            return self._secure_sum(mine, q, round_key) / n, mine
-        if self.dtype == "fp32":
-            t = mine.clone()
-            self.link.all_reduce(t)
-            return t / n, mine
-        if self.dtype == "bf16":
-            codes = mine.to(torch.bfloat16)
-            parts = self.link.all_gather(codes)
-            return _ordered_sum(p.float() for p in parts) / n, codes.float()
-        codes, scale = quantize_int8(mine)
-        all_codes, all_scales = self.link.all_gather(codes), self.link.all_gather(scale)
-        total = _ordered_sum(dequantize_int8(c, s) for c, s in zip(all_codes, all_scales, strict=True))
-        return total / n, dequantize_int8(codes, scale)
+        return self._start_exchange(x, q, round_key).result()
+
+    def _start_exchange(self, x: torch.Tensor, q: Quorum, round_key: str) -> _Exchange:
+        """The exchange of ``x`` with the quorum's islands, started on the link (secure aggregation:
+        done). A failure to start is raised when it is waited for."""
+        try:
+            self.link.use(q)
+            sampled = self.round_clients(q.step)
+            takers = [m for m in q.contributors if m in sampled]
+            n = max(1, len(takers))  # nobody sampled is alive: the sum is zeros
+            mine = x if self.island in takers else torch.zeros_like(x)
+            if self.noise > 0 and takers:  # the sum's noise: len(takers) shares of variance (noise * clip)^2 / k
+                self.round_noise.append(self.noise * (len(takers) / self.per_round) ** 0.5)
+            if self.secure is not None:
+                total = self._secure_sum(mine, q, round_key)
+                return _Exchange(q, [], lambda: total / n, mine)
+            if self.dtype == "fp32":
+                t = mine.clone()
+                return _Exchange(q, [self.link.all_reduce(t, wait=False)], lambda: t / n, mine)
+            if self.dtype == "bf16":
+                codes = mine.to(torch.bfloat16)
+                parts, p = self.link.all_gather(codes, wait=False)
+                return _Exchange(q, [p], lambda: _ordered_sum(c.float() for c in parts) / n, codes.float())
+            codes, scale = quantize_int8(mine)
+            (all_codes, p1), (all_scales, p2) = self.link.all_gather(codes, wait=False), self.link.all_gather(scale, wait=False)
+            return _Exchange(q, [p1, p2], lambda: _ordered_sum(dequantize_int8(c, s) for c, s in
+                                                               zip(all_codes, all_scales, strict=True)) / n,
+                             dequantize_int8(codes, scale))
+        except CollectiveError as exc:
+            return _Exchange(q, [], None, x, error=exc)
 
     def _secure_sum(self, mine: torch.Tensor, q: Quorum, round_key: str) -> torch.Tensor:
         """The sum of the members' updates, with only masked vectors on the link (secure.py)."""
@@ -373,6 +522,7 @@ class Islands:
                     b.outer["residual"].zero_()
             self._refresh()
         self.rejoin = False
+        self._pending, self._held = None, False  # delayed mode: the state received is the quorum's, applied
         self.history.append({"step": q.step, "members": list(q.members), "joiners": list(q.joiners),
                              "attempts": 1, "bytes": 0, "joined": True})
 
