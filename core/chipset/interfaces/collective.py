@@ -283,6 +283,15 @@ class Collective:
         Backends may use it (the simulator's ``slow_loader`` fault sleeps here); default: nothing.
         """
 
+    def notify_compute(self, step: int) -> None:
+        """The training loop calls this on the host once step ``step``'s batches are fetched, just
+        before its forward (0-based): inside the step's compute time and its ``chipset::step``
+        profiler range, outside every operator.
+
+        Backends may use it (the simulator's ``host_delay`` fault sleeps here: host overhead
+        between kernels, for ``chipset diagnose`` to find in a trace); default: nothing.
+        """
+
     def loss_factor(self, step: int) -> float:
         """What the engine multiplies step ``step``'s loss by before backward, so the recorded loss
         and the gradients both carry it. Default 1.0; the simulator's ``loss_spike`` fault raises it

@@ -27,7 +27,8 @@ can be imported; W&B, MLflow or a ``chipset.metrics_sinks`` entry point's), each
 step's record once it is complete (after the loop added its evaluation), and with
 ``train.profile_steps = "a:b"`` a
 torch.profiler Chrome trace per rank, ``RUN_DIR/traces/rank<r>.json``, holding chipset's
-own ranges (``chipset::forward``, ``chipset::backward``, ``chipset::optimizer``,
+own ranges (``chipset::step``: the step after its data is fetched, ``chipset::forward``,
+``chipset::backward``, ``chipset::optimizer``,
 ``chipset::stage<N>.forward``/``.backward`` under pipeline parallelism, one
 ``chipset::<op>`` per collective).
 """
@@ -199,7 +200,7 @@ class StepMetrics:
         return {
             "devices": {"name": props.name, "count_per_node": self.backend.device.device_count(),
                         "total_memory_bytes": int(props.total_memory),
-                        "peak_flops": dict(props.peak_flops)},
+                        "peak_flops": dict(props.peak_flops), "estimated": bool(props.estimated)},
             "model_flops_per_token": self.model_flops_per_token,
             "mfu": self._mfu_sum / self._mfu_n if self._mfu_n else None,
             "comm_totals": {op: {"calls": int(t[0]), "bytes": int(t[1]), "seconds": t[2]}
