@@ -26,7 +26,8 @@ from chipset.diagnose.trace import trace_check
 __all__ = ["Diagnosis", "Finding", "SEVERITIES", "check_layout", "diagnose_records", "diagnose_run"]
 
 SEVERITIES = ("error", "warning", "info")
-RULES = (rules.health, replica_divergence, rules.memory, rules.data_loader, rules.straggler, rules.stage_imbalance,
+RULES = (rules.health, replica_divergence, rules.memory, rules.data_loader, rules.recompiles, rules.straggler,
+         rules.stage_imbalance,
          pipeline_bubble, moe_skew, rules.communication)
 """In this order; findings of equal severity and confidence keep it (the sort is stable): what the
 run computed (loss, gradients) before what it holds (memory) before how fast it went."""
