@@ -54,9 +54,12 @@ def _projection(run_dir: Path, recs: list[dict[str, Any]], summary: dict[str, An
     if not config.is_file() or not isinstance(world, int) or not isinstance(profile, str) or comm is None:
         return None, "no planner projection (config.toml, summary.json's world_size and devices.name and a " \
                      "step's comm counts are needed): no check against the planned step time"
+    from chipset.discovery.profiles import all_profiles
     from chipset.planner.projection import project
     from chipset.train.config import load_config
 
+    if profile not in all_profiles():
+        return None, f"no planner profile named {profile!r} (the run's device): no check against the planned step time"
     try:
         return project(load_config(config), world, comm, profile), None
     except (ChipsetError, ValueError, KeyError, AttributeError, TypeError) as exc:
