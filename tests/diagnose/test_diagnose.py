@@ -266,3 +266,14 @@ def test_live_watch_warns_once_per_straggler_and_leak():
     assert not [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6]) for x in watch.step(rec)]
     watch = LiveWatch()
     assert not [x for rec in _recs() for x in watch.step(rec)]
+
+
+def test_recompiles_that_go_on_after_warm_up_are_a_storm():
+    """8 steps, warm-up 2: rank 0 compiles a frame in each of steps 4-8, 5 of the 6 later steps
+    (>= half: a storm; < 90%: a warning). Compiling in steps 1-2 only, or in 2 of the 6, is not."""
+    d = diagnose_records(_recs(compiles=lambda s, v: [3, 3] if s <= 2 else [1, 0] if s >= 4 else [0, 0]), SUMMARY)
+    f = d.findings[0]
+    assert (f.kind, f.severity, f.rank, f.step, f.confidence) == ("recompile_storm", "warning", 0, 4, round(5 / 6, 3))
+    assert f.evidence["compiles_per_rank"] == [5, 0] and f.evidence["storm_steps"] == [4, 5, 6, 7, 8]
+    assert not diagnose_records(_recs(compiles=lambda s, v: [3, 3] if s <= 2 else [0, 0]), SUMMARY).findings
+    assert not diagnose_records(_recs(compiles=lambda s, v: [1, 1] if s in (1, 4, 6) else [0, 0]), SUMMARY).findings

@@ -26,8 +26,10 @@ FAULTS = {
     "slow_loader": "slow_loader:rank=1,ms=200",
     "loss_spike": "loss_spike:step=3",  # the loss of 0-based step 3 (record step 4) times 10
     "corrupt": "corrupt:rank=1,step=2",  # rank 1's all-reduce results of 0-based step 2 (record step 3) off
+    "host": "host_delay:ms=150",  # every rank 150 ms on the host per step, outside operators and collectives
 }
-SETS = {"tp_slow_link": ["parallel.tp=2"]}
+# The clean and host jobs profile their last step (traces/rank<r>.json): host_overhead and top_operators.
+SETS = {"tp_slow_link": ["parallel.tp=2"], "clean": ["train.profile_steps=6:6"], "host": ["train.profile_steps=6:6"]}
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +147,45 @@ def test_corrupted_all_reduce_results_on_one_rank_split_the_replicas(runs, capsy
     first = _diagnose(runs["corrupt"], capsys)[1]["findings"][0]
     assert first["evidence"]["replica_group"] == [0, 1] and first["evidence"]["last_equal_step"] == 2
     assert "replica_divergence" not in [f["kind"] for f in _diagnose(runs["clean"], capsys)[1]["findings"]]
+
+
+def test_a_step_far_slower_than_planned_names_the_term(runs, capsys):
+    """tp=2 across a link that adds 20 ms to each of its collectives: the tensor-parallel all-reduces
+    (tp's term: dp is 1) take 10x and more of what the compute-scaled plan gives the whole step; the
+    clean run is within SLOWER of its plan. Ratio mode: cpu_sim's device rates are estimates."""
+    from chipset.diagnose.planned import SLOWER
+
+    out = _diagnose(runs["tp_slow_link"], capsys)[1]
+    found = [f for f in out["findings"] if f["kind"] == "slower_than_plan"]
+    assert len(found) == 1, out["findings"]
+    ev = found[0]["evidence"]
+    assert ev["term"] == "tp" and ev["ratio"] >= SLOWER and ev["mode"].startswith("ratio")
+    assert ev["gap_s"]["tp"] == max(ev["gap_s"].values()) and ev["measured_s"]["tp"] > ev["planned_s"]["tp"]
+    assert ev["planned_s"]["compute"] == pytest.approx(ev["measured_s"]["compute"])  # the calibration
+    assert "slower_than_plan" not in [f["kind"] for f in _diagnose(runs["clean"], capsys)[1]["findings"]]
+
+
+def test_host_delay_is_host_overhead_first_and_the_clean_trace_is_not(runs, capsys):
+    """150 ms per step on every rank before its forward, outside operators and collectives: the
+    profiled step is mostly gap; no rank is slower than the other, so nothing else outranks it."""
+    from chipset.diagnose.trace import HOST_SHARE
+
+    code, out = _diagnose(runs["host"], capsys)
+    first = out["findings"][0]
+    assert first["kind"] == "host_overhead", out["findings"]
+    assert first["evidence"]["over_spans"] >= 1 and first["evidence"]["gap_s"] >= 0.150  # a rank's sleep at least
+    assert max(first["evidence"]["ranks_over"]) <= 1 and HOST_SHARE == 0.6
+    clean = _diagnose(runs["clean"], capsys)[1]["findings"]
+    assert "host_overhead" not in [f["kind"] for f in clean], clean
+
+
+def test_the_profiled_operators_say_which_have_a_faster_kernel(runs, capsys):
+    """cpu_sim registers no kernel: an operator a chipset kernel covers is named with the installed
+    backends that register a faster one (the cpu plugin's fused_adamw, cross_entropy, ...)."""
+    out = _diagnose(runs["clean"], capsys)[1]
+    top = [f for f in out["findings"] if f["kind"] == "top_operators"]
+    assert len(top) == 1 and top[0]["severity"] == "info"
+    rows = top[0]["evidence"]["operators"]
+    assert len(rows) == 5 and rows == sorted(rows, key=lambda r: -r["self_s"])
+    assert top[0]["evidence"]["backend"] == "cpu_sim" and top[0]["evidence"]["backend_kernels"] == []
+    assert all(r["faster_kernel"] is None or r["faster_kernel"].startswith("no faster") for r in rows)

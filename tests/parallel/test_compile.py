@@ -96,3 +96,20 @@ def test_compile_refused_before_launch_without_a_compile_backend(tmp_path, monke
     assert r.returncode == 2, r.stdout + r.stderr
     assert "train.compile = true" in r.stderr and "compile_backend" in r.stderr
     assert not run_dir.exists(), "a refused run must leave nothing behind"
+
+
+def test_compiled_frames_counts_each_compile_and_recompile():
+    """What metrics.jsonl's ``compiles`` reads: one frame compiled on the first call, none on a call
+    its guards accept, one more when a new shape fails them (dynamic=False: no dynamic shapes)."""
+    import torch
+
+    from chipset.parallel.compile import compiled_frames
+
+    f = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    before = compiled_frames()
+    f(torch.ones(2))
+    first = compiled_frames()
+    f(torch.ones(2))
+    same = compiled_frames()
+    f(torch.ones(3))
+    assert (first - before, same - first, compiled_frames() - same) == (1, 0, 1)

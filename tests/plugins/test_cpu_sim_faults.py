@@ -278,3 +278,16 @@ def test_a_kill_with_island_concerns_only_that_island(monkeypatch):
     (g,) = parse_faults("kill:rank=0,step=9")
     monkeypatch.delenv(ISLAND_ENV)
     assert g.island is None and g.here()
+
+
+def test_host_delay_concerns_every_rank_or_the_one_named():
+    """host_delay without rank concerns every rank; with rank=R only R (the entries add up)."""
+    from chipset_cpu_sim.faults import ANY_RANK, FaultPlan
+
+    every, one = parse_faults("host_delay:ms=150;host_delay:rank=1,ms=20")
+    assert (every.kind, every.rank, every.ms, one.rank, one.ms) == ("host_delay", ANY_RANK, 150, 1, 20)
+    plan = FaultPlan([every, one])
+    assert (plan.host_delay_s(0), plan.host_delay_s(1)) == (0.150, 0.170)
+    assert FaultPlan(parse_faults("slow:rank=0,ms=300")).host_delay_s(0) == 0.0
+    with pytest.raises(ConfigError, match="missing ms"):
+        parse_faults("host_delay:rank=1")

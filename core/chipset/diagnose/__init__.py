@@ -2,8 +2,9 @@
 
 Each finding is a :class:`Finding`: a kind, a severity (``error`` / ``warning`` / ``info``), a one-line
 title, the evidence (numbers, steps, ranks), a confidence in [0, 1] and what to do. Findings come
-ranked: severity first, then confidence. The rules read only ``metrics.jsonl`` records and
-``summary.json`` (see docs/diagnose.md for how each is computed); a field a run did not record
+ranked: severity first, then confidence. The rules read ``metrics.jsonl`` records, ``summary.json``,
+``config.toml`` (the layout and planned-step checks) and the profiler traces under ``traces/``
+(see docs/diagnose.md for how each is computed); a field a run did not record
 makes its rule silent, and the diagnosis lists what was missing.
 """
 
@@ -18,12 +19,15 @@ from chipset.diagnose import rules
 from chipset.diagnose.layout import layout_check
 from chipset.diagnose.model import moe_skew, replica_divergence
 from chipset.diagnose.pipeline import pipeline_bubble
+from chipset.diagnose.planned import plan_check
 from chipset.diagnose.read import check_records, read_run
+from chipset.diagnose.trace import trace_check
 
 __all__ = ["Diagnosis", "Finding", "SEVERITIES", "check_layout", "diagnose_records", "diagnose_run"]
 
 SEVERITIES = ("error", "warning", "info")
-RULES = (rules.health, replica_divergence, rules.memory, rules.data_loader, rules.straggler, rules.stage_imbalance,
+RULES = (rules.health, replica_divergence, rules.memory, rules.data_loader, rules.recompiles, rules.straggler,
+         rules.stage_imbalance,
          pipeline_bubble, moe_skew, rules.communication)
 """In this order; findings of equal severity and confidence keep it (the sort is stable): what the
 run computed (loss, gradients) before what it holds (memory) before how fast it went."""
@@ -118,6 +122,15 @@ def diagnose_run(run_dir: str | Path) -> Diagnosis:
     records, summary, missing = read_run(Path(run_dir))
     diag = diagnose_records(records, summary, str(run_dir))
     check_layout(diag, Path(run_dir), summary)
+    if summary:
+        found, lacked, notes = plan_check(Path(run_dir), check_records(records)[0], summary)
+        diag.findings += [Finding(**f) for f in found]
+        diag.missing += lacked
+        diag.notes += notes
+    found, lacked = trace_check(Path(run_dir), summary)
+    diag.findings += [Finding(**f) for f in found]
+    diag.missing += lacked
+    _rank(diag)
     diag.missing = missing + diag.missing
     return diag
 

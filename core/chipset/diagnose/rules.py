@@ -25,6 +25,11 @@ COMM_BOUND = 0.5
 """Exposed communication above this share of the step time marks the step communication-bound."""
 DATA_STALL = 0.2
 NEAR_CAPACITY = 0.9
+COMPILE_WARMUP = 2
+"""Steps in which torch.compile is expected to compile: the first compiles every block, the second may
+recompile each once (torch marks a size that changed as dynamic and compiles that graph again)."""
+RECOMPILE_SHARE = 0.5
+"""A recompilation storm: frames compiled in at least this share of the steps after COMPILE_WARMUP."""
 
 
 def _lists(recs, key):
@@ -281,3 +286,28 @@ def communication(recs, summary):
                "group), overlap communication, raise the micro-batch count, or compare the layout with "
                "'chipset plan', which ranks layouts by predicted step time")], []
 
+
+
+def recompiles(recs, summary):
+    """``compiles`` per rank and step (``train.compile`` runs): compiling that goes on after warm-up."""
+    rows = _lists(recs, "compiles")
+    late = rows[COMPILE_WARMUP:]
+    if len(late) < 2:
+        return [], []
+    world = len(rows[0]["compiles"])
+    storm = [x for x in late if any(x["compiles"])]
+    if len(storm) < RECOMPILE_SHARE * len(late):
+        return [], []
+    per_rank = [sum(x["compiles"][r] for x in late) for r in range(world)]
+    rank = max(range(world), key=lambda r: per_rank[r])
+    share = len(storm) / len(late)
+    return [dict(
+        kind="recompile_storm", severity="error" if share >= 0.9 else "warning", rank=rank, step=storm[0]["step"],
+        title=f"torch.compile recompiles in {len(storm)} of {len(late)} steps after warm-up "
+              f"({per_rank[rank]} frames on rank {rank}, from step {storm[0]['step']})",
+        evidence={"rank": rank, "compiles_per_rank": per_rank, "storm_steps": [x["step"] for x in storm],
+                  "steps": len(late), "first_step": storm[0]["step"], "warmup_steps": COMPILE_WARMUP},
+        confidence=round(share, 3),
+        advice="a compiled block's guards keep failing (a shape, dtype or Python value that changes every "
+               "step: variable sequence lengths, a step counter read in forward): pad to a few fixed shapes, "
+               "or mark the varying size dynamic; TORCH_LOGS=recompiles names the failing guard")], []

@@ -151,12 +151,17 @@ class Handle:
         self._account = account  # gets the seconds wait() blocked: the op's exposed time
 
     def wait(self) -> None:
-        """Block until the op has completed."""
+        """Block until the op has completed (a ``chipset::wait`` range while a torch profiler records:
+        time blocked in a collective, as the op's own range is)."""
         if self._work is None:
             return
         t0 = time.perf_counter()
         try:
-            self._work.wait()
+            if torch.autograd.profiler._is_profiler_enabled:
+                with torch.profiler.record_function("chipset::wait"):
+                    self._work.wait()
+            else:
+                self._work.wait()
         except Exception as exc:
             raise _past_timeout(self._translate(exc, self._describe), time.perf_counter() - t0) from exc
         finally:
@@ -281,6 +286,15 @@ class Collective:
         the time it records as this rank's wait for its data (``data_wait_s``, docs/diagnose.md).
 
         Backends may use it (the simulator's ``slow_loader`` fault sleeps here); default: nothing.
+        """
+
+    def notify_compute(self, step: int) -> None:
+        """The training loop calls this on the host once step ``step``'s batches are fetched, just
+        before its forward (0-based): inside the step's compute time and its ``chipset::step``
+        profiler range, outside every operator.
+
+        Backends may use it (the simulator's ``host_delay`` fault sleeps here: host overhead
+        between kernels, for ``chipset diagnose`` to find in a trace); default: nothing.
         """
 
     def loss_factor(self, step: int) -> float:

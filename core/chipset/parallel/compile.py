@@ -20,9 +20,22 @@ from torch import nn
 
 from chipset.errors import ConfigError
 
-__all__ = ["apply_compile", "check_compile", "compile_backend_of"]
+__all__ = ["apply_compile", "check_compile", "compile_backend_of", "compiled_frames"]
 
 log = logging.getLogger(__name__)
+
+
+def compiled_frames() -> int:
+    """Frames torch.compile has compiled in this process so far: dynamo's ``frames.ok`` counter, which
+    counts a frame's first compile and every recompile (a guard failed: a new shape, dtype, a changed
+    Python value); 0 when torch._dynamo was never imported."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
 
 
 def compile_backend_of(descriptor) -> str | None:

@@ -21,6 +21,10 @@ planner's cost model on the profile (one node of ``world size`` devices):
   overlap rule (:func:`chipset.planner.time.dp_exposed_time`) when no other dimension uses the same
   collective type; everything else (the loss and gradient-norm all-reduces included) is on the
   critical path.
+- per collective type (``comm_ops``): the busiest rank's seconds, the dimensions that issue it (``dims``;
+  several when they share the type, e.g. dp's and tp's all-reduces) and its exposed seconds
+  (``exposed_s``: the dp-overlapped types share the dp rule's exposed time in proportion to their
+  seconds), so ``chipset diagnose`` can compare each group's measured time with its prediction.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
     ranks = max((len(v.get("calls", [])) for v in comm.values()), default=0)
     worst = None
     for r in range(ranks):
-        dp_items, other, total = [], 0.0, 0.0
+        dp_items, other, total, by_op = [], 0.0, 0.0, {}
         for op, rec in comm.items():
             calls, nbytes = rec["calls"][r], rec["bytes"][r]
             dims = [d for d, ops in uses.items() if op in ops]
@@ -127,6 +131,7 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
             bw = dev.intra_node_bandwidth
             t += _sent(op, nbytes, n) / bw if bw > 0 else 0.0
             total += t
+            by_op[op] = {"seconds": t, "dims": dims}
             if dims == ["dp"] and op in _DP_OVERLAPPED[lay.zero]:
                 phase = _dp_phase(op, lay.zero)
                 dp_items.append(CommItem(dim="dp", op=op, what="measured", group_size=n, calls=calls,
@@ -138,13 +143,18 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
         bubble = slot * (lay.pp - 1) / lay.v if even else slot * base.bubble_slots
         dp_exposed = dp_exposed_time(dp_items, t_compute / mb * fwd_share, t_compute / mb * (1 - fwd_share), mb, a)
         step = slot * mb + bubble + dp_exposed + base.breakdown["optimizer"] + base.breakdown["host"]
-        cand = {"step_time_s": step, "comm_s": total, "comm_exposed_s": other + dp_exposed, "bubble_s": bubble}
+        hidden = sum(i.time_s for i in dp_items)
+        for op, row in by_op.items():  # the dp overlap rule hides the overlapped ops' time pro rata
+            overlapped = row["dims"] == ["dp"] and op in _DP_OVERLAPPED[lay.zero]
+            row["exposed_s"] = row["seconds"] * (dp_exposed / hidden if hidden > 0 else 0.0) if overlapped else row["seconds"]
+        cand = {"step_time_s": step, "comm_s": total, "comm_exposed_s": other + dp_exposed, "bubble_s": bubble,
+                "comm_ops": by_op}
         if worst is None or cand["step_time_s"] > worst["step_time_s"]:
             worst = cand
     if worst is None:  # one rank, nothing communicated
         bubble = 0.0
         worst = {"step_time_s": t_compute + base.breakdown["optimizer"] + base.breakdown["host"], "comm_s": 0.0, "comm_exposed_s": 0.0,
-                 "bubble_s": bubble}
+                 "bubble_s": bubble, "comm_ops": {}}
     tokens = tr.global_batch * tr.seq_len
     step = worst["step_time_s"]
     peak = dev.peak_flops_for(tr.dtype)
@@ -154,6 +164,7 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
         "comm_exposed_s": worst["comm_exposed_s"], "bubble_s": worst["bubble_s"],
         "optimizer_s": base.breakdown["optimizer"], "gemm_efficiency": base.breakdown["gemm_efficiency"],
         "roofline_s": base.breakdown["roofline"], "launch_floor_s": base.breakdown["launch_floor"], "host_s": base.breakdown["host"],
+        "comm_ops": worst["comm_ops"],
         "tokens_per_s": tokens / step,
         "mfu": model_flops_per_token(m, tr.seq_len) * tokens / (step * world_size * peak),
     }

@@ -319,10 +319,12 @@ def train(cfg: RunConfig, backend: Backend, run_dir: str | Path | None = None, *
             col.notify_batch(step)  # inside the wait for data: a backend's injected slow loader lands there
             batches = rank_batches(data, step, engine, par.micro_batches, replica)
             obs.data_wait(time.perf_counter() - t0)  # this rank's wait for its batches (diagnose: slow loader)
-            loss, stats = train_step(engine, batches, lr, col.loss_factor(step))
-            if islands is not None and islands.due(step + 1):
-                islands.sync(step + 1)  # the outer step: pseudo-gradients averaged between islands
-            backend.device.synchronize()
+            with trace_range("chipset::step"):  # the step after its data, in a profiler trace (diagnose: host overhead)
+                col.notify_compute(step)  # on the host before the forward: a backend's injected host delay lands there
+                loss, stats = train_step(engine, batches, lr, col.loss_factor(step))
+                if islands is not None and islands.due(step + 1):
+                    islands.sync(step + 1)  # the outer step: pseudo-gradients averaged between islands
+                backend.device.synchronize()
             dt = time.perf_counter() - t0
             times.append(dt)
             peak = backend.memory.stats().peak_allocated

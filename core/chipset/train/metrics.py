@@ -18,6 +18,9 @@ which adds them to the step's ``metrics.jsonl`` record (see docs/observability.m
   the planner's FLOPs count and the device's declared peak for the run dtype (None when
   the backend declares no peak for it); for another model family, samples/s x the family's
   ``flops_per_sample`` / (peak x ranks);
+- ``compiles`` (``train.compile``): per rank, the frames torch.compile compiled in the step (a
+  first compile or a recompile; chipset.parallel.compile.compiled_frames): after warm-up a
+  recompilation storm (``chipset diagnose``);
 - ``param_sum`` (every ``train.replica_check_every`` steps) and ``moe`` (MoE models): the
   parameter checksum per rank and the routing load per MoE layer (chipset.train.model_stats).
 
@@ -27,7 +30,8 @@ can be imported; W&B, MLflow or a ``chipset.metrics_sinks`` entry point's), each
 step's record once it is complete (after the loop added its evaluation), and with
 ``train.profile_steps = "a:b"`` a
 torch.profiler Chrome trace per rank, ``RUN_DIR/traces/rank<r>.json``, holding chipset's
-own ranges (``chipset::forward``, ``chipset::backward``, ``chipset::optimizer``,
+own ranges (``chipset::step``: the step after its data is fetched, ``chipset::forward``,
+``chipset::backward``, ``chipset::optimizer``,
 ``chipset::stage<N>.forward``/``.backward`` under pipeline parallelism, one
 ``chipset::<op>`` per collective).
 """
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chipset.parallel.compile import compiled_frames
 from chipset.train.config import parse_profile_steps
 from chipset.train.model_stats import ModelStats
 from chipset.train.sinks import SinkSet, open_sinks
@@ -57,7 +62,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", 
        "batch_p2p", "barrier", "other")
 """Collective types reported per step; ops of any other name are summed under ``other``."""
 
-_FIXED = 6  # step time, blocked seconds, memory allocated, memory peak, data wait, parameter checksum
+_FIXED = 7  # step time, blocked seconds, memory allocated, memory peak, data wait, parameter checksum, compiles
 
 
 class StepMetrics:
@@ -80,6 +85,8 @@ class StepMetrics:
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self.model_flops_per_token, self.peak_flops = _flops(cfg, backend)
         self._data_wait = 0.0
+        self._compile = bool(cfg.train.compile)
+        self._frames = 0  # compiled_frames() at the step's start (train.compile)
         self._mfu_sum = 0.0
         self._mfu_n = 0
         self._comm_totals: dict[str, list[float]] = {}
@@ -105,6 +112,8 @@ class StepMetrics:
                                                     record_shapes=False)
             self._profiler.__enter__()
         self._snap = self.col.comm_stats.snapshot()
+        if self._compile:
+            self._frames = compiled_frames()
         if self.cross is not None:
             self._cross_snap = self.cross.totals()
 
@@ -125,7 +134,8 @@ class StepMetrics:
         mem = self.backend.memory.stats()
         blocked = sum(d[2] for d in delta.values())
         local = [rec["step_time_s"], blocked, float(mem.allocated), float(mem.peak_allocated), self._data_wait,
-                 self.model_stats.param_sum(int(rec["step"]))]
+                 self.model_stats.param_sum(int(rec["step"])),
+                 float(compiled_frames() - self._frames) if self._compile else 0.0]
         self._data_wait = 0.0
         for op in OPS:
             local += delta[op]
@@ -144,6 +154,8 @@ class StepMetrics:
             rec["moe"] = moe
         if not math.isnan(rows[0][5]):
             rec["param_sum"] = [r[5] for r in rows]
+        if self._compile:
+            rec["compiles"] = [int(r[6]) for r in rows]
         step_t = [r[0] for r in rows]
         blocked_t = [min(r[1], r[0]) for r in rows]
         compute = [s - b for s, b in zip(step_t, blocked_t, strict=True)]
@@ -199,7 +211,7 @@ class StepMetrics:
         return {
             "devices": {"name": props.name, "count_per_node": self.backend.device.device_count(),
                         "total_memory_bytes": int(props.total_memory),
-                        "peak_flops": dict(props.peak_flops)},
+                        "peak_flops": dict(props.peak_flops), "estimated": bool(props.estimated)},
             "model_flops_per_token": self.model_flops_per_token,
             "mfu": self._mfu_sum / self._mfu_n if self._mfu_n else None,
             "comm_totals": {op: {"calls": int(t[0]), "bytes": int(t[1]), "seconds": t[2]}

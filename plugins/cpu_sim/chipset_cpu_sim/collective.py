@@ -57,6 +57,10 @@ class SimCollective(HostCollective):
         if self.faults:  # slow_loader: the sleep falls inside the loop's data-wait timer
             self.faults.on_batch(self._global_rank())
 
+    def notify_compute(self, step: int) -> None:
+        if self.faults:  # host_delay: the sleep falls inside the step, between two operators
+            self.faults.on_compute(self._global_rank())
+
     def loss_factor(self, step: int) -> float:
         return self.faults.loss_factor(int(step)) if self.faults else 1.0
 

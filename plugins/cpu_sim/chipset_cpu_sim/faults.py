@@ -16,6 +16,10 @@ Grammar: ``;``-separated entries ``kind:key=value,key=value``::
                                 compute time, not communication)
     slow_link:rank=1,ms=50      a slow link: every collective rank 1 issues takes 50 ms longer,
                                 timed as communication (its peers wait inside the same collective)
+    host_delay:ms=150           host-side overhead: in every step each rank (or only rank R, with
+                                rank=R) spends 150 ms on the host just before its forward
+                                (``Collective.notify_compute``), outside every operator and
+                                collective: timed as compute, a gap between kernels in a trace
     leak:rank=1,mib=4,step=3    rank 1 holds 4 MiB more device memory per step from step 3 on
                                 (step optional, default 0), as a loop that keeps tensors alive
     slow_loader:rank=1,ms=200   a slow input pipeline: rank 1's batches arrive 200 ms late in every
@@ -75,6 +79,7 @@ _SCHEMA: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "hang": (("rank",), ("collective",), ()),
     "slow": (("rank", "ms"), (), ()),
     "slow_link": (("rank", "ms"), (), ()),
+    "host_delay": (("ms",), (), ("rank",)),
     "leak": (("rank", "mib"), (), ("step",)),
     "slow_loader": (("rank", "ms"), (), ()),
     "loss_spike": ((), ("step",), ("factor",)),
@@ -118,7 +123,7 @@ def _bad(entry: str, why: str) -> ConfigError:
     return ConfigError(
         f"{FAULTS_ENV}: entry {entry!r} is invalid: {why}. Expected ';'-separated entries "
         f"'kind:key=value,...' with kind kill (rank, step|collective, optional island), kill_node (step, optional rank), "
-        f"delay (rank, ms), hang (rank, collective), slow (rank, ms), slow_link (rank, ms), leak (rank, mib, "
+        f"delay (rank, ms), hang (rank, collective), slow (rank, ms), slow_link (rank, ms), host_delay (ms, optional rank), leak (rank, mib, "
         f"optional step), slow_loader (rank, ms), loss_spike (step, optional factor) or corrupt (rank, step), e.g. {_EXAMPLE!r}."
     )
 
@@ -217,9 +222,10 @@ class FaultPlan:
 
     def on_step(self, rank: int, step: int) -> None:
         self._step = step
+        self._slow_due = 0.0  # what a step without a collective did not spend is not carried over
         for f in self.faults:
             if f.kind == "slow" and f.rank == rank:
-                self._slow_due = f.ms / 1000.0
+                self._slow_due += f.ms / 1000.0
             elif f.kind == "leak" and f.rank == rank and step >= (f.step or 0):
                 import torch  # charged by the simulator's memory accounting like any tensor of the run
 
@@ -253,6 +259,16 @@ class FaultPlan:
         delay = sum(f.ms for f in self.faults if f.kind == "slow_loader" and f.rank == rank)
         if delay:
             time.sleep(delay / 1000.0)
+
+    def on_compute(self, rank: int) -> None:
+        """Before the step's forward on ``rank``, on the host: ``host_delay`` sleeps there."""
+        delay = self.host_delay_s(rank)
+        if delay:
+            time.sleep(delay)
+
+    def host_delay_s(self, rank: int) -> float:
+        """Seconds ``rank`` spends on the host before each step's forward (``host_delay``)."""
+        return sum(f.ms for f in self.faults if f.kind == "host_delay" and f.rank in (rank, ANY_RANK)) / 1000.0
 
     def loss_factor(self, step: int) -> float:
         """What step ``step``'s loss is multiplied by (``loss_spike``; 1.0 at every other step)."""
