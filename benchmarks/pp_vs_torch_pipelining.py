@@ -7,27 +7,44 @@ own). The two trainers alternate step by step so machine noise hits both alike; 
 median step time of each is reported and their ratio (chipset / torch; below 1.00 means
 chipset is faster), plus each one's per-step loss so the runs can be seen to agree.
 
+``--size S|M|L`` picks the model of ``vs_plain_torch.py``'s sizes S and M (hidden 128 / 256,
+4 blocks, sequence 128) or the larger L of issue 38 (hidden 512, 8 blocks, sequence 256);
+explicit ``--hidden`` ... flags override it. ``--zero-bubble`` adds torch's zero-bubble
+schedules as extra trainers in the same alternation: ``ScheduleInterleavedZeroBubble`` and
+``ScheduleZBVZeroBubble``, each over 4 stages of the same model (two per rank: interleaved
+ranks 0,1,0,1; V-shaped 0,1,1,0), their own copy of the model and optimizer; each one's
+median and ratio to chipset's 1F1B are reported too. ``--profile`` adds each trainer's
+Python function calls and CPU time per step (cProfile over 3 more steps each, after the
+timed ones; CPU time under cProfile, so compare it between the trainers only).
+
 ``--delay-ms F,B`` sleeps F ms after every micro-batch forward and B ms after every
 backward on both sides (a stand-in for heavier compute, so the schedule rather than
 Python overhead dominates).
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/pp_vs_torch_pipelining.py \
-        [--steps 10] [--hidden 256] [--layers 4] [--seq 64] [--batch 16] [--micro-batches 8] \
-        [--delay-ms 0,0] [--json OUT]
+    CHIPSET_BACKEND=cpu OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \
+        benchmarks/pp_vs_torch_pipelining.py [--size S|M|L] [--steps 10] [--micro-batches 4] \
+        [--zero-bubble] [--profile] [--delay-ms 0,0] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from chipset.loader import backend
 from chipset.models import Transformer
@@ -59,19 +76,100 @@ class _Half(nn.Module):
         return x
 
 
+def zero_bubble_trainer(cfg, b, data, rank: int, m: int, style: str, loss_fn, delay):
+    """One step of torch's ScheduleInterleavedZeroBubble (``style`` "loop": stages 0-3 on ranks
+    0,1,0,1) or ScheduleZBVZeroBubble ("v": ranks 0,1,1,0) over a fresh copy of the model."""
+    model = Transformer(cfg.model, b.kernels, seed=1)
+    dev = b.device.torch_device()
+    per = cfg.model.num_hidden_layers // 4
+    mine = (rank, 2 + rank) if style == "loop" else (rank, 3 - rank)
+    mods = [_Half(model, s * per, (s + 1) * per, s == 0, s == 3, delay).to(dev) for s in mine]
+    stages = [PipelineStage(mod, s, 4, dev) for mod, s in zip(mods, mine, strict=True)]
+    kind = ScheduleInterleavedZeroBubble if style == "loop" else ScheduleZBVZeroBubble
+    sched = kind(stages, m, loss_fn=loss_fn)
+    opt = torch.optim.AdamW([p for mod in mods for p in mod.parameters()], lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0)
+    holds_last = 3 in mine
+
+    def step(i: int) -> float:
+        tokens, targets = data.batch(i, 0, 1, device=dev)
+        losses: list = []
+        inputs = (tokens,) if rank == 0 else ()  # rank 0 holds stage 0 in both layouts
+        if holds_last:  # stage 3: rank 1 interleaved, rank 0 under V
+            sched.step(*inputs, target=targets, losses=losses)
+        else:
+            sched.step(*inputs)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        out = torch.tensor([float(sum(x.detach() for x in losses) / m) if losses else 0.0])
+        dist.all_reduce(out)
+        return float(out)
+
+    return step
+
+
+def profile(fn, first: int, b, steps: int = 3) -> dict:
+    """Python function calls and this process's CPU time per step of ``fn`` under cProfile."""
+    pr = cProfile.Profile()
+    cpu = []
+    for i in range(first, first + steps):
+        b.collective.barrier()
+        c0 = time.process_time()
+        pr.enable()
+        fn(i)
+        pr.disable()
+        cpu.append(time.process_time() - c0)
+    return {"python_calls_per_step": pstats.Stats(pr).total_calls / steps,
+            "cpu_s_per_step_under_cprofile": statistics.median(cpu)}
+
+
+def _gather_profile(mine: dict, b) -> dict:
+    """Every rank's profile numbers (``profile`` per trainer), by rank."""
+    names = sorted(mine)
+    vec = torch.tensor([[mine[k]["python_calls_per_step"], mine[k]["cpu_s_per_step_under_cprofile"]] for k in names],
+                       dtype=torch.float64)
+    rows = [torch.empty_like(vec) for _ in range(b.collective.world_size())]
+    dist.all_gather(rows, vec)
+    return {f"rank{r}": {k: {"python_calls_per_step": round(float(v[0])), "cpu_s_per_step_under_cprofile": float(v[1])}
+                         for k, v in zip(names, row, strict=True)} for r, row in enumerate(rows)}
+
+
+SIZES = {  # hidden, layers, heads, kv heads, ffn, vocab, seq (S and M as in vs_plain_torch.py)
+    "S": (128, 4, 4, 2, 344, 256, 128),
+    "M": (256, 4, 8, 4, 688, 1024, 128),
+    "L": (512, 8, 8, 4, 1376, 4096, 256),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--size", choices=sorted(SIZES), default=None, help="model preset (flags below override)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=None, help="default 256")
+    ap.add_argument("--layers", type=int, default=None, help="default 4")
+    ap.add_argument("--heads", type=int, default=None, help="default 8")
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    ap.add_argument("--ffn", type=int, default=None, help="default 4 x hidden")
+    ap.add_argument("--vocab", type=int, default=None, help="default 1024")
+    ap.add_argument("--seq", type=int, default=None, help="default 64")
     ap.add_argument("--batch", type=int, default=16, help="global batch")
-    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=None, help="default 4 with --size, else 8")
+    ap.add_argument("--zero-bubble", action="store_true", help="also time torch's zero-bubble schedules")
+    ap.add_argument("--profile", action="store_true", help="also count Python calls and CPU time per step")
     ap.add_argument("--delay-ms", default="0,0", help="sleep after each forward,backward (ms), both sides")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    preset = SIZES[args.size] if args.size else (256, 4, 8, None, None, 1024, 64)
+    for name, value in zip(("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq"), preset, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.kv_heads = args.kv_heads or args.heads
+    args.ffn = args.ffn or 4 * args.hidden
+    if args.micro_batches is None:
+        args.micro_batches = 4 if args.size else 8
+    if args.zero_bubble and args.layers % 4:
+        raise SystemExit(f"--zero-bubble cuts the model into 4 stages: --layers must be a multiple of 4, got {args.layers}")
     delay = tuple(float(x) / 1000 for x in args.delay_ms.split(","))
 
     b = backend()
@@ -83,8 +181,8 @@ def main() -> None:
     m, half = args.micro_batches, args.layers // 2
     cfg = RunConfig.from_dict({
         "model": {"vocab_size": args.vocab, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
-                  "num_attention_heads": 8, "intermediate_size": 4 * args.hidden,
-                  "max_position_embeddings": args.seq},
+                  "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+                  "intermediate_size": args.ffn, "max_position_embeddings": args.seq},
         "train": {"global_batch": args.batch, "seq_len": args.seq, "grad_clip": 0.0, "lr": 1e-3, "seed": 1},
         "parallel": {"pp": 2, "schedule": "1f1b", "micro_batches": m,
                      "pipeline_split": f"{half},{args.layers - half}"},
@@ -124,16 +222,20 @@ def main() -> None:
         dist.all_reduce(out)  # the loss lives on the last stage
         return float(out)
 
-    times: dict[str, list[float]] = {"chipset": [], "torch": []}
-    losses: dict[str, list[float]] = {"chipset": [], "torch": []}
+    trainers = {"chipset": step_chipset, "torch": step_torch}
+    if args.zero_bubble:
+        for name, style in (("torch_interleaved_zb", "loop"), ("torch_zbv", "v")):
+            trainers[name] = zero_bubble_trainer(cfg, b, data, rank, m, style, loss_fn, delay)
+
+    names = list(trainers)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    losses: dict[str, list[float]] = {k: [] for k in names}
     for step in range(args.warmup + args.steps):
-        order = [("chipset", step_chipset), ("torch", step_torch)]
-        if step % 2:
-            order.reverse()
-        for name, fn in order:
+        order = names[step % len(names):] + names[:step % len(names)]  # each trainer leads in turn
+        for name in order:
             b.collective.barrier()
             t0 = time.perf_counter()
-            loss = fn(step)
+            loss = trainers[name](step)
             b.device.synchronize()
             dt = time.perf_counter() - t0
             if step >= args.warmup:
@@ -142,10 +244,16 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "backend": b.name, "world_size": world, "micro_batches": m, "steps": args.steps,
+        "model": {k: getattr(args, k) for k in ("size", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab",
+                                                "seq", "batch")},
         "delay_ms": args.delay_ms, "params": sum(p.numel() for p in ref_model.parameters()),
         "median_step_s": med, "ratio_step_time_chipset_over_torch": med["chipset"] / med["torch"],
         "losses": losses,
     }
+    if args.zero_bubble:
+        result["ratio_step_time_chipset_over"] = {k: med["chipset"] / med[k] for k in names if k != "chipset"}
+    if args.profile:
+        result["profile"] = _gather_profile({k: profile(trainers[k], args.warmup + args.steps, b) for k in names}, b)
     if rank == 0:
         print(json.dumps(result, indent=2))
         if args.json:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import sysconfig
 from pathlib import Path
 
@@ -50,23 +51,33 @@ class SyntheticTokens:
         g = torch.Generator().manual_seed(seed * 7919 + 17)
         self.perm = torch.randperm(vocab_size, generator=g)
         self._perm_list = self.perm.tolist()
+        self._jump32 = struct.unpack("f", struct.pack("f", jump))[0]
 
     def sequence(self, index: int) -> torch.Tensor:
         """Sequence ``index`` of the stream: ``seq_len + 1`` token ids (int64)."""
+        return torch.tensor(self.token_ids(index), dtype=torch.long)
+
+    def token_ids(self, index: int) -> list[int]:
+        """Sequence ``index`` as a list of ints (``batching.batch`` makes one tensor of a
+        micro-batch's lists: one op instead of one per sequence and a stack)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.offset + index)
         n = self.seq_len + 1
-        start = torch.randint(self.vocab_size, (1,), generator=g)
-        jumps = (torch.rand(n, generator=g) < self.jump).tolist()
+        cur = torch.randint(self.vocab_size, (1,), generator=g).tolist()[0]
+        draws = torch.rand(n, generator=g)
+        jump = self._jump32 if draws.dtype == torch.float32 else self.jump
+        draws = draws.tolist()
         rand = torch.randint(self.vocab_size, (n,), generator=g).tolist()
-        # The walk in Python lists: indexing tensors element by element costs a few
-        # tensor ops per token, each one a traced op under the simulator's accounting.
+        # The walk in Python lists: indexing tensors element by element costs a few tensor
+        # ops per token, each one a traced op under the simulator's accounting. Float32 draws
+        # are compared with the jump probability rounded to float32 (``_jump32``): ``<`` on
+        # the Python floats then decides as torch's float32 ``rand < jump`` does.
         perm = self._perm_list
-        cur = int(start)
         out = []
-        for i in range(n):
-            cur = rand[i] if jumps[i] else perm[cur]
-            out.append(cur)
-        return torch.tensor(out, dtype=torch.long)
+        append = out.append
+        for r, d in zip(rand, draws, strict=True):
+            cur = r if d < jump else perm[cur]
+            append(cur)
+        return out
 
     batch = batching.batch  # the contract of the module docstring (data/batching.py)
 

@@ -322,6 +322,8 @@ class Transformer(nn.Module):
     def aux_loss(self, modules) -> torch.Tensor | None:
         """``router_aux_loss_coef`` x the summed load-balancing losses of the MoE layers among
         ``modules`` (and their submodules) after their forward; None when there are none."""
+        if self.cfg.num_experts <= 1 or not self.cfg.router_aux_loss_coef:
+            return None  # no MoE layer (layers/moe.py: is_moe_layer), or no weight: nothing to walk per forward
         seen, moe = set(), []
         for mod in modules:
             for m in mod.modules():

@@ -88,21 +88,20 @@ class _Tracker(TorchDispatchMode):
         return self._track(func, args, kwargs or {})
 
     def _track(self, func, args, kwargs):
-        if getattr(self.memory._host, "depth", 0):  # host memory (Memory.host_allocations): not the device's
+        memory = self.memory
+        if memory._host.depth:  # host memory (Memory.host_allocations): not the device's
             return func(*args, **kwargs)
-        alias = _ALIASING.get(func)
-        if alias is None:
-            alias = _aliasing(func)
-        if alias:
-            return func(*args, **kwargs)
-        if _SIZE_ARG.get(func, 0) >= 0:  # a factory op, or one not seen yet
-            planned = _factory_bytes(func, args, kwargs)
+        info = _OPS.get(id(func)) or _op_info(func)
+        if info[0]:  # only aliases its inputs: nothing new to charge
+            return info[2](*args, **kwargs)
+        if info[1] >= 0:  # a factory op: checked against the capacity before it runs
+            planned = _factory_bytes(info[1], args, kwargs)
             if planned:
-                self.memory._check_capacity(planned)
-        out = func(*args, **kwargs)
+                memory._check_capacity(planned)
+        out = info[2](*args, **kwargs)
         if isinstance(out, torch.Tensor):
-            if out.device.type == "cpu":
-                self.memory._charge(out)
+            if out.is_cpu:
+                memory._charge(out)
         elif isinstance(out, (tuple, list)):
             self._charge_all(out)
         elif out is not None:
@@ -114,7 +113,7 @@ class _Tracker(TorchDispatchMode):
         # which costs a fraction of a pytree flatten (the tracker runs for every op).
         for t in seq:
             if isinstance(t, torch.Tensor):
-                if t.device.type == "cpu":
+                if t.is_cpu:
                     self.memory._charge(t)
             elif isinstance(t, (tuple, list)):
                 self._charge_all(t)
@@ -124,13 +123,26 @@ class _Tracker(TorchDispatchMode):
 _track_outside_dynamo = torch._disable_dynamo(_Tracker._track, recursive=True)
 
 
-_ALIASING: dict = {}
-"""op -> True when its outputs are only views of its inputs, or its own input updated in
-place: nothing new to charge, so the tracker skips the work after the call (about half
-of a training step's ops: view, transpose, t, expand, slice, add_, mul_, copy_ ...)."""
+_OPS: dict[int, tuple] = {}
+"""id(op) -> (aliasing, position of its ``size`` argument or -1, what to call, the op), read from
+the op's schema the first time the tracker sees it. Keyed by ``id``: an ``OpOverload`` hashes in
+Python, which cost two Python calls per op on every lookup; the op is kept in the entry, so its
+id is never reused. ``what to call`` is the op's C++ callable (``OpOverload.__call__`` is one
+Python frame around it)."""
+
+
+def _op_info(func) -> tuple:
+    call = func._op if type(func) is torch._ops.OpOverload else func
+    names = [a.name for a in func._schema.arguments]
+    info = (_aliasing(func), names.index("size") if "size" in names else -1, call, func)
+    _OPS[id(func)] = info
+    return info
 
 
 def _aliasing(func) -> bool:
+    """True when ``func``'s outputs are only views of its inputs, or its own input updated in
+    place: nothing new to charge, so the tracker skips the work after the call (about half of
+    a training step's ops: view, transpose, t, expand, slice, add_, mul_, copy_ ...)."""
     schema = func._schema
     returns = schema.returns
     name = schema.name
@@ -141,21 +153,13 @@ def _aliasing(func) -> bool:
         # In place on ``self`` only: ``out=`` variants and resize_/set_ may (re)allocate.
         ok = (name.endswith("_") and "resize" not in name and not name.endswith("set_")
               and schema.overload_name != "out" and not schema.overload_name.endswith("_out"))
-    _ALIASING[func] = ok
     return ok
 
 
-_SIZE_ARG: dict = {}
-"""op -> position of its ``size`` argument, -1 for none (read from the schema once per op)."""
-
-
-def _factory_bytes(func, args, kwargs) -> int | None:
-    """Bytes a factory op (size argument, no tensor input) will allocate; None otherwise."""
-    i = _SIZE_ARG.get(func)
-    if i is None:
-        names = [a.name for a in func._schema.arguments]
-        i = _SIZE_ARG[func] = names.index("size") if "size" in names else -1
-    if i < 0 or any(isinstance(a, torch.Tensor) for a in args):
+def _factory_bytes(i: int, args, kwargs) -> int | None:
+    """Bytes a factory op (its ``size`` argument at position ``i``, no tensor input) will
+    allocate; None otherwise."""
+    if any(isinstance(a, torch.Tensor) for a in args):
         return None
     size = args[i] if i < len(args) else kwargs.get("size")
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
@@ -166,6 +170,13 @@ def _factory_bytes(func, args, kwargs) -> int | None:
         return math.prod(int(d) for d in size) * dtype.itemsize
     except (TypeError, ValueError):
         return None
+
+
+class _HostDepth(threading.local):
+    """Depth of ``host_allocations`` blocks on this thread (a class default: reading it on a
+    thread that never entered one costs no failed attribute lookup)."""
+
+    depth = 0
 
 
 class _StorageRef(weakref.ref):
@@ -188,7 +199,7 @@ class SimMemory(Memory):
         self._lock = threading.RLock()
         self._mode: _Tracker | None = None
         self._current = 0  # the device set_device bound this process to
-        self._host = threading.local()  # depth of host_allocations blocks on this thread
+        self._host = _HostDepth()  # depth of host_allocations blocks on this thread
         device.on_set_device(self._bind)
         device.on_release(self._unbind)
 
@@ -259,12 +270,13 @@ class SimMemory(Memory):
         c = self._counters[idx]
         need = (n + BLOCK - 1) // BLOCK * BLOCK
         with self._lock:
-            if c.active + need > self.device.profile.memory:
+            if c.active + need > self.device._profile.memory:  # the attribute: no property call per op
                 self._check_capacity_locked(idx, n)
             self._charged[key] = (idx, n)
             c.allocated += n
             c.active += need
-            c.cached = max(0, c.cached - need)
+            cached = c.cached - need
+            c.cached = cached if cached > 0 else 0
             if c.allocated > c.peak_allocated:
                 c.peak_allocated = c.allocated
             if c.active > c.peak_active:
@@ -276,8 +288,18 @@ class SimMemory(Memory):
         self._refs[key] = ref
 
     def _freed(self, ref: _StorageRef) -> None:
-        self._refs.pop(ref.key, None)
-        self._release(ref.key)
+        key = ref.key
+        self._refs.pop(key, None)
+        with self._lock:  # credited back (this runs for about half of a step's ops)
+            entry = self._charged.pop(key, None)
+            if entry is None:
+                return
+            idx, n = entry
+            c = self._counters[idx]
+            need = (n + BLOCK - 1) // BLOCK * BLOCK
+            c.allocated -= n
+            c.active -= need
+            c.cached += need
 
     @staticmethod
     def _peaks(c: _Counters) -> None:
@@ -305,17 +327,6 @@ class SimMemory(Memory):
                 device=f"cpu_sim:{idx}",
                 requested_bytes=n,
             )
-
-    def _release(self, key: int) -> None:
-        with self._lock:
-            entry = self._charged.pop(key, None)
-            if entry is None:
-                return
-            idx, n = entry
-            c = self._counters[idx]
-            c.allocated -= n
-            c.active -= _round(n)
-            c.cached += _round(n)
 
     # --- the interface ---------------------------------------------------------
     def _index(self, index: int | None) -> int:
@@ -349,7 +360,7 @@ class SimMemory(Memory):
     def host_allocations(self) -> Iterator[None]:
         """Tensors created inside are host memory: never charged to the simulated device (nor
         credited back when freed). Per thread, nestable."""
-        self._host.depth = getattr(self._host, "depth", 0) + 1
+        self._host.depth += 1
         try:
             yield
         finally:
