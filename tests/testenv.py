@@ -141,3 +141,16 @@ class SideBySide:
     def close(self) -> None:
         """Waits for the jobs still running; drops those not started."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def is_agent(pid: int) -> bool:
+    """Whether process ``pid`` is a torchrun agent as chipset starts it: forked from the launcher
+    (its command line the launcher's; torch's agent names the process ``pt_elastic``, train/agent.py),
+    or ``python -m chipset.train.agent`` / torchrun."""
+    try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "pt_elastic":
+            return True
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"chipset.train.agent" in cmdline or b"torch.distributed.run" in cmdline

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+import testenv
+
 STEPS = 12
 MODEL = ["--set", "train.global_batch=8", "--set", "train.seed=3", "--set", f"train.steps={STEPS}"]
 ADDR = {"a": "10.213.7.2", "b": "10.213.7.1"}  # A hosts the rendezvous and survives; B is rank 0
@@ -109,12 +111,8 @@ def _wait_for_agent(ns: str, launcher: subprocess.Popen, timeout_s: float = 120)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and launcher.poll() is None:
         for pid in _ip("netns", "pids", ns).stdout.split():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"torch.distributed.run" in cmdline or b"chipset.train.agent" in cmdline:
-                    return
-            except OSError:
-                continue
+            if testenv.is_agent(int(pid)):
+                return
         time.sleep(0.2)
 
 

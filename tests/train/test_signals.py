@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import testenv
 from chipset.train.checkpoint import store
 from testenv import clean_env
 
@@ -147,9 +148,9 @@ def test_two_rank_job_stops_on_a_signal_to_the_launcher_and_resumes(tmp_path, si
 
 
 def _is_agent(pid: int) -> bool:
-    """torch's elastic agent, as chipset train starts it (python -m chipset.train.agent)."""
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    return b"chipset.train.agent" in cmdline or b"torch.distributed.run" in cmdline
+    """torch's elastic agent, as chipset train starts it: forked (named pt_elastic by torch), or
+    python -m chipset.train.agent (train/agent.py)."""
+    return testenv.is_agent(pid)
 
 
 @pytest.mark.multirank

@@ -201,9 +201,16 @@ def run_forwarding(cmd: list[str], env: dict) -> tuple[int, int]:
 
     Returns (torchrun's exit status, the signal received or 0). The first signal goes to the
     ranks (the agent where it has none yet), which stop at the end of their step; a second one
-    kills the agent and its ranks.
+    kills the agent and its ranks. chipset's own agent (``-m chipset.train.agent``) starts as a
+    fork of this process where that is safe (train/agent.py), else as a new interpreter.
     """
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = None
+    if cmd[:3] == [sys.executable, "-m", "chipset.train.agent"]:
+        from chipset.train.agent import fork
+
+        proc = fork(cmd[3:], env)
+    if proc is None:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     got: list[int] = []
 
     def forward(signum, frame) -> None:

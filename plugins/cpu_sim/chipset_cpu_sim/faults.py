@@ -315,7 +315,10 @@ class FaultPlan:
 
 
 AGENTS = ("torch.distributed.run", "torchrun", "chipset.train.agent")
-"""How a torchrun agent's command line reads (chipset train starts torch's through chipset.train.agent)."""
+"""How a torchrun agent's command line reads where it was started as a new interpreter; chipset
+train forks it from the launcher instead (its command line the launcher's), and torch's agent
+names its process ``pt_elastic``."""
+AGENT_NAME = "pt_elastic"
 
 
 def _torchrun_agent() -> int:
@@ -323,9 +326,10 @@ def _torchrun_agent() -> int:
     agent = os.getppid()
     try:
         cmdline = Path(f"/proc/{agent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        name = Path(f"/proc/{agent}/comm").read_text().strip()
     except OSError:
-        cmdline = ""
-    if "GROUP_RANK" not in os.environ or not any(a in cmdline for a in AGENTS):
+        cmdline = name = ""
+    if "GROUP_RANK" not in os.environ or not (name == AGENT_NAME or any(a in cmdline for a in AGENTS)):
         raise ConfigError(
             f"{FAULTS_ENV}: kill_node needs ranks started by torchrun (chipset train --nnodes, --max-restarts "
             f"or --nproc > 1); this process's parent is pid {agent} ({cmdline.strip()[:80] or 'unknown'})"
