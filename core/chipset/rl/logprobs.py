@@ -84,16 +84,13 @@ def per_token_loss(engine, fn: Callable[[torch.Tensor, object], torch.Tensor]) -
     (masks, advantages, reference log-probs...). ``fn`` returns the micro-batch's scalar loss;
     the engine averages it over micro-batches and dp ranks, reduces gradients and updates as for
     cross-entropy. Needs an engine without pipeline stages (parallel.pp = 1)."""
+    bound = getattr(engine, "bound", None)
+    if not callable(getattr(bound, "with_loss", None)) or engine.dims.pp_enabled:
+        raise ConfigError("a per-token loss needs the data-parallel engine (parallel.pp = 1) of a model "
+                          "bound to its family (chipset.api.parallelize)")
     model = engine.model
-    if not callable(getattr(model, "loss", None)) or getattr(engine, "dims", None) is None \
-            or engine.dims.pp_enabled:
-        raise ConfigError("a per-token loss needs the data-parallel engine (parallel.pp = 1)")
-    own = model.__dict__.get("loss")
-    object.__setattr__(model, "loss", lambda tokens, extra, **_: fn(token_logprobs(model, tokens), extra))
+    engine.bound = bound.with_loss(lambda tokens, extra: fn(token_logprobs(model, tokens), extra))
     try:
         yield
     finally:
-        if own is None:
-            del model.__dict__["loss"]
-        else:
-            object.__setattr__(model, "loss", own)
+        engine.bound = bound
