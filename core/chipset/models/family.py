@@ -22,6 +22,7 @@ from torch import nn
 
 from chipset.parallel.meta import on_meta
 from chipset.parallel.plan import LAYOUTS, PLAN_STYLES, plan_matches
+from chipset.parallel.tensor import vocab_parallel_loss
 
 __all__ = ["LAYOUTS", "BoundModel", "ModelFamily", "TransformerFamily", "bind", "build_for_run", "family_data", "layout_problems", "meta_model"]
 
@@ -271,16 +272,16 @@ def recompute_block(block: nn.Module) -> None:
 
 def model_output_loss(family: ModelFamily, model: nn.Module):
     """``family.output_loss``, or the engine's vocabulary-parallel cross-entropy once a tensor-
-    parallel plan split ``model``'s logits over the vocabulary (``model.loss_fn``, set by a
-    ``vocab_head``): logits that are one rank's slice need the loss that sums over tp ranks.
-    A module with its own ``output_loss`` method computes it itself."""
+    parallel plan split ``model``'s logits over the vocabulary (held by the split ``vocab_head``:
+    :func:`chipset.parallel.tensor.vocab_parallel_loss`): logits that are one rank's slice need
+    the loss that sums over tp ranks. A module with its own ``output_loss`` method computes it itself."""
 
     own = getattr(type(model), "output_loss", None)
     if callable(own):  # the module computes it itself (the built-in transformer)
         return lambda outputs, targets: own(model, outputs, targets)
 
     def output_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        split = getattr(model, "loss_fn", None)
+        split = vocab_parallel_loss(model)
         if split is not None:
             return split(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
         return family.output_loss(outputs, targets)

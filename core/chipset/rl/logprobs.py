@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from chipset.errors import ConfigError
-from chipset.parallel.tensor import gather_along
+from chipset.parallel.tensor import gather_along, vocab_parallel_loss
 from chipset.runtime.precision import compute_input
 
 __all__ = ["token_logprobs", "forward_logprobs", "per_token_loss"]
@@ -41,7 +41,7 @@ class _GatherVocabKeepSlice(torch.autograd.Function):
 def _full_logits(model, logits: torch.Tensor) -> torch.Tensor:
     """Logits over the whole vocabulary: a tensor-parallel head's slices gathered (with gradient)
     and a padded vocabulary cut to ``model.cfg.vocab_size`` or the loss's ``vocab_size``."""
-    split = getattr(model, "loss_fn", None)
+    split = vocab_parallel_loss(model)
     tp = getattr(split, "tp", None)
     if tp is not None:
         logits = _GatherVocabKeepSlice.apply(logits, tp)
