@@ -9,7 +9,8 @@ arguments and returns a family (an instance of a :class:`ModelFamily` subclass, 
 
 Why a family object and not methods on the module: a user's ``nn.Module`` stays what it is
 (its parameter names are the checkpoint's names), and the family adds what the engine needs
-beside it.
+beside it: the engine trains a :class:`BoundModel` (:func:`bind`), the module paired with its
+family, and patches no method onto the module.
 """
 
 from __future__ import annotations
