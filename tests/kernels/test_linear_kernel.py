@@ -40,7 +40,7 @@ def _build(kernels, **over):
     cfg = RunConfig.from_dict({"model": {**MODEL, **over.get("model", {})},
                                "train": {"seq_len": 8, "global_batch": 2, "seed": 3, **over.get("train", {})}})
     cfg = cfg.validate(world_size=1)
-    return build_model(cfg, b, make_dims(cfg, 1), resolve_family(cfg.model.family))
+    return build_model(cfg, b, make_dims(cfg, 1), resolve_family(cfg.model.family)).module
 
 
 def _registry(fn=None) -> KernelRegistry:

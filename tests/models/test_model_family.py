@@ -228,3 +228,30 @@ def test_custom_model_example_trains(runs):
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0 <= last["eval_accuracy"] <= 1 and last["eval_loss"] > 0, "eval_data/eval_metrics of the example"
     assert "eval_ppl" not in last and "samples/s" in r.stdout
+
+
+SEVEN = {"units", "loss", "pipeline_units", "pipeline_counts", "aux_loss", "output_loss", "unit_shapes"}
+
+
+def test_engine_adds_no_attribute_to_the_users_module():
+    """The engine pairs the user's module with its family (models/family.py ``BoundModel``)
+    instead of patching methods onto it: after the build and a ZeRO-3 step, the module holds no
+    instance attribute beyond those every ``nn.Module`` holds, and is still the user's class."""
+    from chipset import api
+
+    cfg = api.config(model={"family": "test_model_family:family"}, parallel={"zero": 3},
+                     train={"steps": 1, "global_batch": 4, "lr": 0.01})
+    b = api.init(cfg)
+    try:
+        engine = api.parallelize(cfg, b)
+        api.step(engine, api.batches(api.dataset(cfg), 0, engine, cfg), 0.01)
+        with torch.no_grad():  # the family's loss, through the binding (ZeRO-3 gathers in forward)
+            loss = engine.bound.loss(*Images(4).batch(0, device=engine.device))
+        engine.release_units()
+    finally:
+        api.shutdown(b)
+    module = engine.model
+    assert type(module) is TinyCNN and engine.bound.module is module
+    assert not SEVEN & set(vars(module))
+    assert set(vars(module)) == set(vars(nn.Module()))
+    assert torch.isfinite(loss) and float(loss) > 0

@@ -317,7 +317,6 @@ def test_evaluation_reports_loss_and_accuracy_on_held_out_images(tmp_path):
     """A classifier family evaluates (train.eval_every): eval_loss and eval_accuracy of the final
     model on held-out samples no step trained on, equal to computing them by hand; samples/s."""
     from chipset import api
-    from chipset.models.family import bind
     from chipset.models.resnet import ResNet
     from chipset.train import train
 
@@ -330,7 +329,7 @@ def test_evaluation_reports_loss_and_accuracy_on_held_out_images(tmp_path):
     last = res.metrics[-1]
     assert "eval_ppl" not in last and res.summary["throughput_unit"] == "samples"
     fam = ResNetFamily()
-    model = bind(fam, ResNet(cfg.model.hidden_size, cfg.model.num_hidden_layers, fam.options(cfg).num_classes), cfg)
+    model = ResNet(cfg.model.hidden_size, cfg.model.num_hidden_layers, fam.options(cfg).num_classes)
     model.load_state_dict(res.params)
     model.eval()
     held = fam.eval_data(cfg)

@@ -173,10 +173,11 @@ def test_render_prints_a_timeline_and_every_instruction():
 
 def test_split_balances_parameters_and_accepts_an_explicit_split():
     from chipset.kernels import KernelRegistry
-    from chipset.models.family import TransformerFamily, meta_model
+    from chipset.models.family import TransformerFamily, bind, meta_model
     from chipset.train.config import RunConfig
 
-    model = meta_model(TransformerFamily(), RunConfig.from_dict(BASE))  # 6 blocks: chain of 8 units
+    cfg = RunConfig.from_dict(BASE)
+    model = bind(TransformerFamily(), meta_model(TransformerFamily(), cfg), cfg)  # 6 blocks: chain of 8 units
     specs = split_units(model, 2)
     assert specs[0].names[0] == "embed_tokens" and specs[-1].names[-1] == "head"
     assert [s.last - s.first for s in specs] == [4, 4]

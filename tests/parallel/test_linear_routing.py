@@ -56,7 +56,7 @@ def _build(net: nn.Module, rec: Recording, **model):
     cfg = RunConfig.from_dict({"model": model, "train": {"seq_len": 8, "global_batch": 2, "fp8": fp8}})
     cfg = cfg.validate(world_size=1)
     family = ModuleFamily(net, {"up": "colwise", "down": "rowwise"})
-    return build_model(cfg, b, make_dims(cfg, 1), family)
+    return build_model(cfg, b, make_dims(cfg, 1), family).module
 
 
 def _snapshot(net: nn.Module) -> list[tuple[nn.Module, type, dict]]:

@@ -63,11 +63,11 @@ def _frozen(b, zero: int, over: dict | None = None) -> dict:
 
     cfg = _cfg(b, _merge({"parallel": {"zero": zero}}, over or {}))
     dims = make_dims(cfg, b.collective.world_size())
-    model = build_model(cfg, b, dims, resolve_family(cfg.model.family))
-    frozen = {n for n, p in model.named_parameters() if n.startswith(("embed_tokens", "layers.0.self_attn"))}
-    for n, p in model.named_parameters():
+    bound = build_model(cfg, b, dims, resolve_family(cfg.model.family))
+    frozen = {n for n, p in bound.module.named_parameters() if n.startswith(("embed_tokens", "layers.0.self_attn"))}
+    for n, p in bound.module.named_parameters():
         p.requires_grad_(n not in frozen)
-    engine = wrap(model, cfg, b, dims)
+    engine = wrap(bound, cfg, b, dims)
     from chipset.data.datasets import make_dataset
 
     data = make_dataset(cfg)

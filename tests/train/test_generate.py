@@ -35,7 +35,7 @@ def _generate(capsys, *argv) -> tuple[int, str, str]:
 def test_greedy_completion_equals_argmax_decoding_without_the_cache(text_run, capsys):
     """The cached sampler against the plainest decoder: the whole forward on the growing sequence."""
     from chipset.loader import backend
-    from chipset.models.family import bind, build_for
+    from chipset.models.family import build_for
     from chipset.models.registry import resolve_family
     from chipset.train.checkpoint.export import load_weights
 
@@ -51,7 +51,7 @@ def test_greedy_completion_equals_argmax_decoding_without_the_cache(text_run, ca
     digest = params_digest({n: weights[n] for n in names})
     assert digest == json.loads((text_run / "summary.json").read_text())["params_digest"]
     fam = resolve_family(cfg.model.family)
-    model = bind(fam, build_for(fam, cfg, backend().kernels), cfg)
+    model = build_for(fam, cfg, backend().kernels)
     model.load_state_dict(weights)
     model.eval()
     seq = torch.tensor([list(b"def ")])

@@ -284,11 +284,12 @@ def _check_islands_projection(args, cfg) -> None:
 def _print_schedule(cfg, b) -> int:
     if cfg.parallel.pp < 2:
         raise UsageError("--print-schedule needs a pipeline: set parallel.pp >= 2 (e.g. --set parallel.pp=2 --nproc 2)")
-    from chipset.models.family import meta_model
+    from chipset.models.family import bind, meta_model
     from chipset.models.registry import resolve_family
     from chipset.runtime.pipeline import describe_pipeline
 
-    print(describe_pipeline(cfg, meta_model(resolve_family(cfg.model.family), cfg, b.kernels)))
+    family = resolve_family(cfg.model.family)
+    print(describe_pipeline(cfg, bind(family, meta_model(family, cfg, b.kernels), cfg)))
     return 0
 
 

@@ -9,7 +9,8 @@ arguments and returns a family (an instance of a :class:`ModelFamily` subclass, 
 
 Why a family object and not methods on the module: a user's ``nn.Module`` stays what it is
 (its parameter names are the checkpoint's names), and the family adds what the engine needs
-beside it.
+beside it: the engine trains a :class:`BoundModel` (:func:`bind`), the module paired with its
+family, and patches no method onto the module.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from torch import nn
 
 from chipset.parallel.meta import on_meta
 from chipset.parallel.plan import LAYOUTS, PLAN_STYLES, plan_matches
+from chipset.parallel.tensor import vocab_parallel_loss
 
-__all__ = ["LAYOUTS", "ModelFamily", "TransformerFamily", "bind", "build_for_run", "family_data", "layout_problems", "meta_model"]
+__all__ = ["LAYOUTS", "BoundModel", "ModelFamily", "TransformerFamily", "bind", "build_for_run", "family_data", "layout_problems", "meta_model"]
 
 class ModelFamily:
     """Base class of a model family; override what your model needs.
@@ -271,16 +273,16 @@ def recompute_block(block: nn.Module) -> None:
 
 def model_output_loss(family: ModelFamily, model: nn.Module):
     """``family.output_loss``, or the engine's vocabulary-parallel cross-entropy once a tensor-
-    parallel plan split ``model``'s logits over the vocabulary (``model.loss_fn``, set by a
-    ``vocab_head``): logits that are one rank's slice need the loss that sums over tp ranks.
-    A module with its own ``output_loss`` method computes it itself."""
+    parallel plan split ``model``'s logits over the vocabulary (held by the split ``vocab_head``:
+    :func:`chipset.parallel.tensor.vocab_parallel_loss`): logits that are one rank's slice need
+    the loss that sums over tp ranks. A module with its own ``output_loss`` method computes it itself."""
 
     own = getattr(type(model), "output_loss", None)
     if callable(own):  # the module computes it itself (the built-in transformer)
         return lambda outputs, targets: own(model, outputs, targets)
 
     def output_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        split = getattr(model, "loss_fn", None)
+        split = vocab_parallel_loss(model)
         if split is not None:
             return split(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
         return family.output_loss(outputs, targets)
@@ -288,24 +290,70 @@ def model_output_loss(family: ModelFamily, model: nn.Module):
     return output_loss
 
 
-def bind(family: ModelFamily, model: nn.Module, cfg=None) -> nn.Module:
-    """Give ``model`` what the engine calls, from ``family``: ``units()``, ``loss()`` and, for
-    pipeline parallelism, ``pipeline_units()``, ``pipeline_counts(text, parts)``,
-    ``aux_loss(units)``, ``output_loss()`` and ``unit_shapes(inputs)`` (each unit's output
-    shape for a micro-batch: ``family.unit_shapes(cfg, inputs)``).
+class BoundModel:
+    """A model and the family that describes it: everything the engine asks of a model.
 
-    Plain instance attributes: parameter names and the module's class stay unchanged."""
-    object.__setattr__(model, "units", lambda: family.units(model))
-    object.__setattr__(model, "loss", lambda inputs, targets, **kw: family.loss(model, inputs, targets, **kw))
-    object.__setattr__(model, "pipeline_units", lambda: family.pipeline_units(model))
-    object.__setattr__(model, "pipeline_counts", lambda text, parts: family.pipeline_counts(model, text, parts))
-    object.__setattr__(model, "aux_loss", lambda units: family.aux_loss(model, units))
-    object.__setattr__(model, "output_loss", model_output_loss(family, model))
-    if cfg is not None:
-        own = getattr(family, "unit_shapes", None)  # a duck-typed family may lack it
-        object.__setattr__(model, "unit_shapes", lambda inputs: own(cfg, inputs) if callable(own)
-                           else meta_unit_shapes(family, cfg, inputs))
-    return model
+    The engine trains :attr:`module` and calls these methods for what it needs beyond the
+    module's forward (ZeRO-3's gather units, the loss, the pipeline chain). The module itself is
+    left as the user built it: chipset adds no attribute to it, its class and parameter names
+    (the checkpoint's names) stay unchanged. Each method is the family's method of the same
+    name applied to :attr:`module`; :meth:`loss` is the one place the engine computes a
+    micro-batch's loss from (the pipeline's last stage: :meth:`output_loss` of the last unit's
+    output, which the family keeps consistent with :meth:`loss`).
+    """
+
+    def __init__(self, family: ModelFamily, module: nn.Module, cfg=None, *, loss=None):
+        self.family = family
+        self.module = module
+        """The user's model (this rank's share once the engine split it)."""
+        self.cfg = cfg
+        """The run configuration (:meth:`unit_shapes` needs it; None: no pipeline shapes)."""
+        self._loss = loss  # None: the family's (see with_loss)
+
+    def units(self) -> list[nn.Module]:
+        """Submodules ZeRO-3 gathers one at a time (``family.units``)."""
+        return list(self.family.units(self.module))
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Scalar mean loss of one micro-batch (``family.loss``, or the objective :meth:`with_loss` gave)."""
+        if self._loss is not None:
+            return self._loss(inputs, targets)
+        return self.family.loss(self.module, inputs, targets, **kwargs)
+
+    def output_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss from the model's outputs (``family.output_loss``, or the vocabulary-parallel
+        cross-entropy once a tensor-parallel plan split the logits): the last pipeline stage's."""
+        return model_output_loss(self.family, self.module)(outputs, targets)
+
+    def pipeline_units(self) -> list[nn.Module]:
+        """The model as a chain for pipeline parallelism (``family.pipeline_units``)."""
+        return list(self.family.pipeline_units(self.module))
+
+    def pipeline_counts(self, text: str, parts: int) -> list[int]:
+        """Units per virtual stage for ``parallel.pipeline_split = text`` (``family.pipeline_counts``)."""
+        return self.family.pipeline_counts(self.module, text, parts)
+
+    def aux_loss(self, units: list[nn.Module]) -> torch.Tensor | None:
+        """Extra loss terms ``units`` added in their last forward (``family.aux_loss``)."""
+        return self.family.aux_loss(self.module, units)
+
+    def unit_shapes(self, inputs: torch.Tensor) -> list[torch.Size]:
+        """Each pipeline unit's output shape for a micro-batch shaped like ``inputs``
+        (``family.unit_shapes(cfg, inputs)``)."""
+        if self.cfg is None:
+            raise TypeError("unit_shapes needs the run configuration: bind(family, model, cfg)")
+        own = getattr(self.family, "unit_shapes", None)  # a duck-typed family may lack it
+        return own(self.cfg, inputs) if callable(own) else meta_unit_shapes(self.family, self.cfg, inputs)
+
+    def with_loss(self, loss) -> BoundModel:
+        """The same model and family with ``loss(inputs, targets)`` as the micro-batch loss (an
+        objective other than the family's, e.g. ``chipset.api.per_token_loss``)."""
+        return BoundModel(self.family, self.module, self.cfg, loss=loss)
+
+
+def bind(family: ModelFamily, model: nn.Module, cfg=None) -> BoundModel:
+    """``model`` paired with ``family`` (and the run's ``cfg``): what the engine trains."""
+    return BoundModel(family, model, cfg)
 
 
 def build_for(family: ModelFamily, cfg, kernels=None) -> nn.Module:
@@ -317,9 +365,10 @@ def build_for(family: ModelFamily, cfg, kernels=None) -> nn.Module:
 
 def meta_model(family: ModelFamily, cfg, kernels=None) -> nn.Module:
     """``family``'s model for ``cfg`` on the meta device (shapes and names only, nothing
-    allocated), bound to the family; ``kernels`` is the built-in transformer's kernel set."""
+    allocated); ``kernels`` is the built-in transformer's kernel set. :func:`bind` it for the
+    pipeline chain."""
     with on_meta():
-        return bind(family, build_for(family, cfg, kernels), cfg)
+        return build_for(family, cfg, kernels)
 
 
 @torch.no_grad()
@@ -386,7 +435,7 @@ def _layout_checks(family, cfg) -> list[str]:
     if not problems and "pp" in family.layouts and cfg.parallel.pp > 1:
         from chipset.parallel.stages import chain_problems
 
-        problems += chain_problems(meta_model(family, cfg), cfg.parallel)
+        problems += chain_problems(bind(family, meta_model(family, cfg), cfg), cfg.parallel)
     return problems
 
 

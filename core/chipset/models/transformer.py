@@ -15,8 +15,8 @@ positions ``seq_layout`` gives its tokens.
 
 Parallelism is data on the model too, swapped in by the engine's ``apply_*`` functions
 (the model never imports torch.distributed): ``Attention.attend`` (the attention core
-over ``(q, k, v)``; None = the kernel's causal attention), ``Transformer.loss_fn`` (None
-= the cross-entropy kernel), ``Transformer.seq_layout`` (None = every rank sees whole
+over ``(q, k, v)``; None = the kernel's causal attention), the logit layer's ``vocab_loss``
+(set by a tensor-parallel vocab head; absent = the cross-entropy kernel), ``Transformer.seq_layout`` (None = every rank sees whole
 sequences; else an object with ``local(t)`` selecting this rank's tokens along dim 1,
 ``positions(s, device)`` giving their positions and ``size``, the number of shares), and
 the projection, embedding and norm submodules themselves (replaced by tensor-parallel
@@ -242,7 +242,6 @@ class Transformer(nn.Module):
         self.head = OutputHead(cfg, kernels)
         if cfg.tie_word_embeddings:  # one Parameter, named embed_tokens.weight
             self.head.lm_head.weight = self.embed_tokens.weight
-        self.loss_fn = None  # pluggable (vocab-parallel cross-entropy); None = the kernel
         self.seq_layout = None  # pluggable (context parallel): which tokens this rank holds
         self.document_eos = None  # data.document_mask: the id that ends a document (None: off)
         self.loss_chunk = 0  # train.loss_chunk: tokens per chunk of the head and loss (0: all at once)
@@ -297,9 +296,10 @@ class Transformer(nn.Module):
         return x
 
     def output_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of ``logits``: the vocabulary-parallel ``loss_fn`` when
-        tensor parallelism split them, else the backend's cross-entropy kernel."""
-        loss_fn = self.loss_fn or self._k.cross_entropy
+        """Mean next-token cross-entropy of ``logits``: the vocabulary-parallel one the split head
+        holds when tensor parallelism split them (its ``vocab_loss``), else the backend's
+        cross-entropy kernel."""
+        loss_fn = getattr(self.head.lm_head, "vocab_loss", None) or self._k.cross_entropy
         return loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def chunked_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

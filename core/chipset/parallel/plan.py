@@ -24,7 +24,7 @@ PLAN_STYLES = {
     "vocab_embedding": "nn.Embedding: vocabulary rows split (padded to a multiple of tp); partial "
                        "embeddings summed",
     "vocab_head": "nn.Linear: logits split over the (padded) vocabulary (the input enters the tp region, "
-                  "as colwise); the loss becomes the vocabulary-parallel cross-entropy (model.loss_fn)",
+                  "as colwise); the loss becomes the vocabulary-parallel cross-entropy (held by the split head)",
     "vocab_head_in_region": "nn.Linear: as vocab_head, reading the output of a region_norm",
     "region_norm": "RMSNorm (weight, eps, kernels): its output enters the tp region once for the "
                    "colwise_in_region / vocab_head_in_region layers reading it",

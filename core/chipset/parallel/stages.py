@@ -7,10 +7,11 @@ by ``parallel.pipeline_split`` (read by the family: ``ModelFamily.pipeline_count
 runs live in one :class:`UnitStageModel` whose parameter names are the single-process names,
 so data parallelism, ZeRO, checkpoints and digests see one model whatever the split.
 
-Nothing here knows a family's modules: it reads the chain, its parameters, the family's
-auxiliary losses (``model.aux_loss(units)``), the model's ``seq_layout`` under context
-parallelism and, for the shapes of the tensors passed between stages,
-``model.unit_shapes(inputs)``.
+Nothing here knows a family's modules: it reads, from the model bound to its family (a
+:class:`chipset.models.family.BoundModel`, ``bound``), the chain, its parameters, the family's
+auxiliary losses (``bound.aux_loss(units)``) and output loss, and the module's ``seq_layout``
+under context parallelism; the pipeline runtime reads the shapes of the tensors passed between
+stages from ``bound.unit_shapes(inputs)``.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ class UnitSpec:
         return f"{span} ({', '.join(self.names)})"
 
 
-def unit_names(model: nn.Module) -> list[str]:
-    """The qualified names of ``model.pipeline_units()`` in ``model``."""
-    names = {id(m): n for n, m in model.named_modules()}
+def unit_names(bound) -> list[str]:
+    """The qualified names of ``bound.pipeline_units()`` in ``bound.module``."""
+    names = {id(m): n for n, m in bound.module.named_modules()}
     out = []
-    for i, unit in enumerate(model.pipeline_units()):
+    for i, unit in enumerate(bound.pipeline_units()):
         name = names.get(id(unit))
         if not name:
             raise ConfigError(f"pipeline unit {i} ({type(unit).__name__}) is not a submodule of the model; "
@@ -67,12 +68,13 @@ def parse_unit_split(text: str, parts: int, units: int) -> list[int]:
     return counts
 
 
-def split_units(model: nn.Module, parts: int, explicit: str = "") -> list[UnitSpec]:
-    """One :class:`UnitSpec` per virtual stage of ``model``'s pipeline units."""
-    names = unit_names(model)
-    units = model.pipeline_units()
+def split_units(bound, parts: int, explicit: str = "") -> list[UnitSpec]:
+    """One :class:`UnitSpec` per virtual stage of the pipeline units of ``bound`` (a model bound
+    to its family)."""
+    names = unit_names(bound)
+    units = bound.pipeline_units()
     if explicit:
-        counts = model.pipeline_counts(explicit, parts)
+        counts = bound.pipeline_counts(explicit, parts)
     else:
         if parts > len(units):
             raise ConfigError(f"pp*virtual_stages ({parts}) exceeds the model's {len(units)} pipeline units "
@@ -105,17 +107,17 @@ class UnitStageModel(nn.Module):
     batch under context parallelism, ``units`` what ZeRO-3 gathers.
     """
 
-    def __init__(self, model: nn.Module, specs: list[UnitSpec]):
+    def __init__(self, bound, specs: list[UnitSpec]):
         super().__init__()
         self.specs = specs
-        units = model.pipeline_units()
+        units = bound.pipeline_units()
         self._chunks = [[units[i] for i in range(s.first, s.last)] for s in specs]
         for spec in specs:
             for i, name in zip(range(spec.first, spec.last), spec.names, strict=True):
                 _attach(self, name, units[i])
-        self._loss = model.output_loss
-        self._aux = model.aux_loss
-        self._layout = getattr(model, "seq_layout", None)  # context parallel: this rank's tokens
+        self._loss = bound.output_loss
+        self._aux = bound.aux_loss
+        self._layout = getattr(bound.module, "seq_layout", None)  # context parallel: this rank's tokens
 
     def units(self) -> list[nn.Module]:
         """What ZeRO-3 gathers together, in forward order: this rank's units that hold parameters."""
@@ -138,11 +140,11 @@ class UnitStageModel(nn.Module):
         return self._loss(outputs, targets)
 
 
-def chain_problems(model: nn.Module, par) -> list[str]:
-    """Why ``model`` (built on the meta device, bound to its family) cannot be cut for ``par``
-    (a :class:`chipset.train.config.ParallelConfig`): checked with the layout before launch."""
+def chain_problems(bound, par) -> list[str]:
+    """Why ``bound`` (a model built on the meta device, bound to its family) cannot be cut for
+    ``par`` (a :class:`chipset.train.config.ParallelConfig`): checked with the layout before launch."""
     try:
-        split_units(model, par.pp * max(par.virtual_stages, 1), par.pipeline_split)
+        split_units(bound, par.pp * max(par.virtual_stages, 1), par.pipeline_split)
     except ConfigError as exc:
         return [str(exc)]
     return []

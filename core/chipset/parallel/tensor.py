@@ -52,6 +52,7 @@ __all__ = [
     "TPRegionNorm",
     "enter_region",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_loss",
     "apply_plan",
     "gather_sequence_around",
     "gather_full_parameters",
@@ -227,6 +228,7 @@ class ColumnParallelLinear(RoutedLinear):
     ``enter_region=False``: the input has entered the tp region already (a
     :class:`TPRegionNorm` in front, shared with the other projections reading it). ``product``:
     the local ``x W_r^T (+ b_r)`` (parallel/linear.py; the engine routes it when it builds the model).
+    A ``vocab_head`` of the plan also holds the loss of its split logits (``vocab_loss``).
     """
 
     def __init__(self, full_weight: torch.Tensor, tp: TPContext, *, enter_region: bool = True,
@@ -237,6 +239,9 @@ class ColumnParallelLinear(RoutedLinear):
         self.enter_region = enter_region
         self.weight = _sharded_param(full_weight, 0, tp)
         self.bias = None if full_bias is None else _sharded_param(full_bias, 0, tp)
+        self.vocab_loss: _VocabParallelLoss | None = None
+        """A vocab head's cross-entropy over its split logits (:func:`vocab_parallel_loss`); None
+        for any other column-parallel layer."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter_region:
@@ -373,7 +378,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
 
 
 class _VocabParallelLoss:
-    """``model.loss_fn`` under tp (a small callable object rather than a lambda, for pickling/reprs)."""
+    """A vocab head's ``vocab_loss`` (a small callable object rather than a lambda, for pickling/reprs)."""
 
     def __init__(self, tp: TPContext, vocab_size: int):
         self.tp, self.vocab_size = tp, vocab_size
@@ -459,8 +464,8 @@ def apply_plan(model: nn.Module, plan: dict[str, str], *, tp: TPContext) -> nn.M
 
     The model holds the full, single-process weights; each rank keeps its slice. A Parameter
     shared by two split modules (tied input and output embeddings) stays shared: both split it
-    the same way. With a ``vocab_head`` the model's ``loss_fn`` becomes the vocabulary-parallel
-    cross-entropy over the split logits.
+    the same way. A ``vocab_head`` holds the vocabulary-parallel cross-entropy over its split
+    logits (:func:`vocab_parallel_loss` finds it); nothing is added to ``model`` itself.
     """
     if tp.size == 1:
         return model
@@ -468,7 +473,6 @@ def apply_plan(model: nn.Module, plan: dict[str, str], *, tp: TPContext) -> nn.M
     if unknown:
         raise ConfigError(f"tp_plan styles {', '.join(unknown)}: expected one of {', '.join(PLAN_STYLES)}")
     shared: dict[int, nn.Parameter] = {}  # id of an original weight -> its split
-    vocab = None
     for name, style in plan_matches(model, plan).items():
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -482,11 +486,19 @@ def apply_plan(model: nn.Module, plan: dict[str, str], *, tp: TPContext) -> nn.M
                 new.weight = shared[key]
             shared[key] = new.weight
         if style in ("vocab_head", "vocab_head_in_region"):
-            vocab = old.out_features
+            new.vocab_loss = _VocabParallelLoss(tp, old.out_features)
         setattr(parent, leaf, new)
-    if vocab is not None:
-        model.loss_fn = _VocabParallelLoss(tp, vocab)
     return model
+
+
+def vocab_parallel_loss(model: nn.Module):
+    """The cross-entropy over the split logits of ``model``'s tensor-parallel vocab head
+    (``loss(logits [n, vocab/tp], targets [n])``; its ``tp`` and ``vocab_size`` say how they
+    are split), or None when no plan split its logits over the vocabulary."""
+    for m in model.modules():
+        if isinstance(m, ColumnParallelLinear) and m.vocab_loss is not None:
+            return m.vocab_loss
+    return None
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:

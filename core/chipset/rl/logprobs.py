@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from chipset.errors import ConfigError
-from chipset.parallel.tensor import gather_along
+from chipset.parallel.tensor import gather_along, vocab_parallel_loss
 from chipset.runtime.precision import compute_input
 
 __all__ = ["token_logprobs", "forward_logprobs", "per_token_loss"]
@@ -41,7 +41,7 @@ class _GatherVocabKeepSlice(torch.autograd.Function):
 def _full_logits(model, logits: torch.Tensor) -> torch.Tensor:
     """Logits over the whole vocabulary: a tensor-parallel head's slices gathered (with gradient)
     and a padded vocabulary cut to ``model.cfg.vocab_size`` or the loss's ``vocab_size``."""
-    split = getattr(model, "loss_fn", None)
+    split = vocab_parallel_loss(model)
     tp = getattr(split, "tp", None)
     if tp is not None:
         logits = _GatherVocabKeepSlice.apply(logits, tp)
@@ -84,16 +84,13 @@ def per_token_loss(engine, fn: Callable[[torch.Tensor, object], torch.Tensor]) -
     (masks, advantages, reference log-probs...). ``fn`` returns the micro-batch's scalar loss;
     the engine averages it over micro-batches and dp ranks, reduces gradients and updates as for
     cross-entropy. Needs an engine without pipeline stages (parallel.pp = 1)."""
+    bound = getattr(engine, "bound", None)
+    if not callable(getattr(bound, "with_loss", None)) or engine.dims.pp_enabled:
+        raise ConfigError("a per-token loss needs the data-parallel engine (parallel.pp = 1) of a model "
+                          "bound to its family (chipset.api.parallelize)")
     model = engine.model
-    if not callable(getattr(model, "loss", None)) or getattr(engine, "dims", None) is None \
-            or engine.dims.pp_enabled:
-        raise ConfigError("a per-token loss needs the data-parallel engine (parallel.pp = 1)")
-    own = model.__dict__.get("loss")
-    object.__setattr__(model, "loss", lambda tokens, extra, **_: fn(token_logprobs(model, tokens), extra))
+    engine.bound = bound.with_loss(lambda tokens, extra: fn(token_logprobs(model, tokens), extra))
     try:
         yield
     finally:
-        if own is None:
-            del model.__dict__["loss"]
-        else:
-            object.__setattr__(model, "loss", own)
+        engine.bound = bound

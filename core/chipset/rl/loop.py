@@ -90,10 +90,10 @@ def rollout_seed(seed: int, step: int, prompt: int) -> int:
 
 def _reference(cfg, backend: Backend, dims, family):
     """The frozen reference policy: the starting weights, under the same layout, no optimizer state."""
-    model = build_model(cfg, backend, dims, family)
-    for p in model.parameters():
+    bound = build_model(cfg, backend, dims, family)
+    for p in bound.module.parameters():
         p.requires_grad_(False)
-    return wrap(model, cfg, backend, dims)
+    return wrap(bound, cfg, backend, dims)
 
 
 def _pad(rows: list[torch.Tensor], device, multiple: int = 1) -> torch.Tensor:

@@ -7,7 +7,7 @@ How it works (one mechanism for every stage):
   ``r`` *owns* the slice ``[r*S, (r+1)*S)`` (``S = padded/dp``) of every bucket.
 * Stages 0-2 bucket by size (``parallel.bucket_mb``) in reverse parameter order, which is
   roughly the order backward produces gradients. Stage 3 uses one bucket per model unit
-  (``model.units()``: embedding, each block, output head).
+  (the bound model's ``units()``: embedding, each block, output head).
 * A post-accumulate-grad hook per parameter counts ready gradients; on the last
   micro-batch, as soon as a bucket is complete its communication is launched
   asynchronously, overlapping with the rest of backward. Earlier micro-batches only
@@ -429,14 +429,23 @@ class DataParallel:
 
     Use: ``loss = dp.forward_backward(tokens, targets, last=...)`` per micro-batch, then
     ``dp.step(lr)``. ``dp.full_parameters()`` returns every parameter unsharded, float32.
+
+    ``model``: what to train, bound to what describes it: an object with ``module`` (the
+    ``nn.Module`` whose parameters are trained), ``units()`` (ZeRO-3's gather units) and
+    ``loss(inputs, targets)`` (a :class:`chipset.models.family.BoundModel`), or a module that
+    has ``units()`` and ``loss()`` methods of its own (a pipeline rank's
+    :class:`~chipset.parallel.stages.UnitStageModel`, the built-in transformer).
     """
 
-    def __init__(self, model: nn.Module, backend: Backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, model, backend: Backend, dims: ParallelDims, *, dtype: torch.dtype = torch.float32,
                  bucket_mb: float = 25.0, micro_batches: int = 1, grad_clip: float = 0.0,
                  optimizer: Optimizer | None = None, scaler: LossScaler | None = None,
                  offload_optimizer: bool = False, weights_to_load: bool = False,
                  bf16_update: Bf16Update | None = None, fp8_all_gather: bool = False):
-        self.model = model
+        self.bound = model
+        """Where units and the loss come from (``model`` as given)."""
+        model = self.model = model if isinstance(model, nn.Module) else model.module
+        """This rank's share of the model (the ``nn.Module``)."""
         self.backend = backend
         self.collective = backend.collective
         self.kernels = backend.kernels
@@ -502,7 +511,7 @@ class DataParallel:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(lambda _p, ref=ref: _notify(ref))
         if self.zero == 3:
-            for i, unit in enumerate(model.units()):
+            for i, unit in enumerate(self.bound.units()):
                 # One bucket per unit; two when ep splits a MoE block into dense and expert weights.
                 bs = [b for b, u in zip(self.buckets, self._bucket_units, strict=True) if u == i]
                 unit.register_forward_pre_hook(lambda _m, _a, bs=bs: _each(bs, Bucket.gather_compute))
@@ -517,16 +526,16 @@ class DataParallel:
 
     def _make_buckets(self, named, bucket_mb: float) -> list[Bucket]:
         if self.zero == 3:
-            if not callable(getattr(self.model, "units", None)):
+            if not callable(getattr(self.bound, "units", None)):
                 raise UsageError(
-                    f"ZeRO stage 3 needs the model to list its gather units (model.units()); "
+                    f"ZeRO stage 3 needs the model to list its gather units (units()); "
                     f"{type(self.model).__name__} has none. Add units() or use parallel.zero <= 2"
                 )
             by_id = {id(p): n for n, p in named}
-            groups = [[(by_id[id(p)], p) for p in unit.parameters()] for unit in self.model.units()]
+            groups = [[(by_id[id(p)], p) for p in unit.parameters()] for unit in self.bound.units()]
             covered = sum(len(g) for g in groups)
             if covered != len(named):
-                raise UsageError(f"model.units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all of them")
+                raise UsageError(f"units() cover {covered} of {len(named)} parameters; ZeRO-3 needs all of them")
             experts = self._expert_names()
 
             def kind(x):  # ep: expert weights are sharded over edp; frozen ones get value-only buckets;
@@ -640,7 +649,7 @@ class DataParallel:
         """
         self.begin_accumulation(sync=last and not self._no_sync)
         with self.gathered_saved_weights(), trace_range("chipset::forward"):
-            loss = self.model.loss(compute_input(tokens, self.dtype), targets)
+            loss = self.bound.loss(compute_input(tokens, self.dtype), targets)
         if loss_factor != 1.0:
             loss = loss * loss_factor
         scaled = loss.float() * (self.scaler.scale / self.micro_batches)

@@ -86,7 +86,7 @@ def generate(run_dir: str | Path, *, prompt: str | None = None, prompt_ids: list
              greedy: bool = False, num: int = 1, seed: int = 0, backend: Backend=None) -> Generated:
     """Completions of ``prompt`` (text) or ``prompt_ids`` from checkpoint ``step`` of ``run_dir``."""
     from chipset.loader import backend as load_backend
-    from chipset.models.family import bind, build_for
+    from chipset.models.family import build_for
     from chipset.models.registry import resolve_family
     from chipset.models.sampling import sample
     from chipset.parallel.linear import apply_linear
@@ -106,7 +106,7 @@ def generate(run_dir: str | Path, *, prompt: str | None = None, prompt_ids: list
     if bad:
         raise ConfigError(f"prompt token ids {bad[:5]} are outside the model's vocabulary 0..{cfg.model.vocab_size - 1}")
     b = backend or load_backend()
-    model = bind(family, apply_linear(build_for(family, cfg, b.kernels), b.kernels), cfg)  # training's GEMM
+    model = apply_linear(build_for(family, cfg, b.kernels), b.kernels)  # training's GEMM
     model.load_state_dict(weights)
     model.eval()
     gen = torch.Generator().manual_seed(seed)

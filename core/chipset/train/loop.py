@@ -20,7 +20,14 @@ import torch
 
 from chipset.data.datasets import SyntheticTokens, TextBytes
 from chipset.errors import ChipsetError, ConfigError
-from chipset.models.family import bind, build_for_run, family_data, layout_problems, meta_model
+from chipset.models.family import (
+    BoundModel,
+    bind,
+    build_for_run,
+    family_data,
+    layout_problems,
+    meta_model,
+)
 from chipset.models.registry import resolve_family
 from chipset.parallel.compile import apply_compile, check_compile, compile_backend_of
 from chipset.parallel.context import ContextParallel, apply_cp
@@ -104,10 +111,11 @@ def build(cfg: RunConfig, backend: Backend) -> tuple[DataParallel, SyntheticToke
     return engine, data, dims
 
 
-def build_model(cfg: RunConfig, backend: Backend, dims: ParallelDims, family) -> torch.nn.Module:
+def build_model(cfg: RunConfig, backend: Backend, dims: ParallelDims, family) -> BoundModel:
     """``family``'s model for ``cfg``, split for ``dims`` (tp, cp, ep), with recompute and compile
-    applied, bound to the family (models/family.py ``bind``: units, loss, pipeline chain): this
-    rank's share, not yet wrapped. Refuses a layout the family does not support."""
+    applied, bound to the family (a :class:`chipset.models.family.BoundModel`: the module as
+    ``.module``, and the family's units, loss and pipeline chain): this rank's share, not yet
+    wrapped. Refuses a layout the family does not support."""
     col = backend.collective
     par, tr = cfg.parallel, cfg.train
     problems = layout_problems(family, cfg)
@@ -167,8 +175,8 @@ def document_eos(cfg: RunConfig) -> int:
     return int(eos)
 
 
-def wrap(model: torch.nn.Module, cfg: RunConfig, backend: Backend, dims: ParallelDims):
-    """The engine that trains ``model`` (from :func:`build_model`) under ``dims``: gradient
+def wrap(bound: BoundModel, cfg: RunConfig, backend: Backend, dims: ParallelDims):
+    """The engine that trains ``bound`` (from :func:`build_model`) under ``dims``: gradient
     reduction, ZeRO sharding, the optimizer ``train.optimizer`` names (runtime/optim.py), loss
     scaling, and the pipeline schedule when pp > 1."""
     par, tr = cfg.parallel, cfg.train
@@ -184,7 +192,7 @@ def wrap(model: torch.nn.Module, cfg: RunConfig, backend: Backend, dims: Paralle
     # pp > 1: this rank's stages, with DataParallel over dp inside (runtime/pipeline/).
     make = partial(build_pipeline, par) if dims.pp_enabled else DataParallel
     engine = make(
-        model, backend, dims, dtype=dtype, bucket_mb=par.bucket_mb, micro_batches=par.micro_batches,
+        bound, backend, dims, dtype=dtype, bucket_mb=par.bucket_mb, micro_batches=par.micro_batches,
         grad_clip=tr.grad_clip, optimizer=make_optimizer(tr),
         scaler=scaler, offload_optimizer=par.offload_optimizer, weights_to_load=bool(cfg.model.init_from),
         **_bf16_update(tr),

@@ -95,22 +95,23 @@ def pipeline_problems(cfg, units: int | None = None) -> list[str]:
     return problems
 
 
-def build_pipeline(par, model, backend: Backend, dims, **dp_kwargs) -> PipelineEngine:
-    """This rank's :class:`PipelineEngine` for ``model`` (bound to its family) under ``par``."""
+def build_pipeline(par, bound, backend: Backend, dims, **dp_kwargs) -> PipelineEngine:
+    """This rank's :class:`PipelineEngine` for ``bound`` (a model bound to its family,
+    :class:`chipset.models.family.BoundModel`) under ``par``."""
     sched = schedule_for(par)
-    specs = split_units(model, par.pp * par.virtual_stages, par.pipeline_split)
-    return PipelineEngine(model, backend, dims, sched, specs, **dp_kwargs)
+    specs = split_units(bound, par.pp * par.virtual_stages, par.pipeline_split)
+    return PipelineEngine(bound, backend, dims, sched, specs, **dp_kwargs)
 
 
-def describe_pipeline(cfg, model) -> str:
+def describe_pipeline(cfg, bound) -> str:
     """What ``chipset train --print-schedule`` prints: the split, then the checked schedule.
 
-    ``model``: the run's model bound to its family, built on the meta device (shapes only: no
+    ``bound``: the run's model bound to its family, built on the meta device (shapes only: no
     memory, no initialisation cost; ``chipset.models.family.meta_model``)."""
     par = cfg.parallel
     sched = schedule_for(par)
-    specs = split_units(model, par.pp * par.virtual_stages, par.pipeline_split)
-    units = model.pipeline_units()
+    specs = split_units(bound, par.pp * par.virtual_stages, par.pipeline_split)
+    units = bound.pipeline_units()
     how = "explicit: " + par.pipeline_split if par.pipeline_split else "balanced by parameter count"
     lines = [f"pipeline split ({how}):"]
     for spec in specs:

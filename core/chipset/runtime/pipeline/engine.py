@@ -52,8 +52,9 @@ class PipelineEngine:
     their single-process names on every rank (collective over the pp group).
     """
 
-    def __init__(self, model, backend: Backend, dims: ParallelDims, schedule: PipelineSchedule,
+    def __init__(self, bound, backend: Backend, dims: ParallelDims, schedule: PipelineSchedule,
                  specs: list[UnitSpec], **dp_kwargs):
+        model = bound.module  # bound: the model and its family (chipset.models.family.BoundModel)
         self.backend = backend
         self.collective = backend.collective
         self.dims = dims
@@ -67,7 +68,7 @@ class PipelineEngine:
         self.pp_rank = self.pp_group.ranks.index(col.rank())
         self.specs = specs
         self.my_specs = [specs[schedule.virtual_stage(self.pp_rank, c)] for c in range(v)]
-        self.unit_shapes = model.unit_shapes
+        self.unit_shapes = bound.unit_shapes
         self._shapes: dict[tuple, list[torch.Size]] = {}
         # Logical (single-process) shape of every parameter of the whole model: a checkpoint
         # written or read by one stage is checked against all of it (checkpoint/layout.py).
@@ -79,14 +80,14 @@ class PipelineEngine:
         # Every rank learns every parameter's name, shape and owning stage (for full_parameters).
         self._owners: list[list[tuple[str, torch.Size]]] = [[] for _ in range(p)]
         for r in range(p):
-            sm = UnitStageModel(model, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
+            sm = UnitStageModel(bound, [specs[schedule.virtual_stage(r, c)] for c in range(v)])
             self._owners[r] = [(n, t.shape) for n, t in sm.named_parameters()]
         # runs of the family's chain of units (parallel/stages.py)
-        self.model = UnitStageModel(model, self.my_specs)
+        self.model = UnitStageModel(bound, self.my_specs)
         # The units other ranks hold move to the meta device: this rank keeps none of their
         # memory, although ``model`` (still referenced by its family's bound methods) lives on.
         held = {id(m) for m in self.model.modules()}
-        for unit in model.pipeline_units():
+        for unit in bound.pipeline_units():
             if id(unit) not in held:
                 unit.to("meta")
         # Stages exchange hidden states as this rank holds them: its cp share of each sequence
