@@ -110,9 +110,14 @@ _PHASES = ("chipset::step", "chipset::forward", "chipset::backward", "chipset::o
 """The loop's own ranges: a step's phases, not collectives (``chipset::stage<N>.*`` are phases too)."""
 
 
+def _rank_of(path: Path) -> int:
+    """The rank a trace file belongs to (``rank3.json`` -> 3)."""
+    return int(re.sub(r"\D", "", path.name) or 0)
+
+
 def trace_check(run_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """(finding dicts, what was missing) from ``run_dir/traces``; nothing when the run was not profiled."""
-    files = sorted((run_dir / "traces").glob("rank*.json"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    files = sorted((run_dir / "traces").glob("rank*.json"), key=_rank_of)
     if not files:
         return [], []
     gaps, self_t, missing = [], Counter(), []
@@ -123,7 +128,7 @@ def trace_check(run_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, 
             continue
         ops = _ops(ev)
         self_t.update(_self_times(ops))
-        rank = int(re.sub(r"\D", "", path.stem) or 0)
+        rank = _rank_of(path)
         gaps += [(rank, g, s) for g, s in _gaps(ev, ops)]
     out = []
     if gaps:
