@@ -32,7 +32,8 @@ from __future__ import annotations
 import os
 import sys
 
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():  # before anything imports
+# Run as ``python -m``: before anything imports. Imported (the launcher's fork) it leaves the importer's path alone.
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0] or ".") == os.getcwd():
     del sys.path[0]
 
 import atexit  # noqa: E402
