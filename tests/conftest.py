@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forked_cli
 import testenv
 from chipset.discovery import records
 
@@ -83,15 +84,12 @@ def _clean_env(monkeypatch):
 
 
 def run_cli(*args: str, env: dict | None = None, site: Path | None = None, timeout: float = 120):
-    """Run ``chipset ARGS`` in a subprocess; returns CompletedProcess with text output."""
+    """Run ``chipset ARGS`` in a process of its own (tests/forked_cli.py); returns CompletedProcess with text output."""
     e = testenv.clean_env()
     if site is not None:
         e["PYTHONPATH"] = os.pathsep.join([str(site), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "chipset.cli.main", *args],
-        capture_output=True, text=True, env=e, timeout=timeout,
-    )
+    return forked_cli.run([*forked_cli.CLI, *args], capture_output=True, text=True, env=e, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------
@@ -161,16 +159,6 @@ def pytest_collection_modifyitems(config, items):
 _current = testenv.CURRENT_TEST  # the running test, also read by testenv.SideBySide
 
 
-def _starts_ranks(args, env) -> bool:
-    cmd = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
-    if any(a == "torch.distributed.run" or a.endswith("torchrun") for a in cmd):
-        return True
-    for flag, value in zip(cmd, cmd[1:], strict=False):
-        if flag in ("--nproc", "--nproc-per-node", "--nproc_per_node") and value.isdigit() and int(value) > 1:
-            return True
-    return bool(env) and str(env.get("WORLD_SIZE", "1")).isdigit() and int(env.get("WORLD_SIZE", "1")) > 1
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _current["item"] = item
@@ -187,7 +175,7 @@ def pytest_configure(config):
         # A job that testenv.SideBySide started is the test's that started it, even when it
         # is still starting processes while a later test runs.
         item = getattr(testenv.JOB_OWNER, "item", None) or _current["item"]
-        if item is not None and item.get_closest_marker("multirank") is None and _starts_ranks(args, kw.get("env")):
+        if item is not None and item.get_closest_marker("multirank") is None and testenv.starts_ranks(args, kw.get("env")):
             raise RuntimeError(f"{item.nodeid} starts several ranks ({args!r}) but is not marked multirank: "
                                "add @pytest.mark.multirank (the fast tier, -m 'not multirank', must start none)")
         orig(self, args, *a, **kw)

@@ -46,12 +46,17 @@ def require(devices: int) -> None:
         pytest.skip(f"needs {devices} devices, the backend has {b.device.device_count()}")
 
 
-def _launch(script: Path, mode: str, ranks: int, out: Path) -> subprocess.Popen:
-    head = [sys.executable]
+def _launch(script: Path, mode: str, ranks: int, out: Path, log: Path):
+    """The job as a fork of tests/forked_cli.py's server (torch imported once): ``python FILE MODE OUT``,
+    or for several ranks ``python -m torch.distributed.run --standalone --nproc-per-node=N FILE MODE OUT``."""
+    import forked_cli
+
+    argv = [str(script), mode, str(out)]
     if ranks > 1:
-        head += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    return subprocess.Popen([*head, str(script), mode, str(out)], env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *argv]
+        return forked_cli.Forked(cmd, ("module", "torch.distributed.run"), cmd[3:], env=env(), cwd=None, out=str(log))
+    return forked_cli.Forked([sys.executable, *argv], ("script", str(script)), argv[1:], env=env(), cwd=None,
+                             out=str(log))
 
 
 def run_jobs(script: Path, waves: list[dict[str, int]], tmp: Path, *, timeout: float = 400) -> dict[str, dict]:
@@ -61,13 +66,16 @@ def run_jobs(script: Path, waves: list[dict[str, int]], tmp: Path, *, timeout: f
     on a peer leaves the core to another job), the next wave starts when they all ended.
     ``ranks`` 1 is a plain process. A job that fails fails the caller with its log's tail.
     """
+    import time
+
     results = {}
     for wave in waves:
-        procs = {mode: _launch(script, mode, ranks, tmp / f"{mode}.pt") for mode, ranks in wave.items()}
-        logs = {}
+        logs = {mode: tmp / f"{mode}.log" for mode in wave}
+        procs = {mode: _launch(script, mode, ranks, tmp / f"{mode}.pt", logs[mode]) for mode, ranks in wave.items()}
+        deadline = time.monotonic() + timeout
         try:
-            for mode, p in procs.items():
-                logs[mode] = p.communicate(timeout=timeout)[0]
+            for p in procs.values():
+                p.wait(max(0.0, deadline - time.monotonic()))
         finally:
             for p in procs.values():
                 if p.poll() is None:
@@ -78,7 +86,8 @@ def run_jobs(script: Path, waves: list[dict[str, int]], tmp: Path, *, timeout: f
                 except subprocess.TimeoutExpired:
                     p.kill()
         for mode, p in procs.items():
-            assert p.returncode == 0, f"job {mode} ({wave[mode]} ranks) exited {p.returncode}:\n{logs[mode][-6000:]}"
+            text = logs[mode].read_text(errors="replace") if logs[mode].exists() else ""
+            assert p.returncode == 0, f"job {mode} ({wave[mode]} ranks) exited {p.returncode}:\n{text[-6000:]}"
             results[mode] = torch.load(tmp / f"{mode}.pt", weights_only=False)
     return results
 

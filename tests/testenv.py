@@ -71,10 +71,9 @@ def fresh_python(code: str, timeout: int = 300) -> str:
 
 def chipset_train(run_dir, nproc: int, sets, *, env: dict[str, str], timeout: int = 600, cwd=None):
     """``chipset train --nproc N --run-dir DIR --set k=v ...`` as a subprocess (output captured)."""
-    import subprocess
-    import sys
+    import forked_cli
 
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", str(nproc),
+    return forked_cli.run([*forked_cli.CLI, "train", "--nproc", str(nproc),
                            "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
 
@@ -141,6 +140,17 @@ class SideBySide:
     def close(self) -> None:
         """Waits for the jobs still running; drops those not started."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def starts_ranks(args, env) -> bool:
+    """Whether a command starts several ranks: torchrun, ``--nproc N`` with N > 1, or WORLD_SIZE > 1 (conftest.py's multirank guard)."""
+    cmd = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    if any(a == "torch.distributed.run" or a.endswith("torchrun") for a in cmd):
+        return True
+    for flag, value in zip(cmd, cmd[1:], strict=False):
+        if flag in ("--nproc", "--nproc-per-node", "--nproc_per_node") and value.isdigit() and int(value) > 1:
+            return True
+    return bool(env) and str(env.get("WORLD_SIZE", "1")).isdigit() and int(env.get("WORLD_SIZE", "1")) > 1
 
 
 def is_agent(pid: int) -> bool:

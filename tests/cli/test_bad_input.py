@@ -24,6 +24,8 @@ from chipset.train.config import RunConfig, resolve_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "report"))
 from test_report import _write_run  # noqa: E402
 
+import forked_cli
+
 BINARY = b"\x7fELF\x02\x01\x01\x00\xd0\xff" + bytes(range(256))
 """The head of an executable: a NUL byte and bytes that are not UTF-8."""
 UNWRITABLE = "/proc/chipset-no-such-dir/run"
@@ -218,7 +220,7 @@ def _limited(*args: str, env: dict[str, str], limit: int) -> subprocess.Complete
 
     e = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
     e.update(OMP_NUM_THREADS="1", CHIPSET_BACKEND="cpu_sim", **env)
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
                           env=e, timeout=300, preexec_fn=cap)
 
 

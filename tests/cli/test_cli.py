@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
+import forked_cli
 import testenv
 from conftest import run_cli
 from plugin_factory import make_plugin
@@ -128,7 +128,7 @@ def test_the_command_ends_like_sys_exit_without_the_interpreters_teardown(tmp_pa
     for code, status in (("3", 3), ("None", 0), ("'bad input'", 1)):
         out = tmp_path / str(status)
         out.mkdir()
-        proc = subprocess.run([sys.executable, "-c", script, str(out), code], capture_output=True, text=True,
+        proc = forked_cli.run([sys.executable, "-c", script, str(out), code], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == status, proc.stderr
         assert proc.stdout == "unflushed"

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.cli.main import main
 from chipset.train.config import load_config
@@ -22,7 +22,7 @@ SMALL = ["--set", "train.steps=3", "--set", "train.global_batch=4", "--set", "tr
 def _cli(*args: str, cwd=None, timeout: float = 180):
     env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=cwd)
 
 

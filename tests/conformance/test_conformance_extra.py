@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
+
+import forked_cli
 
 # Runs the real CLI in a fresh interpreter in which importing pytest fails as it would
 # where pytest is not installed (a meta-path finder refusing it, installed before main).
@@ -23,7 +24,7 @@ sys.exit(main(["conformance", "--backend", "cpu_sim"]))
 
 
 def test_conformance_without_pytest_names_the_extra_and_exits_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", _BLOCKED], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    proc = forked_cli.run([sys.executable, "-c", _BLOCKED], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "needs pytest" in proc.stderr and "chipset[conformance]" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -37,7 +38,7 @@ def test_conformance_ignores_the_conftest_of_the_directory_it_is_run_from(tmp_pa
         "def pytest_collection_modifyitems(config, items):\n"
         "    raise RuntimeError('project conftest leaked into the conformance run')\n"
     )
-    proc = subprocess.run([sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", "cpu_sim",
+    proc = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", "cpu_sim",
                            "-k", "test_rng"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "leaked" not in proc.stdout

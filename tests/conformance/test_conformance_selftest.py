@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import broken_backends
 import pytest
 
+import forked_cli
 import testenv
 from chipset.conformance import GROUPS
 from testenv import SideBySide
@@ -33,7 +33,7 @@ def _suite(backend: str, tmp: Path, *extra: str, site: Path | None = None, plain
     else:
         cmd = [sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", backend,
                "--json-report", str(report), "-q", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=600)
+    proc = forked_cli.run(cmd, capture_output=True, text=True, env=env, cwd=tmp, timeout=600)
     data = json.loads(report.read_text()) if report.exists() else None
     return proc, data, tmp
 

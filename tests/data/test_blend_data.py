@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 from test_megatron_data import EOS, _docs, _stream, write_megatron
 
+import forked_cli
 from chipset.cli.main import main
 from chipset.data.blend import BLOCK, parse_blend
 from chipset.data.datasets import TokenFiles, blended_tokens
@@ -127,7 +127,7 @@ def test_blend_resume_on_one_rank_matches_two_ranks(sources):
     env["OMP_NUM_THREADS"] = "1"
 
     def train(run_dir, *extra):
-        r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *common, "--run-dir",
+        r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", *common, "--run-dir",
                             str(run_dir), *extra], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stderr.count("data.blend: 3 sources") == 1, "one blend line per job, not one per rank"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import forked_cli
 from chipset.cli.main import main
 from chipset.data.datasets import TokenFiles
 from chipset.train.config import load_config
@@ -159,7 +159,7 @@ def test_resume_at_another_dp_size_sees_the_same_tokens(prepared, tmp_path):
     env["OMP_NUM_THREADS"] = "1"
 
     def train(run_dir, *extra):
-        r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *common, "--run-dir",
+        r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", *common, "--run-dir",
                             str(run_dir), *extra], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -220,7 +220,7 @@ def test_two_rank_zero3_eval_matches_one_process(prepared, tmp_path):
     evals = []
     for extra in (["--nproc", "2", "--set", "parallel.zero=3"], []):
         run_dir = tmp_path / f"run{len(evals)}"
-        r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *common, *extra, "--run-dir",
+        r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", *common, *extra, "--run-dir",
                             str(run_dir)], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "eval at step 2: loss" in r.stdout

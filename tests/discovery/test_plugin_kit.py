@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import site
-import subprocess
 import sys
 import venv
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 from chipset.errors import UsageError
 from chipset.plugin_kit import scaffold
 from chipset.plugin_kit.contract import METHODS, SECTIONS
@@ -25,7 +25,7 @@ def _child_venv(path: Path) -> Path:
     """
     venv.EnvBuilder(with_pip=False).create(path)
     py = path / "bin" / "python"
-    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    purelib = forked_cli.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     parent = [p for p in sys.path if p.endswith("site-packages")] + site.getsitepackages()
     # addsitedir (not a bare path) so the parent's own .pth files, e.g. editable installs, apply too
@@ -42,11 +42,11 @@ def _env():
 def installed_scaffold(tmp_path_factory):
     root = tmp_path_factory.mktemp("kit")
     target = root / "chipset-acme-npu"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "plugin", "new", "acme_npu", "--dir", str(target)],
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "plugin", "new", "acme_npu", "--dir", str(target)],
                        capture_output=True, text=True, env=_env())
     assert r.returncode == 0, r.stderr
     py = _child_venv(root / "venv")
-    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+    r = forked_cli.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
                         "--no-build-isolation", "-e", str(target)],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -65,7 +65,7 @@ def test_scaffold_refuses_bad_names_and_non_empty_directories(tmp_path):
 
 def test_installed_scaffold_is_listed_but_never_chosen_implicitly(installed_scaffold):
     py, _ = installed_scaffold
-    r = subprocess.run([py, "-m", "chipset.cli.main", "backends", "--json"], capture_output=True, text=True, env=_env())
+    r = forked_cli.run([py, "-m", "chipset.cli.main", "backends", "--json"], capture_output=True, text=True, env=_env())
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     by = {b["name"]: b for b in data["backends"]}
@@ -73,7 +73,7 @@ def test_installed_scaffold_is_listed_but_never_chosen_implicitly(installed_scaf
     assert by["acme_npu"]["status"] == "unavailable"
     # automatic selection keeps the installed default (cpu, or cpu_sim where cpu is not installed)
     assert data["selected"] in ("cpu", "cpu_sim") and by[data["selected"]]["status"] == "ok"
-    r = subprocess.run([py, "-m", "chipset.cli.main", "backends", "--json"], capture_output=True, text=True,
+    r = forked_cli.run([py, "-m", "chipset.cli.main", "backends", "--json"], capture_output=True, text=True,
                        env={**_env(), "CHIPSET_BACKEND": "acme_npu"})
     data = json.loads(r.stdout)
     assert data["selected"] == "acme_npu"
@@ -81,7 +81,7 @@ def test_installed_scaffold_is_listed_but_never_chosen_implicitly(installed_scaf
 
 def test_scaffold_backend_names_the_first_missing_part(installed_scaffold):
     py, _ = installed_scaffold
-    r = subprocess.run([py, "-m", "chipset.cli.main", "info"], capture_output=True, text=True,
+    r = forked_cli.run([py, "-m", "chipset.cli.main", "info"], capture_output=True, text=True,
                        env={**_env(), "CHIPSET_BACKEND": "acme_npu"})
     assert r.returncode != 0
     assert "acme_npu: Device.device_count is not implemented yet" in r.stderr
@@ -106,7 +106,7 @@ def test_scaffold_stubs_every_required_method_of_the_contract_naming_its_docs_se
 def test_conformance_on_the_scaffold_prints_one_work_plan_and_fails(installed_scaffold, tmp_path):
     py, _ = installed_scaffold
     report = tmp_path / "r.json"
-    r = subprocess.run(
+    r = forked_cli.run(
         [py, "-m", "chipset.cli.main", "conformance", "--backend", "acme_npu", "--json-report", str(report)],
         capture_output=True, text=True, env={**_env(), "CHIPSET_BACKEND": "acme_npu"}, timeout=600,
     )
@@ -128,7 +128,7 @@ def test_conformance_on_the_scaffold_prints_one_work_plan_and_fails(installed_sc
 def test_keep_going_runs_the_checks_of_an_unfinished_backend(installed_scaffold, tmp_path):
     py, _ = installed_scaffold
     report = tmp_path / "r.json"
-    r = subprocess.run(
+    r = forked_cli.run(
         [py, "-m", "chipset.cli.main", "conformance", "--backend", "acme_npu", "--json-report", str(report),
          "--keep-going", "-k", "test_device_count_is_positive"],
         capture_output=True, text=True, env={**_env(), "CHIPSET_BACKEND": "acme_npu"}, timeout=600,

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md"
@@ -53,12 +53,12 @@ def test_backend_copied_from_the_docs_passes_conformance(tmp_path):
         (src / rel).write_text(code)
     site = tmp_path / "site"
     env = testenv.clean_env()
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+    r = forked_cli.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                         "--target", str(site), str(src)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     report = tmp_path / "r.json"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", "acme_host",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", "acme_host",
                         "--json-report", str(report), "-q", "-k", KEYWORD],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

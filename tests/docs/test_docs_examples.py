@@ -19,12 +19,14 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +108,36 @@ def console_exit_codes(code: str) -> list[tuple[str, int]]:
     return out
 
 
+_SHELL = re.compile(r"[|&;<>()$`*?~\\\n{}\[\]!#]")
+
+
+def _as_cli(command: str) -> tuple[dict[str, str], list[str]] | None:
+    """``({VAR: value}, ARGS)`` for a console command that is only ``[VAR=value ...] chipset ARGS``
+    in plain words (no pipe, redirection, expansion or glob); None for anything bash must run."""
+    if _SHELL.search(command):
+        return None
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    env = {}
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    if not words or words[0] != "chipset":
+        return None
+    return env, words[1:]
+
+
+def test_plain_chipset_commands_are_recognised():
+    assert _as_cli("CHIPSET_BACKEND=cpu chipset train --set 'train.steps=2'") == (
+        {"CHIPSET_BACKEND": "cpu"}, ["train", "--set", "train.steps=2"])
+    assert _as_cli("chipset info | head -3") is None
+    assert _as_cli("chipset train > out.txt") is None
+    assert _as_cli("python -m chipset info") is None
+    assert _as_cli("chipset plan --model $HOME/x.json") is None
+
+
 @pytest.fixture(scope="module")
 def page_dirs(tmp_path_factory):
     dirs: dict[Path, Path] = {}
@@ -145,7 +177,12 @@ def test_doc_example_runs(page, line, lang, code, skip, page_dirs, monkeypatch):
     else:
         runs = [(["bash", "-e", "-o", "pipefail", "-c", code], 0)]
     for cmd, expected in runs:
-        r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240)
+        cli = _as_cli(cmd[-1]) if lang == "console" else None
+        if cli is not None:  # `chipset ARGS` alone: the CLI forked with torch imported (tests/forked_cli.py)
+            env = {**_env(), **cli[0]}
+            r = forked_cli.run([*forked_cli.CLI, *cli[1]], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+        else:
+            r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240)
         assert r.returncode == expected, (
             f"{where} exited {r.returncode}, expected {expected}: {cmd[-1]!r}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}\n"
             "Fix the example (keep it tiny), or mark its fence 'skip-example: REASON' if it cannot run on cpu_sim."

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 from chipset.cli.main import COMMANDS
 from chipset.cli.reference import _help, iter_parsers
 
@@ -46,7 +46,7 @@ def test_cli_reference_covers_every_command_option_and_help_text():
                     reason="mkdocs and mkdocstrings[python] are not installed here; 'tox -e docs' installs them and "
                     "builds the site in strict mode")
 def test_the_site_builds_in_strict_mode(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    r = forked_cli.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for page in ("index.html", "cli/index.html", "api/index.html", "writing-a-plugin/index.html"):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forked_cli
 import parity
 from chipset.train.config import load_config
 from testenv import SideBySide, clean_env, selected
@@ -42,7 +43,7 @@ def test_rl_example_runs(tmp_path):
     """examples/rl-addition.toml with ``chipset rl``, two steps in one process (docs/rl.md)."""
     env = clean_env()
     env["OMP_NUM_THREADS"] = "1"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "rl", str(EXAMPLES / "rl-addition.toml"),
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "rl", str(EXAMPLES / "rl-addition.toml"),
                         "--run-dir", str(tmp_path / "run"), "--set", "train.steps=2", "--set", "train.global_batch=16"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -60,7 +61,7 @@ def _example(name: str, run_dir: Path) -> subprocess.CompletedProcess:
     env = clean_env()
     env["OMP_NUM_THREADS"] = "1"
     sets = [a for kv in RUNNABLE[name] for a in ("--set", kv)]
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(EXAMPLES / name),
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", str(EXAMPLES / name),
                            "--nproc", "2", "--run-dir", str(run_dir), *sets],
                           capture_output=True, text=True, env=env, timeout=600)
 
@@ -91,7 +92,7 @@ def _custom_loop(cwd: Path, nproc: int, *sets: str) -> list[float]:
     env["OMP_NUM_THREADS"] = "1"
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
               if nproc > 1 else [sys.executable])
-    r = subprocess.run([*launch, str(EXAMPLES / "custom_loop.py"), *sets], cwd=cwd, capture_output=True,
+    r = forked_cli.run([*launch, str(EXAMPLES / "custom_loop.py"), *sets], cwd=cwd, capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     lines = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("step ")]

@@ -7,12 +7,12 @@ first stage and evaluation alike.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import forked_cli
 import testenv
 from chipset.runtime.precision import compute_input
 from conftest import ROOT
@@ -31,7 +31,7 @@ def test_image_and_custom_families_train_in_bfloat16(tmp_path, example, path):
     """Before the fix both exited 1 with 'Input type (torch.FloatTensor) and weight type
     (CPUBFloat16Type) should be the same'."""
     env = testenv.family_env(str(ROOT / path)) if path else testenv.clean_env()
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(ROOT / "examples" / example),
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", str(ROOT / "examples" / example),
                         "--set", "train.dtype=bfloat16", "--set", "train.steps=2",
                         "--run-dir", str(tmp_path / "run")],
                        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)

@@ -34,6 +34,7 @@ import torch
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
+import forked_cli  # noqa: E402
 import multirank  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -354,7 +355,7 @@ def test_loading_holds_only_this_ranks_shard_in_host_memory(families, loaded):
 
 
 def _chipset(*args, cwd=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
                           env=multirank.env(), cwd=cwd, timeout=timeout)
 
 

@@ -20,6 +20,7 @@ import tomllib
 import torch
 from torch import nn
 
+import forked_cli
 import parity
 from chipset.models.family import ModelFamily
 from testenv import SideBySide, chipset_train, family_env, selected
@@ -194,7 +195,7 @@ def test_entry_point_families_listed_broken_one_isolated_good_one_trains(tmp_pat
     _install_family(site, "chipset-cnn", "cnn", "from test_model_family import family\n")
     _install_family(site, "chipset-broken-model", "broken", "raise ImportError('needs libfoo 2')\n")
     env = family_env(str(site), str(HERE))
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     fams = {f["name"]: f for f in json.loads(r.stdout)["families"]}
@@ -202,7 +203,7 @@ def test_entry_point_families_listed_broken_one_isolated_good_one_trains(tmp_pat
     assert fams["cnn"]["status"] == "ok" and fams["cnn"]["distribution"] == "chipset-cnn"
     assert "tp" in fams["cnn"]["layouts"] and "ep" not in fams["cnn"]["layouts"]
     assert fams["broken"]["status"] == "import-error" and "needs libfoo 2" in fams["broken"]["reason"]
-    table = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models"],
+    table = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "models"],
                            capture_output=True, text=True, env=env, timeout=300)
     assert table.returncode == 0 and "needs libfoo 2" in table.stdout
     # The good one trains by name; choosing the broken one is refused with its reason.
@@ -213,7 +214,7 @@ def test_entry_point_families_listed_broken_one_isolated_good_one_trains(tmp_pat
 
 
 def _example(run: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(ROOT / "examples" / "custom-model.toml"),
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", str(ROOT / "examples" / "custom-model.toml"),
                            "--nproc", "2", "--run-dir", str(run), "--set", "train.steps=3"],
                           capture_output=True, text=True, env=family_env(str(ROOT / "examples")), timeout=600)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import forked_cli
 import testenv  # noqa: E402
 from chipset.errors import ConfigError  # noqa: E402
 from chipset.train.config import RunConfig, load_config  # noqa: E402
@@ -28,7 +28,7 @@ OLD_TO_NEW = {"top_k": "num_experts_per_tok", "aux_loss_coef": "router_aux_loss_
 def _chipset(*args, cwd=None):
     e = testenv.clean_env(keep_settings=True)
     e["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
                           env=e, cwd=cwd, timeout=600)
 
 

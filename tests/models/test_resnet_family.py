@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import forked_cli
 import parity
 from chipset.models.resnet import IMAGE_SIZE, ResNetFamily, SyntheticImages
 from chipset.train.config import load_config
@@ -205,13 +206,13 @@ def test_listed_as_built_in_and_counted_for_mfu(tmp_path):
     """`chipset models` lists it; a run on a backend that declares its peak reports MFU from
     the family's flops_per_sample (samples/s x FLOPs per sample / peak)."""
     env = family_env(str(HERE))
-    listed = subprocess.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
+    listed = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "models", "--json"],
                             capture_output=True, text=True, env=env, timeout=300)
     fams = {f["name"]: f for f in json.loads(listed.stdout)["families"]}
     assert fams["resnet"]["source"] == "built-in" and fams["resnet"]["layouts"] == ["dp", "pp", "zero1", "zero2", "zero3"]
     env["CHIPSET_BACKEND"] = "cpu_sim"
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run),
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run),
                         *[a for s in [*SIZE, 'model.family="resnet"', "train.steps=2", "train.checkpoint_every=0"]
                           for a in ("--set", s)]], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+import forked_cli
 import parity
 from testenv import TEST_BACKEND, clean_env
 
@@ -58,7 +59,7 @@ def _train(tmp_path, backend: str, compile_: bool) -> subprocess.CompletedProces
     env = clean_env()
     env.pop("CHIPSET_DISABLE_PLUGINS", None)
     env.update(CHIPSET_BACKEND=backend, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    return forked_cli.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 
 def _metrics(run_dir) -> tuple[list[float], list[float]]:

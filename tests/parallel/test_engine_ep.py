@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import io
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forked_cli
 import multirank
 import parity
 from multirank import merge as _merge
@@ -410,7 +410,7 @@ def test_chipset_train_runs_moe_with_ep2_on_two_ranks(tmp_path):
         pytest.skip("needs multi_process and 2 devices")
     run_dir = tmp_path / "run"
     env = multirank.env()
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "model.num_experts=4",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "model.num_experts=4",
                         "--set", "parallel.ep=2", "--nproc", "2", "--set", "train.steps=6",
                         "--run-dir", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -13,13 +13,13 @@ any CPU. This file is also the jobs' script
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forked_cli
 import multirank
 import parity
 from multirank import merge as _merge
@@ -171,7 +171,7 @@ def test_cli_trains_tp_sp_cp_through_torchrun_like_one_process(runs, tmp_path):
     sets = [f"{sec}.{k}={v}" for sec, body in BASE.items() for k, v in body.items() if k != "steps"]
     sets += ["train.steps=3", "parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"]
     run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "4", "--run-dir", str(run_dir),
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "4", "--run-dir", str(run_dir),
                         *(x for item in sets for x in ("--set", item))],
                        capture_output=True, text=True, env=multirank.env(), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -13,13 +13,13 @@ This file is also the job's script.
 from __future__ import annotations
 
 import io
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forked_cli
 import multirank
 import testenv
 
@@ -70,7 +70,7 @@ def test_fp8_is_refused_on_a_backend_that_does_not_declare_it(tmp_path):
     env = multirank.env()
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
     env["CHIPSET_BACKEND"] = "few_caps"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", 'train.fp8="rowwise"',
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", 'train.fp8="rowwise"',
                         "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "train.fp8 = 'rowwise': backend 'few_caps' declares no FP8 GEMM with rowwise scaling" in r.stderr

@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE.parents[1] / "models"))  # test_hf, its reference mo
 from test_hf import BASE as HF_BASE  # noqa: E402
 from test_hf import hf_logits, make_family, rel_diff  # noqa: E402
 
+import forked_cli  # noqa: E402
 import multirank  # noqa: E402
 import parity  # noqa: E402
 
@@ -191,7 +192,7 @@ def test_bad_lora_settings_are_refused_before_launch(runs, tmp_path):
     _, base = runs
     with pytest.raises(ConfigError, match=r"model.lora_dropout = 1.5: expected a probability in \[0, 1\)"):
         load_config(None, ["model.lora_rank=4", "model.lora_dropout=1.5"]).validate(world_size=1)
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", f"model.init_from={base}",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", f"model.init_from={base}",
                         "--set", "model.lora_rank=4", "--set", "model.lora_targets=layers.*.self_attn.qq_proj",
                         "--run-dir", str(tmp_path / "run")],
                        capture_output=True, text=True, env=multirank.env(), timeout=300)

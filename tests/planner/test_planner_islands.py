@@ -8,11 +8,11 @@ on cpu_sim with int8 pseudo-gradients (per-rank slices and per-block scales both
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.errors import ConfigError
 from chipset.planner.islands import (
@@ -44,7 +44,7 @@ def _sets(sets):
 def _cli(*args, timeout: float = 600):
     env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 

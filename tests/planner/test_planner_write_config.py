@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_cli
 from chipset.train.config import resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,7 +15,7 @@ CLUSTER = "1x8:h100-sxm"
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "plan", *args], capture_output=True, text=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "plan", *args], capture_output=True, text=True,
                           timeout=300)
 
 

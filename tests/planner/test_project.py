@@ -7,11 +7,11 @@ against the planner's own pieces and against the bytes the simulator counted.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import ring_bytes
@@ -27,7 +27,7 @@ SETS = ["--set", "train.steps=2", "--set", "train.global_batch=8", "--set", "tra
 def _cli(*args: str, timeout: float = 300):
     env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 

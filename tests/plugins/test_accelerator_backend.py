@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from doubles.fake_xpu import MAX_1550, FakeTorchCpuBuild, FakeTorchXpuBuild, FakeXpu
 
 import chipset_accelerator
+import forked_cli
 from chipset.errors import ConfigError, DeviceIndexError
 from chipset_accelerator.backend import capabilities_for
 from chipset_accelerator.collective import AcceleratorCollective
@@ -89,7 +89,7 @@ def conformance_on_the_privateuse1_double(tmp_path_factory):
                TOY_ACCEL_DOUBLE="1", TOY_ACCEL_DOUBLE_CAPACITY=str(2**30))
     # A slice (devices, memory, streams, RNG, one collective world); tox's
     # conformance-privateuse1-double env runs the whole suite.
-    proc = subprocess.run(
+    proc = forked_cli.run(
         [sys.executable, "-m", "chipset.cli.main", "conformance", "--backend", "accelerator", "-q",
          "-k", "test_device or test_memory or test_streams or test_rng or all_reduce_avg-int64",
          "--json-report", str(report)],
@@ -117,7 +117,7 @@ def test_the_double_is_reached_only_through_torchs_common_surface():
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(DOUBLE), env.get("PYTHONPATH")])), TOY_ACCEL_DOUBLE="1",
                CHIPSET_DISABLE_PLUGINS="cpu")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = forked_cli.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == [
         "accelerator", "toyacc", "toyacc", "toyccl", "toyccl", "toyacc", ["accelerator", "cpu_sim"]]  # cpu is disabled here
@@ -142,7 +142,7 @@ def test_the_rocm_and_xpu_gpu_checks_record_each_step_with_the_reason_here(tmp_p
     if torch.accelerator.current_accelerator() is not None:
         pytest.skip("this torch build has an accelerator: run plugins/accelerator/gpu_check.sh instead")
     script = Path(__file__).resolve().parents[2] / "plugins" / "accelerator" / "gpu_check.py"
-    r = subprocess.run([sys.executable, str(script), "--target", target, "--out", str(tmp_path)],
+    r = forked_cli.run([sys.executable, str(script), "--target", target, "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     data = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 import chipset_ascend
+import forked_cli
 
 _spec = importlib.util.spec_from_file_location("torch_npu_double_install", Path(__file__).parents[1] / "doubles" / "torch_npu_double" / "install.py")
 double = importlib.util.module_from_spec(_spec)
@@ -97,7 +97,7 @@ def test_the_double_fails_to_import_like_torch_npu_without_cann(findable, monkey
 
 
 def _backends_json(env: dict) -> dict:
-    out = subprocess.run(
+    out = forked_cli.run(
         [sys.executable, "-m", "chipset.cli.main", "backends", "--json"],
         capture_output=True, text=True, env=double.subprocess_env(env), timeout=120,
     )
@@ -127,7 +127,7 @@ def test_whole_process_harness_selects_ascend_and_the_engine_trains_on_it(tmp_pa
     }
     listing = _backends_json(env)
     assert listing["ascend"]["status"] == "ok" and "2 Ascend NPU(s)" in listing["ascend"]["reason"]
-    run = subprocess.run(
+    run = forked_cli.run(
         [sys.executable, "-m", "chipset.cli.main", "train", "--set", "train.steps=2", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, env=double.subprocess_env(env), timeout=300,
     )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.errors import ConfigError, DeviceIndexError
 from chipset_cpu_sim.device import SimDevice
@@ -21,7 +21,7 @@ def _cli(*args, env=None, pythonpath=None):
     e.update(env or {})
     if pythonpath:
         e["PYTHONPATH"] = os.pathsep.join([str(pythonpath), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True, env=e, timeout=120)
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", *args], capture_output=True, text=True, env=e, timeout=120)
 
 
 @pytest.fixture(autouse=True)

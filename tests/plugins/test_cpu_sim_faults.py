@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.errors import ConfigError
 from chipset_cpu_sim.faults import ANY_RANK, Fault, FaultPlan, fault_dir, parse_faults
@@ -74,7 +75,7 @@ def test_malformed_entries_are_config_errors_that_quote_the_entry(text, needle):
 def test_malformed_faults_fail_backend_load_with_exit_code_2():
     env = testenv.clean_env()
     env.update(CHIPSET_BACKEND="cpu_sim", CHIPSET_SIM_FAULTS="kill:rank=1")
-    proc = subprocess.run([sys.executable, "-m", "chipset.cli.main", "info"], capture_output=True, text=True, env=env, timeout=120)
+    proc = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "info"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2
     assert "CHIPSET_SIM_FAULTS" in proc.stderr and "step or collective" in proc.stderr
 
@@ -115,7 +116,7 @@ def _env(**extra) -> dict:
 
 
 def _steps(mode: str, **env):
-    proc = subprocess.run([sys.executable, "-c", f"MODE = {mode!r}\n" + STEPS], capture_output=True, text=True,
+    proc = forked_cli.run([sys.executable, "-c", f"MODE = {mode!r}\n" + STEPS], capture_output=True, text=True,
                           env=_env(**env), timeout=120)
     return proc.returncode, [int(x) for x in proc.stdout.split()], proc.stderr
 
@@ -156,7 +157,7 @@ def test_delay_makes_every_collective_of_that_rank_late():
         print(time.perf_counter() - t0, c.stats_dict()["all_reduce@world"]["calls"], flush=True)
         c.destroy()  # leaving a gloo group alive at exit can abort the interpreter
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    proc = forked_cli.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=_env(CHIPSET_SIM_FAULTS="delay:rank=0,ms=200"), timeout=120)
     assert proc.returncode == 0, proc.stderr
     took, calls = proc.stdout.split()

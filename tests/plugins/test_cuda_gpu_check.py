@@ -7,12 +7,13 @@ allows: the shapes and configs of both sides, the commands, and the parsing of b
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import forked_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "plugins" / "cuda" / "gpu_check.py"
@@ -20,7 +21,7 @@ SCRIPT = ROOT / "plugins" / "cuda" / "gpu_check.py"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: run plugins/cuda/gpu_check.sh instead")
 def test_gpu_check_without_a_gpu_records_each_step_with_the_reason(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    r = forked_cli.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = data["steps"]
@@ -198,7 +199,7 @@ def tiny_fp8_run(tmp_path_factory):
     args = [sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run_dir)]
     for s in peers.fp8_runs(shape, steps=3)["fp8"]:
         args += ["--set", s]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    r = forked_cli.run(args, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return shape, run_dir
 
@@ -231,7 +232,7 @@ def test_lora_training_state_is_read_from_benchmarks_lora_memory():
     cmd = [sys.executable, str(ROOT / "benchmarks" / "lora_memory.py"), "--rank", str(peers.LORA_RANK)]
     for s in peers.shape_sets(shape):
         cmd += ["--set", s]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    r = forked_cli.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     state = peers.parse_lora_memory(r.stdout)
     # rank x (in + out) per adapted projection, q k v o gate up down, per layer (kv width 2 heads x 8)
@@ -268,7 +269,7 @@ def test_the_datasets_stand_in_lets_torchtitan_import_and_refuses_any_use(tmp_pa
             "for f in (load_dataset, Dataset, split_dataset_by_node):\n    try:\n        f('c4')\n"
             "    except RuntimeError as exc:\n        print('refused:', exc)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    r = forked_cli.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("refused: Hugging Face datasets is not installed here") == 3
 

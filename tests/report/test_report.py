@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.cli.main import main
 from chipset.report import PLOTS, load_run
@@ -167,7 +167,7 @@ def test_report_of_a_real_resumed_run_with_pngs_when_matplotlib_is_installed(tmp
     train = ["train", "--run-dir", str(run_dir), "--set", "train.global_batch=2", "--set", "train.checkpoint_every=1"]
     # 2 steps with a checkpoint per step, then the same run directory to 3 steps: resumes at step 2
     for cmd in ([*train, "--set", "train.steps=2"], [*train, "--set", "train.steps=3"]):
-        r = subprocess.run([sys.executable, "-m", "chipset.cli.main", *cmd], capture_output=True, text=True,
+        r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", *cmd], capture_output=True, text=True,
                            env=env, timeout=180)
         assert r.returncode == 0, r.stdout + r.stderr
     assert main(["report", str(run_dir)]) == 0  # reads files only: in this process, no interpreter to start
@@ -196,7 +196,7 @@ def test_report_loads_in_a_real_headless_browser_with_every_plot_rendered_and_no
     cmd = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
            "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", "--dump-dom", out.as_uri()]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = forked_cli.run(cmd, capture_output=True, text=True, timeout=120)
     shutil.rmtree(profile, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-3000:]
     # The page's own script ran after layout and counted plots with a non-empty box.

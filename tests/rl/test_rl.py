@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forked_cli
 import testenv
 from parity import EPS32, assert_grad_norms_close, model_depth, reduction_rtol, trajectory_rtol
 
@@ -190,7 +190,7 @@ def _env():
 
 
 def _rl(run_dir, sets, nproc=1, timeout=600, args=(), env_extra=None):
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "rl", "--nproc", str(nproc), "--run-dir",
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "rl", "--nproc", str(nproc), "--run-dir",
                            str(run_dir), *args, *[a for s in sets for a in ("--set", s)]],
                           capture_output=True, text=True, env={**_env(), **(env_extra or {})}, timeout=timeout)
 
@@ -203,7 +203,7 @@ def _metrics(run_dir) -> list[dict]:
 def warm(tmp_path_factory):
     """A model briefly (30 steps) supervised on the sort task's format, exported (tests/rl/rl_jobs.py sft)."""
     out = tmp_path_factory.mktemp("rl")
-    p = subprocess.run([sys.executable, str(JOBS), "sft", str(out)], capture_output=True, text=True, env=_env(),
+    p = forked_cli.run([sys.executable, str(JOBS), "sft", str(out)], capture_output=True, text=True, env=_env(),
                        timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     return out
@@ -331,7 +331,7 @@ def test_a_bad_reward_is_exit_2_naming_it(warm, tmp_path):
     (tmp_path / "my_rewards.py").write_text("def wrong(prompts, completions, **kw):\n    return [0.0]\n")
     env = _env()
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
-    p = subprocess.run([sys.executable, "-m", "chipset.cli.main", "rl", "--run-dir", str(tmp_path / "run"),
+    p = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "rl", "--run-dir", str(tmp_path / "run"),
                         *[a for s in _sets(warm, **{"train.steps": 2, "train.global_batch": 16,
                                                     "rl.rewards": "my_rewards:wrong",
                                                     "train.checkpoint_every": 1}) for a in ("--set", s)]],
@@ -348,7 +348,7 @@ def test_the_rollout_replica_of_an_moe_or_lora_policy_computes_the_policy(tmp_pa
     training step its logits are the engine's, up to fp32 rounding of the model's reductions
     (<= 128 terms, depth 2) relative to the logits' scale. The replica without its LoRA
     adapters, or with two experts swapped, misses this by orders of magnitude (checked by hand)."""
-    p = subprocess.run([sys.executable, str(JOBS), "replica", str(tmp_path)], capture_output=True, text=True,
+    p = forked_cli.run([sys.executable, str(JOBS), "replica", str(tmp_path)], capture_output=True, text=True,
                        env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     found = json.loads((tmp_path / "replica.json").read_text())
@@ -357,7 +357,7 @@ def test_the_rollout_replica_of_an_moe_or_lora_policy_computes_the_policy(tmp_pa
 
 
 def test_an_external_rollout_engine_gets_hf_weights_after_each_update(warm, tmp_path):
-    p = subprocess.run([sys.executable, str(JOBS), "double", str(tmp_path), str(warm / "hf")],
+    p = forked_cli.run([sys.executable, str(JOBS), "double", str(tmp_path), str(warm / "hf")],
                        capture_output=True, text=True, env=_env(), timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     loads = json.loads((tmp_path / "double.json").read_text())["loads"]

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.train.checkpoint import store
 
@@ -95,7 +95,7 @@ def test_core_never_imports_torchs_deprecated_sharded_tensor():
 
 def test_a_save_emits_no_deprecation_warning_and_writes_standard_dcp_metadata(tmp_path):
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-c", _SAVE, str(run)], capture_output=True, text=True,
+    r = forked_cli.run([sys.executable, "-c", _SAVE, str(run)], capture_output=True, text=True,
                        env={**_env(), "CHIPSET_BACKEND": "cpu_sim"}, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("WARNINGS "))
@@ -119,7 +119,7 @@ def test_tensors_held_by_one_rank_are_recorded_whole_and_resume_in_one_process(t
     run, again = tmp_path / "dp2", tmp_path / "one"
     common = ["--set", "train.global_batch=4", "--set", "parallel.bucket_mb=0.02", "--set", "train.checkpoint_every=2"]
     env = {**_env(), "PYTHONWARNINGS": "always::FutureWarning,always::DeprecationWarning"}
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--set", "parallel.zero=1",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--set", "parallel.zero=1",
                         "--set", "train.steps=2", *common, "--run-dir", str(run)],
                        capture_output=True, text=True, env=env, timeout=600)
     out = r.stdout + r.stderr
@@ -135,7 +135,7 @@ def test_tensors_held_by_one_rank_are_recorded_whole_and_resume_in_one_process(t
     assert {f for v in model.values() for f in v} == {"__0_0.distcp", "__1_0.distcp"}
     alone = [k for k, v in model.items() if len(v) == 1]
     assert alone, "expected parameters written by one rank only"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "train.steps=3", *common,
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "train.steps=3", *common,
                         "--resume", str(ckpt), "--run-dir", str(again)],
                        capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

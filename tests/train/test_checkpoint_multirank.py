@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 from testenv import SideBySide, selected
 
@@ -33,7 +33,7 @@ def _cli(*args: str, env_extra: dict | None = None, timeout: float = 420):
     env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
                           text=True, env=env, timeout=timeout)
 
 
@@ -68,7 +68,7 @@ def _hang(run: Path):
 def _async_kill(run: Path):
     env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
+    return forked_cli.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
                            "--max-restarts=1", str(HERE), str(run)], capture_output=True, text=True, env=env, timeout=420)
 
 

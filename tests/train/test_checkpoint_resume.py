@@ -12,12 +12,12 @@ import hashlib
 import json
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 
 BASE = ["--set", "train.steps=6", "--set", "train.global_batch=4", "--set", "train.checkpoint_every=2"]
@@ -27,7 +27,7 @@ def _cli(*args: str, env_extra: dict | None = None):
     env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
                           text=True, env=env, timeout=300)
 
 

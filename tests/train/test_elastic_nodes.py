@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 
 STEPS = 12
@@ -39,7 +40,7 @@ TIMEOUT_S = 300
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True)
+    return forked_cli.run(["ip", *args], capture_output=True, text=True)
 
 
 def _namespace_blocker() -> str | None:
@@ -134,7 +135,7 @@ def test_losing_a_node_for_good_continues_on_the_survivor_with_the_same_losses(n
     nodes["a"] = _node(namespaces, "a", run, logs["a"])
     # The reference: one process, the same global batch as dp 1 x 2 micro-batches, never interrupted.
     ref = tmp_path / "reference"
-    reference = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *MODEL,
+    reference = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", *MODEL,
                                 "--set", "parallel.micro_batches=2", "--run-dir", str(ref)],
                                capture_output=True, text=True, env=_env(), timeout=TIMEOUT_S)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]

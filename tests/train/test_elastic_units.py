@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.errors import ConfigError
 from chipset.train.config import resolve_config
@@ -78,7 +78,7 @@ def test_train_refuses_a_node_range_before_writing_anything(tmp_path):
     run = tmp_path / "run"
     env = testenv.clean_env()
     env["CHIPSET_BACKEND"] = "cpu_sim"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nnodes", "1:3", "--set",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--nnodes", "1:3", "--set",
                         "train.global_batch=12", "--run-dir", str(run)], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -157,7 +157,7 @@ def test_summary_records_the_change(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHIPSET_", "TORCHELASTIC_"))}
     env["CHIPSET_BACKEND"] = "cpu_sim"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    r = forked_cli.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "chipset elastic: running on 1 of 2 planned node(s): world 2 -> 1" in r.stdout
     summary = json.loads((Path(tmp_path) / "summary.json").read_text())

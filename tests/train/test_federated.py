@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forked_cli
 from chipset.errors import ConfigError
 from chipset.train.config import load_config, resolve_config
 from chipset.train.islands.privacy import (
@@ -40,7 +40,7 @@ def _env():
 def job(tmp_path_factory):
     """examples/federated-tiny.toml as it ships (4 clients, 2 rounds), with the wire log on."""
     run = tmp_path_factory.mktemp("federated") / "run"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(EXAMPLE), "--nproc", str(CLIENTS),
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", str(EXAMPLE), "--nproc", str(CLIENTS),
                         "--run-dir", str(run), "--set", "islands.wire_log=true"],
                        capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

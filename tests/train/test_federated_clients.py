@@ -9,13 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forked_cli
 import multirank
 from chipset.errors import ConfigError
 from chipset.train.config import load_config, resolve_config
@@ -58,7 +58,7 @@ def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fedclients")
     files = _non_iid_files(tmp / "clients")
     run = tmp / "run"
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", str(EXAMPLE), "--nproc", str(CLIENTS),
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", str(EXAMPLE), "--nproc", str(CLIENTS),
                         "--run-dir", str(run), *[a for s in _sets(files) for a in ("--set", s)]],
                        capture_output=True, text=True, env=_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

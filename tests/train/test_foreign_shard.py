@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import forked_cli
 import testenv
 from chipset.train.checkpoint import store
 
@@ -19,7 +20,7 @@ from chipset.train.checkpoint import store
 def _train(run, *args: str) -> subprocess.CompletedProcess:
     env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "train.checkpoint_every=1",
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", "train.checkpoint_every=1",
                            "--run-dir", str(run), *args], capture_output=True, text=True, env=env, timeout=600)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import forked_cli
 from chipset.errors import ConfigError
 from chipset.train.config import resolve_config
 from testenv import SideBySide, chipset_train, clean_env, selected
@@ -184,7 +184,7 @@ def test_bad_islands_config_is_refused(sets, says):
 
 
 def test_bad_islands_config_exits_2_before_launch(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--run-dir",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--run-dir",
                         str(tmp_path / "run"), "--set", "islands.count=2", "--set", "islands.sync_every=0"],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -221,7 +221,7 @@ def test_a_killed_island_rejoins_while_the_other_keeps_stepping(tmp_path):
     env.pop("CHIPSET_DISABLE_PLUGINS", None)
     run = tmp_path / "run"
     sets = [*(x for x in BASE if not x.startswith("train.steps=")), f"train.steps={steps}", "islands.count=2", f"islands.sync_every={h}", "islands.quorum_timeout=300"]
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--max-restarts", "1",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--max-restarts", "1",
                         "--run-dir", str(run), *[a for s in sets for a in ("--set", s)]],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

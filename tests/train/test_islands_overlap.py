@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+import forked_cli
 from chipset.errors import ConfigError
 from chipset.train.config import resolve_config
 from testenv import SideBySide, chipset_train, clean_env, selected
@@ -157,10 +158,9 @@ def test_bad_overlap_is_refused(sets, says):
 
 
 def test_bad_overlap_exits_2_before_launch(tmp_path):
-    import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--run-dir",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--run-dir",
                         str(tmp_path / "run"), "--set", "islands.count=2", "--set", 'islands.overlap="eager"'],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr

@@ -7,11 +7,11 @@ log, and the report listed rank 0 as the failing rank.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.train.checkpoint.hangs import diagnose
 
@@ -38,7 +38,7 @@ def test_a_killed_rank_is_named_as_the_one_that_died(tmp_path):
     env = testenv.clean_env()
     env.update(OMP_NUM_THREADS="1", CHIPSET_BACKEND="cpu_sim", CHIPSET_SIM_FAULTS="kill:rank=1,step=3",
                CHIPSET_SIM_FAULT_DIR=str(tmp_path / "faults"))
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--set",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--nproc", "2", "--set",
                         "train.steps=20", "--run-dir", str(run)], capture_output=True, text=True, env=env,
                        timeout=600)
     assert r.returncode != 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import importlib_metadata
 import pytest
 
+import forked_cli
 import testenv
 from chipset.errors import ConfigError
 from chipset.train import sinks
@@ -44,7 +45,7 @@ def _env(site: Path | None = None, **extra: str) -> dict[str, str]:
 
 def _train(run_dir: Path, *sets: str, env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
     args = [a for s in ("train.global_batch=4", *sets) for a in ("--set", s)]
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run_dir), *args],
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run_dir), *args],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -304,7 +305,7 @@ def test_sink_set_drops_a_sink_that_raises_in_close_with_one_warning(caplog):
 def _wandb_history(wandb_dir: Path) -> tuple[list[dict], list[dict]]:
     """History and exit records of the latest offline run, read by wandb's own reader (`wandb leet inspect`)."""
     exe = shutil.which("wandb", path=str(Path(sys.executable).parent)) or "wandb"
-    r = subprocess.run([exe, "leet", "inspect", "--json", str(wandb_dir / "latest-run")],
+    r = forked_cli.run([exe, "leet", "inspect", "--json", str(wandb_dir / "latest-run")],
                        capture_output=True, text=True, timeout=120, env=_env())
     assert r.returncode == 0, r.stderr[-2000:]
     records = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import chipset
+import forked_cli
 import testenv
 from chipset.errors import ConfigError
 from chipset.interfaces import Group
@@ -73,7 +74,7 @@ def test_bad_profile_steps_is_a_config_error_naming_the_key(bad):
 def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     env = testenv.clean_env()
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run(
+    return forked_cli.run(
         [sys.executable, "-m", "chipset.cli.main", "train", "--run-dir", str(run_dir), "--set", "train.steps=3",
          "--set", "train.global_batch=4", *extra],
         capture_output=True, text=True, env=env, timeout=240,

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_cli
 from chipset.train import rundir
 from chipset.train.checkpoint import store
 from chipset.train.checkpoint.manager import Checkpointer
@@ -25,7 +26,7 @@ SMALL = ["--set", "train.steps=3", "--set", "train.global_batch=4"]
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
                           text=True, env=env, timeout=300)
 
 

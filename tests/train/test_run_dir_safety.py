@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import forked_cli
 from chipset.train import rundir
 from chipset.train.checkpoint import store
 from chipset.train.resume_check import config_differences
@@ -38,7 +39,7 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
+    return forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", *args], capture_output=True,
                           text=True, env=_env(), timeout=timeout)
 
 
@@ -231,7 +232,7 @@ def test_a_full_disk_says_no_space_left_and_leaves_no_empty_summary(tmp_path, wh
     # a filesystem that fills up cannot be mounted on every test machine.
     run = tmp_path / "run"
     sets = [a for e in extra for a in ("--set", e)]
-    r = subprocess.run([sys.executable, "-c", _ENOSPC_DRIVER, where, "train", *BASE, *sets, "--run-dir", str(run)],
+    r = forked_cli.run([sys.executable, "-c", _ENOSPC_DRIVER, where, "train", *BASE, *sets, "--run-dir", str(run)],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "no space left on device while writing" in r.stderr and "MiB free" in r.stderr, r.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import forked_cli
 import testenv
 from chipset.train.checkpoint import store
 from testenv import clean_env
@@ -139,7 +140,7 @@ def test_two_rank_job_stops_on_a_signal_to_the_launcher_and_resumes(tmp_path, si
         return  # the resume below is the same after either signal: it runs once
     step = _steps(run)
     # The printed command resumes from that checkpoint.
-    r = subprocess.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", f"train.steps={step + 1}",
+    r = forked_cli.run([sys.executable, "-m", "chipset.cli.main", "train", "--set", f"train.steps={step + 1}",
                         "--set", "train.global_batch=4", "--set", "train.checkpoint_every=1000", "--nproc", "2",
                         "--run-dir", str(run), "--resume", "auto"], capture_output=True, text=True, env=_env(),
                        timeout=600)
@@ -205,7 +206,7 @@ def test_a_rank_stuck_after_a_signal_exits_with_a_logged_line(tmp_path):
             "time.sleep(60)  # a step that never ends\n")
     env = clean_env()
     env.update(CHIPSET_STOP_GRACE_S="0.5", RANK="3")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    r = forked_cli.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 128 + signal.SIGTERM
     assert ("[rank 3] ERROR chipset.train.signals: rank 3 did not reach the end of its step within 0.5 s "
             "of SIGTERM; exiting") in r.stderr, r.stderr

@@ -1,0 +1,198 @@
+"""``python -m chipset.cli.main ARGS`` as a fork of a server that has imported torch once.
+
+A fresh interpreter running the CLI spends about 1.5 s of CPU importing torch before it reads
+its arguments (2026-12-06, this 2-core machine), and the suite runs the CLI about 300 times:
+some 450 CPU-s, a sixth of the whole suite. :func:`run` takes the arguments of
+``subprocess.run`` and, for a command that is ``[sys.executable, "-m", "chipset.cli.main",
+...]``, forks the process from a multiprocessing fork server (one per pytest worker) that
+imported torch and chipset's CLI with the suite's clean environment. Any other command, or
+arguments it does not handle (``input``, output not captured), go to ``subprocess.run``.
+
+The child is what the interpreter would be: the given environment, working directory and
+import path (the current directory first unless ``PYTHONSAFEPATH``, then ``PYTHONPATH``, then
+the interpreter's own), the module run as ``__main__``, stdin from /dev/null, stdout and stderr
+to files, exit functions run, the exit code of ``SystemExit`` (a message printed, exit 1) or 1
+with the traceback. What differs: its parent is the fork server, and torch and ``chipset.cli``
+were imported before the environment was set (neither reads a variable the suite changes at
+import). Tests about the interpreter itself (its import path at start, the console script,
+signals sent to the CLI's own process) start it with ``subprocess`` as before.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+CLI = [sys.executable, "-m", "chipset.cli.main"]
+_PRELOAD = ["torch", "chipset.cli.main", "torch.distributed.run", "forked_cli"]
+_state: dict = {}
+
+
+def _child(target: tuple[str, str], argv: list[str], env: dict, cwd: str, base_path: list[str], out: str,
+           err: str | None) -> None:
+    """In the forked child: become ``python -m MODULE ARGV`` (``target`` ("module", MODULE)) or ``python
+    SCRIPT ARGV`` (("script", SCRIPT)) and exit with its code."""
+    import atexit
+    import runpy
+    import traceback
+
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if err else fd, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    kind, name = target
+    head = [] if env.get("PYTHONSAFEPATH") else [os.getcwd() if kind == "module" else os.path.dirname(name)]
+    sys.path[:] = head + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + base_path
+    sys.argv = [name, *argv]
+    code: object = 0
+    try:
+        if kind == "module":
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(name, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _context():
+    """The fork server's context, started on first use with the suite's clean environment."""
+    if "ctx" not in _state:
+        import json
+        import multiprocessing
+        import multiprocessing.forkserver
+
+        import testenv
+
+        clean = testenv.clean_env()
+        bare = {k: v for k, v in clean.items() if k != "PYTHONPATH"}
+        # The interpreter's own import path (stdlib, site-packages, editable installs), without
+        # the entries pytest or PYTHONPATH add.
+        _state["base"] = json.loads(subprocess.run(
+            [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+            capture_output=True, text=True, env=bare, check=True).stdout)
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(clean)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _state["ctx"] = ctx
+    return _state["ctx"]
+
+
+def _guard(cmd: list[str], env: dict | None) -> None:
+    """conftest.py's multirank guard, for the processes this child will start."""
+    import testenv
+
+    item = getattr(testenv.JOB_OWNER, "item", None) or testenv.CURRENT_TEST["item"]
+    if item is not None and item.get_closest_marker("multirank") is None and testenv.starts_ranks(cmd, env):
+        raise RuntimeError(f"{item.nodeid} starts several ranks ({cmd!r}) but is not marked multirank: "
+                           "add @pytest.mark.multirank (the fast tier, -m 'not multirank', must start none)")
+
+
+MODULES = ("chipset.cli.main", "torch.distributed.run")
+"""The modules :func:`run` forks (``python -m MODULE``): the CLI, and torchrun for tests/multirank.py's jobs."""
+
+
+def target(cmd) -> tuple[str, str] | None:
+    """("module", M) for ``[sys.executable, "-m", M, ...]`` with M in MODULES, else None."""
+    if isinstance(cmd, list) and len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in MODULES:
+        return ("module", cmd[2])
+    return None
+
+
+class Forked:
+    """A command forked from the server, as much of ``subprocess.Popen`` as the suite uses: ``pid``,
+    ``poll``, ``wait``, ``terminate``, ``kill``, ``returncode``. Its stdout (and stderr, or its own
+    ``err`` file) go to the file ``out``."""
+
+    def __init__(self, cmd: list[str], what: tuple[str, str], argv: list[str], *, env: dict | None, cwd, out: str,
+                 err: str | None = None):
+        _guard(cmd, env)
+        ctx = _context()
+        self.args = cmd
+        self._proc = ctx.Process(target=_child, args=(what, argv, dict(os.environ if env is None else env),
+                                                      os.path.abspath(cwd or os.getcwd()), _state["base"], out, err))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def run(cmd, *, env: dict | None = None, cwd=None, timeout: float | None = None, capture_output: bool = False,
+        text: bool = False, stdout=None, stderr=None, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, ...)``, forked from the server where it can be (module docstring)."""
+    cmd = [str(c) for c in cmd] if isinstance(cmd, (list, tuple)) else cmd
+    captured = capture_output or (stdout == subprocess.PIPE and stderr in (subprocess.PIPE, subprocess.STDOUT))
+    what = target(cmd)
+    if what is None or kwargs or not captured:
+        return subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, capture_output=capture_output, text=text,
+                              stdout=stdout, stderr=stderr, check=check, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="forked-cli-") as tmp:
+        out = os.path.join(tmp, "out")
+        err = None if stderr == subprocess.STDOUT else os.path.join(tmp, "err")
+        proc = Forked(cmd, what, cmd[3:], env=env, cwd=cwd, out=out, err=err)
+        try:
+            proc.wait(timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.kill()
+            proc.wait()
+
+        def read(path):
+            if path is None or not os.path.exists(path):
+                return None
+            with open(path, "rb") as f:
+                data = f.read()
+            return data.decode() if text else data
+
+        output, errors = read(out), read(err)
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=output, stderr=errors)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, output, errors)
+    if check:
+        result.check_returncode()
+    return result
