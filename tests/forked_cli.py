@@ -48,6 +48,8 @@ def _child(target: tuple[str, str], argv: list[str], env: dict, cwd: str, base_p
     head = [] if env.get("PYTHONSAFEPATH") else [os.getcwd() if kind == "module" else os.path.dirname(name)]
     sys.path[:] = head + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + base_path
     sys.argv = [name, *argv]
+    if kind == "module":
+        sys.modules.pop(name, None)  # imported by the server; ``python -m`` runs it before any import
     code: object = 0
     try:
         if kind == "module":
@@ -84,7 +86,7 @@ def _context():
 
         import testenv
 
-        clean = testenv.clean_env()
+        clean = _state["env"] = testenv.clean_env()
         bare = {k: v for k, v in clean.items() if k != "PYTHONPATH"}
         # The interpreter's own import path (stdlib, site-packages, editable installs), without
         # the entries pytest or PYTHONPATH add.
@@ -124,6 +126,27 @@ def target(cmd) -> tuple[str, str] | None:
     if isinstance(cmd, list) and len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] in MODULES:
         return ("module", cmd[2])
     return None
+
+
+# Variables an interpreter or torch reads as it starts, before the child could set them; the
+# server started with the suite's clean environment, so a run that changes one needs its own.
+_AT_START = ("PYTHON", "TORCH", "LD_", "MALLOC_", "TRITON_")
+_SET_LATER = {"PYTHONPATH", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED"}
+
+
+def forkable(env: dict | None) -> bool:
+    """Whether a forked child can be what a new interpreter with ``env`` would be: no start-time
+    variable differs from the server's, and no ``PYTHONPATH`` folder holds a ``sitecustomize``
+    (a test double's start-up hook, tests/doubles/)."""
+    if env is None:
+        return True
+    _context()
+    server = _state["env"]
+    for key in set(env) | set(server):
+        if key.startswith(_AT_START) and key not in _SET_LATER and env.get(key) != server.get(key):
+            return False
+    return not any(os.path.exists(os.path.join(p, name)) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
+                   for name in ("sitecustomize.py", "usercustomize.py"))
 
 
 class Forked:
@@ -167,7 +190,7 @@ def run(cmd, *, env: dict | None = None, cwd=None, timeout: float | None = None,
     cmd = [str(c) for c in cmd] if isinstance(cmd, (list, tuple)) else cmd
     captured = capture_output or (stdout == subprocess.PIPE and stderr in (subprocess.PIPE, subprocess.STDOUT))
     what = target(cmd)
-    if what is None or kwargs or not captured:
+    if what is None or kwargs or not captured or not forkable(env):
         return subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, capture_output=capture_output, text=text,
                               stdout=stdout, stderr=stderr, check=check, **kwargs)
     with tempfile.TemporaryDirectory(prefix="forked-cli-") as tmp:

@@ -52,6 +52,11 @@ def _launch(script: Path, mode: str, ranks: int, out: Path, log: Path):
     import forked_cli
 
     argv = [str(script), mode, str(out)]
+    if not forked_cli.forkable(env()):  # a start-time variable set for the run: its own interpreter
+        head = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+                                   if ranks > 1 else [])
+        with log.open("w") as f:
+            return subprocess.Popen([*head, *argv], env=env(), stdout=f, stderr=subprocess.STDOUT)
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *argv]
         return forked_cli.Forked(cmd, ("module", "torch.distributed.run"), cmd[3:], env=env(), cwd=None, out=str(log))
