@@ -260,7 +260,7 @@ class MoE(nn.Module):
         counts = torch.bincount(expert, minlength=self.num_experts + 1).tolist()[:self.num_experts]
         order = order[:sum(counts)]
         token, gate = order // self.top_k, r.gates.reshape(-1)[order]
-        out = self.dispatcher(flat[token], counts, self.experts)
+        out = self.dispatcher(flat.index_select(0, token), counts, self.experts)
         y = _Combine.apply(out, gate, token, b * s).view(b, s, h)
         if hasattr(self, "shared_expert"):
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
