@@ -7,7 +7,9 @@ never imports chipset for its computation) and the same input; the routing is to
 without capacity, so both compute the same function (checked before timing: outputs and input
 gradients agree to float32 rounding). The two alternate repetition by repetition; the table
 gives the median seconds per forward + backward and the ratio peer / chipset (> 1: chipset
-faster), with the load average.
+faster), with the load average: wall-clock time, and this process's CPU time (one thread,
+so the same work; unlike wall-clock time it does not count the time a busy machine's other
+processes hold the cores, though they still share its caches and memory bandwidth).
 
     OMP_NUM_THREADS=1 python benchmarks/moe_experts.py [--tokens 2048] [--hidden 256]
         [--ffn 512] [--experts 8] [--top-k 2] [--reps 7] [--iters 5]
@@ -112,21 +114,24 @@ def main() -> None:
     kernel = b.kernels.select("grouped_mm", x.reshape(-1, a.hidden), layer.experts.gate_proj.transpose(1, 2),
                               torch.ones(a.experts, dtype=torch.int32))
     times: dict[str, list[float]] = {"chipset": [], "plain": []}
+    cpu: dict[str, list[float]] = {"chipset": [], "plain": []}
     for rep in range(a.reps):
         for name in (("chipset", "plain") if rep % 2 == 0 else ("plain", "chipset")):
             mod = layer if name == "chipset" else peer
             step(mod, x)  # warm
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(a.iters):
                 step(mod, x)
             times[name].append((time.perf_counter() - t0) / a.iters)
+            cpu[name].append((time.process_time() - c0) / a.iters)
     c, p = statistics.median(times["chipset"]), statistics.median(times["plain"])
+    cc, cp = statistics.median(cpu["chipset"]), statistics.median(cpu["plain"])
     print(f"backend {b.name}, grouped_mm kernel: {getattr(kernel, '__module__', '?')}.{getattr(kernel, '__name__', '?')}")
     print(f"tokens {a.tokens}, hidden {a.hidden}, ffn {a.ffn}, experts {a.experts}, top-k {a.top_k}, "
           f"{a.reps} reps x {a.iters} iters, load average {os.getloadavg()[0]:.2f}")
-    print(f"chipset MoE   {1e3 * c:8.2f} ms per forward+backward")
-    print(f"plain PyTorch {1e3 * p:8.2f} ms per forward+backward")
-    print(f"ratio plain / chipset: {p / c:.2f}x")
+    print(f"chipset MoE   {1e3 * c:8.2f} ms per forward+backward ({1e3 * cc:.2f} ms CPU time)")
+    print(f"plain PyTorch {1e3 * p:8.2f} ms per forward+backward ({1e3 * cp:.2f} ms CPU time)")
+    print(f"ratio plain / chipset: {p / c:.2f}x (CPU time: {cp / cc:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Expert parallelism (MoE): the router's rules by hand, and ep runs equal one process.
 
 Unit tests check top-k, gate normalisation, capacity dropping order and the
-load-balancing loss against hand computations, and the layer against a per-token loop.
+load-balancing loss against hand computations, and the layer (output and every gradient,
+with grouped_mm as the reference loop and as the cpu backend's torch._grouped_mm) against
+a per-token loop.
 The parity tests run two torchrun jobs (ep2 on 2 ranks; ep2 x edp2 and ep4 on 4 ranks)
 and one single-process job with the same seed and global batch (tests/multirank.py).
 Tolerances are derived in tests/parity.py, so they hold on any CPU: fp32 per-step losses
@@ -131,31 +133,59 @@ def test_capacity_is_per_sequence_so_any_batch_split_drops_the_same_tokens():
     torch.testing.assert_close(whole.aux_loss, torch.stack([p.aux_loss for p in parts]).mean())
 
 
-def test_moe_layer_equals_a_per_token_loop():
-    import chipset
-    from chipset.layers.moe import MoE
+@pytest.mark.parametrize("backend", ["cpu_sim", "cpu"])  # grouped_mm: the reference loop; torch._grouped_mm
+@pytest.mark.parametrize("top_k,capacity_factor,router,shared", [(2, 0.6, "softmax", 0), (3, 0.8, "sigmoid", 6)])
+def test_moe_layer_and_its_gradients_equal_a_per_token_loop(backend, top_k, capacity_factor, router, shared,
+                                                             monkeypatch):
+    from chipset.discovery import records
+    from chipset.errors import BackendUnavailableError
+    from chipset.layers.moe import MoE, route
+    from chipset.loader import backend as load
     from chipset.models.config import ModelConfig
 
-    k = chipset.backend().kernels
-    cfg = ModelConfig(hidden_size=8, intermediate_size=12, num_experts=4, num_experts_per_tok=2, capacity_factor=0.6)
+    monkeypatch.delenv("CHIPSET_DISABLE_PLUGINS", raising=False)  # the suite hides cpu (tests/testenv.py)
+    records.clear_cache()
+    try:
+        k = load(backend).kernels
+    except BackendUnavailableError as e:
+        pytest.skip(f"backend {backend} unavailable here: {e}")
+    cfg = ModelConfig(hidden_size=8, intermediate_size=12, num_experts=4, num_experts_per_tok=top_k,
+                      capacity_factor=capacity_factor, router=router, shared_expert_intermediate_size=shared)
     torch.manual_seed(0)
     layer = MoE(cfg, k)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    x = torch.randn(3, 5, 8)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    w_out = torch.randn(3, 5, 8)  # an output gradient without symmetries
+    params = [x, *layer.parameters()]
     y = layer(x)
+    got = [y, *torch.autograd.grad((y * w_out).sum(), params)]
     r = layer.last_routing
     assert not r.keep.all()  # dropping active
+    # The loop: every kept (token, choice) through its expert, weighted by its gate (the same
+    # routing recomputed, so the gates carry the router's gradient here too).
+    gates = route(layer.router(x), top_k=top_k, router=router, capacity_factor=capacity_factor).gates
     ex = layer.experts
-    want = torch.zeros_like(x)
+    rows = []
     for bi in range(3):
         for t in range(5):
-            for j in range(2):
+            y = torch.zeros(8)
+            for j in range(top_k):
                 if r.keep[bi, t, j]:
                     e = int(r.experts[bi, t, j])
                     h = k.swiglu(ex.gate_proj[e] @ x[bi, t], ex.up_proj[e] @ x[bi, t])
-                    want[bi, t] += r.gates[bi, t, j] * (ex.down_proj[e] @ h)
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+                    y = y + gates[bi, t, j] * (ex.down_proj[e] @ h)
+            rows.append(y)
+    want_y = torch.stack(rows).view(3, 5, 8)
+    if shared:
+        want_y = want_y + torch.sigmoid(layer.shared_expert_gate(x)) * layer.shared_expert(x)
+    want = [want_y, *torch.autograd.grad((want_y * w_out).sum(), params)]
+    # Same products, other summation orders: reductions of at most 3*5*3 terms (weight
+    # gradients over assignments), chained six deep (two matmuls and the gated sum, and back).
+    rtol = parity.reduction_rtol(3 * 5 * top_k, 6)
+    for name, a, b in zip(["output", "x", *(n for n, _ in layer.named_parameters())], got, want, strict=True):
+        err = float((a - b).detach().norm() / b.detach().norm())
+        assert err <= rtol, f"{name}: relative difference {err:.2e} > {rtol:.2e}"
 
 
 def test_moe_config_errors_say_what_to_do():

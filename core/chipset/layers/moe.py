@@ -175,6 +175,28 @@ class LocalDispatcher:
         return experts(tokens, counts)
 
 
+class _Combine(torch.autograd.Function):
+    """``y = zeros(n, h); y[token[i]] += gate[i] * out[i]``: the experts' outputs back to their
+    tokens, weighted by their gates, as one autograd node. Its backward gathers the output
+    gradient once and scales it in place; the products and sums are those autograd forms for
+    ``index_add(out * gate)``, so the results are the same bits with one ``[assignments, h]``
+    buffer fewer."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, gate: torch.Tensor, token: torch.Tensor, n: int) -> torch.Tensor:
+        g = gate.unsqueeze(1).to(out.dtype)
+        ctx.save_for_backward(out, g, token)
+        ctx.gate_dtype = gate.dtype
+        return out.new_zeros(n, out.shape[1]).index_add_(0, token, out * g)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, g, token = ctx.saved_tensors
+        d = grad.index_select(0, token)
+        dgate = (d * out).sum(1).to(ctx.gate_dtype) if ctx.needs_input_grad[1] else None
+        return d.mul_(g), dgate, None, None
+
+
 class MoE(nn.Module):
     """Drop-in for the dense MLP: ``forward(x [b, s, h]) -> [b, s, h]``; ``aux_loss`` after each forward."""
 
@@ -229,16 +251,17 @@ class MoE(nn.Module):
         self.aux_loss, self.last_routing = r.aux_loss, r
         self._count(r)
         flat = x.reshape(b * s, h)
-        token = torch.arange(b * s, device=x.device).repeat_interleave(self.top_k)
-        keep = r.keep.reshape(-1)
-        token, expert, gate = token[keep], r.experts.reshape(-1)[keep], r.gates.reshape(-1)[keep]
-        # Group assignments by expert; stable, so within an expert tokens stay in batch order.
+        # Assignment i is token i // top_k's choice i % top_k. One stable sort groups them by
+        # expert (within an expert, batch order); dropped ones get key E and sort last, cut off.
+        expert = r.experts.reshape(-1)
+        if r.capacity is not None:
+            expert = expert.masked_fill(~r.keep.reshape(-1), self.num_experts)
         order = torch.argsort(expert, stable=True)
-        token, expert, gate = token[order], expert[order], gate[order]
-        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
-        out = self.dispatcher(flat[token], counts, self.experts)
-        y = torch.zeros_like(flat).index_add(0, token, out * gate.unsqueeze(1).to(out.dtype))
-        y = y.view(b, s, h)
+        counts = torch.bincount(expert, minlength=self.num_experts + 1).tolist()[:self.num_experts]
+        order = order[:sum(counts)]
+        token, gate = order // self.top_k, r.gates.reshape(-1)[order]
+        out = self.dispatcher(flat.index_select(0, token), counts, self.experts)
+        y = _Combine.apply(out, gate, token, b * s).view(b, s, h)
         if hasattr(self, "shared_expert"):
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
