@@ -15,7 +15,13 @@ schedules as extra trainers in the same alternation: ``ScheduleInterleavedZeroBu
 ranks 0,1,0,1; V-shaped 0,1,1,0), their own copy of the model and optimizer; each one's
 median and ratio to chipset's 1F1B are reported too. ``--profile`` adds each trainer's
 Python function calls and CPU time per step (cProfile over 3 more steps each, after the
-timed ones; CPU time under cProfile, so compare it between the trainers only).
+timed ones; CPU time under cProfile, so compare it between the trainers only). Every run
+also reports each rank's median main-thread CPU time per step of each trainer (the work it
+does, without the time blocked in waits: comparable on a loaded machine).
+``--trace-dir DIR`` records 3 more steps of each trainer with ``torch.profiler`` (memory
+included) and writes ``DIR/<trainer>/rank{r}.json`` (chrome traces, for
+``benchmarks/trace_compare.py DIR/chipset DIR/torch``) and ``DIR/<trainer>/rank{r}.txt``
+(operators by self CPU time, with their call counts and bytes allocated).
 
 ``--delay-ms F,B`` sleeps F ms after every micro-batch forward and B ms after every
 backward on both sides (a stand-in for heavier compute, so the schedule rather than
@@ -23,7 +29,7 @@ Python overhead dominates).
 
     CHIPSET_BACKEND=cpu OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \
         benchmarks/pp_vs_torch_pipelining.py [--size S|M|L] [--steps 10] [--micro-batches 4] \
-        [--zero-bubble] [--profile] [--delay-ms 0,0] [--json OUT]
+        [--zero-bubble] [--profile] [--trace-dir DIR] [--delay-ms 0,0] [--json OUT]
 """
 
 from __future__ import annotations
@@ -123,6 +129,20 @@ def profile(fn, first: int, b, steps: int = 3) -> dict:
             "cpu_s_per_step_under_cprofile": statistics.median(cpu)}
 
 
+def trace(fn, first: int, b, out: str, rank: int, steps: int = 3) -> None:
+    """``steps`` steps of ``fn`` under torch.profiler: a chrome trace and an operator table."""
+    os.makedirs(out, exist_ok=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i in range(first, first + steps):
+            b.collective.barrier()
+            with torch.profiler.record_function("step"):
+                fn(i)
+    prof.export_chrome_trace(os.path.join(out, f"rank{rank}.json"))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{steps} steps\n{table}\n")
+
+
 def _gather_profile(mine: dict, b) -> dict:
     """Every rank's profile numbers (``profile`` per trainer), by rank."""
     names = sorted(mine)
@@ -157,6 +177,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=None, help="default 4 with --size, else 8")
     ap.add_argument("--zero-bubble", action="store_true", help="also time torch's zero-bubble schedules")
     ap.add_argument("--profile", action="store_true", help="also count Python calls and CPU time per step")
+    ap.add_argument("--trace-dir", default=None, help="also write torch.profiler traces of 3 steps per trainer")
     ap.add_argument("--delay-ms", default="0,0", help="sleep after each forward,backward (ms), both sides")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -229,31 +250,43 @@ def main() -> None:
 
     names = list(trainers)
     times: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}  # this rank's main-thread CPU seconds
     losses: dict[str, list[float]] = {k: [] for k in names}
     for step in range(args.warmup + args.steps):
         order = names[step % len(names):] + names[:step % len(names)]  # each trainer leads in turn
         for name in order:
             b.collective.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             loss = trainers[name](step)
             b.device.synchronize()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             if step >= args.warmup:
                 times[name].append(dt)
+                cpu[name].append(dc)
             losses[name].append(loss)
     med = {k: statistics.median(v) for k, v in times.items()}
+    # Main-thread CPU time per step on each rank: the work a trainer does, without its waits
+    # (a blocked receive costs no CPU), so it stays comparable on a loaded machine.
+    mine_cpu = torch.tensor([statistics.median(cpu[k]) for k in names], dtype=torch.float64)
+    rows = [torch.empty_like(mine_cpu) for _ in range(world)]
+    dist.all_gather(rows, mine_cpu)
     result = {
         "backend": b.name, "world_size": world, "micro_batches": m, "steps": args.steps,
         "model": {k: getattr(args, k) for k in ("size", "hidden", "layers", "heads", "kv_heads", "ffn", "vocab",
                                                 "seq", "batch")},
         "delay_ms": args.delay_ms, "params": sum(p.numel() for p in ref_model.parameters()),
         "median_step_s": med, "ratio_step_time_chipset_over_torch": med["chipset"] / med["torch"],
+        "median_main_thread_cpu_s": {f"rank{r}": dict(zip(names, row.tolist(), strict=True))
+                                     for r, row in enumerate(rows)},
         "losses": losses,
     }
     if args.zero_bubble:
         result["ratio_step_time_chipset_over"] = {k: med["chipset"] / med[k] for k in names if k != "chipset"}
     if args.profile:
         result["profile"] = _gather_profile({k: profile(trainers[k], args.warmup + args.steps, b) for k in names}, b)
+    if args.trace_dir:
+        for k in names:
+            trace(trainers[k], args.warmup + args.steps + 3, b, os.path.join(args.trace_dir, k), rank)
     if rank == 0:
         print(json.dumps(result, indent=2))
         if args.json:

@@ -213,7 +213,10 @@ class PipelineEngine:
         grads_in: dict[tuple[int, int], torch.Tensor] = {}
         grads_out: dict[tuple[int, int], torch.Tensor] = {}
         aux_out: dict[tuple[int, int], torch.Tensor] = {}  # scaled MoE aux losses of non-last stages
-        losses = torch.zeros(m, dtype=torch.float32, device=self.device)
+        # Each micro-batch's loss terms on this rank, kept as detached scalars and summed once
+        # after the schedule (_sum_losses): no indexing or in-place add between a stage's
+        # compute and its next hand-off.
+        loss_parts: list[list[torch.Tensor]] = [[] for _ in range(m)]
         scale = self.scaler.scale / m
         # With one chunk, the final backward is the last time every bucket fills: launch the
         # gradient communication during it (overlap). With several, buckets span chunks
@@ -285,10 +288,10 @@ class PipelineEngine:
                         loss = loss * loss_factor
                     if aux is not None:
                         loss = loss + aux
-                    losses[ins.mb] += loss.detach().float()
+                    loss_parts[ins.mb].append(loss.detach().float())
                     out = loss.float() * scale
                 elif aux is not None:
-                    losses[ins.mb] += aux.detach().float()
+                    loss_parts[ins.mb].append(aux.detach().float())
                     aux_out[key] = aux.float() * scale
                 outputs[key] = out
                 delay = self.compute_delay[0]
@@ -317,9 +320,24 @@ class PipelineEngine:
         if not overlap:
             e.start_grad_sync()
         e.sync = True
+        losses = self._sum_losses(loss_parts)
         if s.stages > 1:
             self.collective.all_reduce(losses, "sum", group=self.pp_group)
         return [float(x) for x in losses.tolist()]
+
+    def _sum_losses(self, loss_parts: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The m micro-batch losses of this rank as one float32 tensor: each micro-batch's terms
+        added in the order the schedule produced them, 0 where this rank has none."""
+        if not any(loss_parts):
+            return torch.zeros(len(loss_parts), dtype=torch.float32, device=self.device)
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        sums = []
+        for parts in loss_parts:
+            total = parts[0] if parts else zero
+            for part in parts[1:]:
+                total = total + part
+            sums.append(total)
+        return torch.stack(sums)
 
     def step(self, lr: float) -> dict:
         """Finish gradient communication, clip over the whole model, update (DataParallel.step)."""
