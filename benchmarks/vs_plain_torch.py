@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 SIZES = {  # hidden, layers, heads, kv heads, ffn, vocab
     "S": (128, 4, 4, 2, 344, 256),
     "M": (256, 4, 8, 4, 688, 1024),
-    "L": (512, 4, 8, 4, 1376, 4096),
+    "L": (512, 8, 8, 4, 1376, 4096),  # issue 38's larger size (with --seq 256)
 }
 
 
