@@ -172,12 +172,7 @@ def pytest_configure(config):
         return
 
     def guarded(self, args, *a, **kw):
-        # A job that testenv.SideBySide started is the test's that started it, even when it
-        # is still starting processes while a later test runs.
-        item = getattr(testenv.JOB_OWNER, "item", None) or _current["item"]
-        if item is not None and item.get_closest_marker("multirank") is None and testenv.starts_ranks(args, kw.get("env")):
-            raise RuntimeError(f"{item.nodeid} starts several ranks ({args!r}) but is not marked multirank: "
-                               "add @pytest.mark.multirank (the fast tier, -m 'not multirank', must start none)")
+        testenv.refuse_unmarked_ranks(args, kw.get("env"))
         orig(self, args, *a, **kw)
 
     guarded._multirank_guard = True

@@ -107,16 +107,6 @@ def _context():
     return _state["ctx"]
 
 
-def _guard(cmd: list[str], env: dict | None) -> None:
-    """conftest.py's multirank guard, for the processes this child will start."""
-    import testenv
-
-    item = getattr(testenv.JOB_OWNER, "item", None) or testenv.CURRENT_TEST["item"]
-    if item is not None and item.get_closest_marker("multirank") is None and testenv.starts_ranks(cmd, env):
-        raise RuntimeError(f"{item.nodeid} starts several ranks ({cmd!r}) but is not marked multirank: "
-                           "add @pytest.mark.multirank (the fast tier, -m 'not multirank', must start none)")
-
-
 MODULES = ("chipset.cli.main", "torch.distributed.run")
 """The modules :func:`run` forks (``python -m MODULE``): the CLI, and torchrun for tests/multirank.py's jobs."""
 
@@ -156,7 +146,9 @@ class Forked:
 
     def __init__(self, cmd: list[str], what: tuple[str, str], argv: list[str], *, env: dict | None, cwd, out: str,
                  err: str | None = None):
-        _guard(cmd, env)
+        import testenv
+
+        testenv.refuse_unmarked_ranks(cmd, env)
         ctx = _context()
         self.args = cmd
         self._proc = ctx.Process(target=_child, args=(what, argv, dict(os.environ if env is None else env),

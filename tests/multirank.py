@@ -52,16 +52,13 @@ def _launch(script: Path, mode: str, ranks: int, out: Path, log: Path):
     import forked_cli
 
     argv = [str(script), mode, str(out)]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    cmd = [sys.executable, *torchrun, *argv]
     if not forked_cli.forkable(env()):  # a start-time variable set for the run: its own interpreter
-        head = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-                                   if ranks > 1 else [])
         with log.open("w") as f:
-            return subprocess.Popen([*head, *argv], env=env(), stdout=f, stderr=subprocess.STDOUT)
-    if ranks > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *argv]
-        return forked_cli.Forked(cmd, ("module", "torch.distributed.run"), cmd[3:], env=env(), cwd=None, out=str(log))
-    return forked_cli.Forked([sys.executable, *argv], ("script", str(script)), argv[1:], env=env(), cwd=None,
-                             out=str(log))
+            return subprocess.Popen(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT)
+    what = forked_cli.target(cmd) or ("script", str(script))
+    return forked_cli.Forked(cmd, what, cmd[3:] if torchrun else argv[1:], env=env(), cwd=None, out=str(log))
 
 
 def run_jobs(script: Path, waves: list[dict[str, int]], tmp: Path, *, timeout: float = 400) -> dict[str, dict]:

@@ -153,6 +153,15 @@ def starts_ranks(args, env) -> bool:
     return bool(env) and str(env.get("WORLD_SIZE", "1")).isdigit() and int(env.get("WORLD_SIZE", "1")) > 1
 
 
+def refuse_unmarked_ranks(args, env) -> None:
+    """conftest.py's multirank guard: raise if the running test (or the SideBySide job's owner:
+    a job is the test's that started it, even while a later test runs) is not marked multirank
+    and ``args`` starts several ranks."""
+    item = getattr(JOB_OWNER, "item", None) or CURRENT_TEST["item"]
+    if item is not None and item.get_closest_marker("multirank") is None and starts_ranks(args, env):
+        raise RuntimeError(f"{item.nodeid} starts several ranks ({args!r}) but is not marked multirank: "
+                           "add @pytest.mark.multirank (the fast tier, -m 'not multirank', must start none)")
+
 def is_agent(pid: int) -> bool:
     """Whether process ``pid`` is a torchrun agent as chipset starts it: forked from the launcher
     (its command line the launcher's; torch's agent names the process ``pt_elastic``, train/agent.py),
