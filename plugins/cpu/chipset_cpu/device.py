@@ -10,6 +10,9 @@ Work runs eagerly in program order on the calling thread, so streams are always
 complete and events are host timestamps: the Device's serial default
 (:mod:`chipset.interfaces.streams`), kept by the shared host-backend device of
 :mod:`chipset.plugin_kit.host`.
+
+Selecting a device also tunes glibc's malloc for training, once per process
+(:mod:`chipset_cpu.malloc`; ``CHIPSET_CPU_MALLOC=system`` leaves it alone).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import platform
 from chipset.errors import ConfigError
 from chipset.interfaces import DeviceProperties
 from chipset.plugin_kit.host import HostDevice
+from chipset_cpu.malloc import keep_freed_memory
 
 DEVICES_ENV = "CHIPSET_CPU_DEVICES"
 
@@ -72,6 +76,12 @@ class CpuDevice(HostDevice):
 
     def device_count(self) -> int:
         return self._count
+
+    def _set_device(self, index: int) -> None:
+        # A rank selects its device before it builds a model: from here on the process keeps
+        # the memory a step frees for the next step (chipset_cpu/malloc.py; once per process).
+        keep_freed_memory()
+        super()._set_device(index)
 
     def _properties(self, index: int) -> DeviceProperties:
         return DeviceProperties(

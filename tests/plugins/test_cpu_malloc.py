@@ -1,0 +1,71 @@
+"""cpu backend: glibc malloc keeps freed memory on a rank (chipset_cpu.malloc), switchable off."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import testenv
+from chipset.errors import ConfigError
+from chipset_cpu import malloc
+
+# A rank of the cpu backend selects its device, then frees and re-allocates a 40 MiB buffer (above
+# glibc's largest automatic mmap threshold, 32 MiB): the minor page faults of touching it again.
+_RANK = textwrap.dedent("""
+    import json, resource, torch
+    from chipset_cpu import malloc
+    from chipset_cpu.device import CpuDevice
+    CpuDevice().set_device(0)
+    def touch():
+        t = torch.empty(10 << 20, dtype=torch.float32)
+        t.fill_(1.0)
+        return float(t[-1])
+    touch()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    touch()
+    print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before,
+                      "applied": malloc.keep_freed_memory()}))
+""")
+
+PAGES = (40 << 20) // 4096  # pages of the buffer: what re-faulting it costs
+
+
+def _rank(**env) -> dict:
+    e = testenv.clean_env()
+    e.update(env)
+    proc = subprocess.run([sys.executable, "-c", _RANK], capture_output=True, text=True, env=e, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.fixture(autouse=True)
+def _no_malloc_env(monkeypatch):
+    for var in (malloc.MALLOC_ENV, *malloc.USER_SETTINGS):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.skipif(malloc._glibc() is None, reason="mallopt is glibc's; this C library has none")
+def test_a_rank_reuses_a_freed_buffer_and_system_gives_it_back():
+    kept = _rank()
+    system = _rank(CHIPSET_CPU_MALLOC="system")
+    assert kept["applied"] == "tuned"
+    assert system["applied"] == "left as it is (CHIPSET_CPU_MALLOC=system)"
+    # Kept: the second buffer is the first one's memory, no page is faulted in again. System:
+    # the buffer is mapped afresh and every page faults (a few more for the tensor's metadata).
+    assert kept["faults"] < PAGES // 20, kept
+    assert system["faults"] >= PAGES, system
+
+
+def test_the_users_own_malloc_settings_win(monkeypatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert malloc.reason_to_leave() == "the environment sets MALLOC_TRIM_THRESHOLD_"
+
+
+def test_an_unknown_setting_is_refused_with_the_choices(monkeypatch):
+    monkeypatch.setenv(malloc.MALLOC_ENV, "off")
+    with pytest.raises(ConfigError, match=r"CHIPSET_CPU_MALLOC must be 'keep' .* or 'system' .* found 'off'"):
+        malloc.reason_to_leave()
