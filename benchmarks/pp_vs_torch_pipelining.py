@@ -17,7 +17,9 @@ median and ratio to chipset's 1F1B are reported too. ``--profile`` adds each tra
 Python function calls and CPU time per step (cProfile over 3 more steps each, after the
 timed ones; CPU time under cProfile, so compare it between the trainers only). Every run
 also reports each rank's median main-thread CPU time per step of each trainer (the work it
-does, without the time blocked in waits: comparable on a loaded machine).
+does, without the time blocked in waits: comparable on a loaded machine), its main thread's
+mean minor page faults per step (memory the C allocator gave back and took again), and the
+malloc settings of the environment (``CHIPSET_CPU_MALLOC``, glibc's ``MALLOC_*``).
 ``--trace-dir DIR`` records 3 more steps of each trainer with ``torch.profiler`` (memory
 included) and writes ``DIR/<trainer>/rank{r}.json`` (chrome traces, for
 ``benchmarks/trace_compare.py DIR/chipset DIR/torch``) and ``DIR/<trainer>/rank{r}.txt``
@@ -39,6 +41,7 @@ import cProfile
 import json
 import os
 import pstats
+import resource
 import statistics
 import time
 
@@ -251,11 +254,13 @@ def main() -> None:
     names = list(trainers)
     times: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}  # this rank's main-thread CPU seconds
+    faults: dict[str, list[int]] = {k: [] for k in names}  # and its main thread's minor page faults
     losses: dict[str, list[float]] = {k: [] for k in names}
     for step in range(args.warmup + args.steps):
         order = names[step % len(names):] + names[:step % len(names)]  # each trainer leads in turn
         for name in order:
             b.collective.barrier()
+            f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             t0, c0 = time.perf_counter(), time.thread_time()
             loss = trainers[name](step)
             b.device.synchronize()
@@ -263,11 +268,13 @@ def main() -> None:
             if step >= args.warmup:
                 times[name].append(dt)
                 cpu[name].append(dc)
+                faults[name].append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
             losses[name].append(loss)
     med = {k: statistics.median(v) for k, v in times.items()}
     # Main-thread CPU time per step on each rank: the work a trainer does, without its waits
     # (a blocked receive costs no CPU), so it stays comparable on a loaded machine.
-    mine_cpu = torch.tensor([statistics.median(cpu[k]) for k in names], dtype=torch.float64)
+    mine_cpu = torch.tensor([[statistics.median(cpu[k]), statistics.mean(faults[k])] for k in names],
+                            dtype=torch.float64)
     rows = [torch.empty_like(mine_cpu) for _ in range(world)]
     dist.all_gather(rows, mine_cpu)
     result = {
@@ -276,8 +283,11 @@ def main() -> None:
                                                 "seq", "batch")},
         "delay_ms": args.delay_ms, "params": sum(p.numel() for p in ref_model.parameters()),
         "median_step_s": med, "ratio_step_time_chipset_over_torch": med["chipset"] / med["torch"],
-        "median_main_thread_cpu_s": {f"rank{r}": dict(zip(names, row.tolist(), strict=True))
+        "median_main_thread_cpu_s": {f"rank{r}": dict(zip(names, row[:, 0].tolist(), strict=True))
                                      for r, row in enumerate(rows)},
+        "mean_minor_faults_per_step": {f"rank{r}": dict(zip(names, row[:, 1].round().tolist(), strict=True))
+                                       for r, row in enumerate(rows)},
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "CHIPSET_CPU_MALLOC"},
         "losses": losses,
     }
     if args.zero_bubble:

@@ -37,7 +37,9 @@ SIZES = {  # hidden, layers, heads, kv heads, ffn, vocab
 
 
 def _env() -> dict:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_")}
+    # CHIPSET_CPU_MALLOC (the cpu backend's malloc setting, docs/cpu.md) reaches chipset's ranks;
+    # the plain trainer never reads it. glibc's own MALLOC_* variables reach both.
+    e = {k: v for k, v in os.environ.items() if not k.startswith("CHIPSET_") or k == "CHIPSET_CPU_MALLOC"}
     e["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
     return e
 
