@@ -25,13 +25,17 @@ included) and writes ``DIR/<trainer>/rank{r}.json`` (chrome traces, for
 ``benchmarks/trace_compare.py DIR/chipset DIR/torch``) and ``DIR/<trainer>/rank{r}.txt``
 (operators by self CPU time, with their call counts and bytes allocated).
 
+``--heap-trace`` runs 3 more steps of each trainer under ``heap_trace.py``'s dispatch mode
+and reports, per rank, the minor page faults per step, the operators that faulted most and
+every glibc heap trim with the Python frames where it happened.
+
 ``--delay-ms F,B`` sleeps F ms after every micro-batch forward and B ms after every
 backward on both sides (a stand-in for heavier compute, so the schedule rather than
 Python overhead dominates).
 
     CHIPSET_BACKEND=cpu OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc-per-node=2 \
         benchmarks/pp_vs_torch_pipelining.py [--size S|M|L] [--steps 10] [--micro-batches 4] \
-        [--zero-bubble] [--profile] [--trace-dir DIR] [--delay-ms 0,0] [--json OUT]
+        [--zero-bubble] [--profile] [--trace-dir DIR] [--heap-trace] [--delay-ms 0,0] [--json OUT]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from heap_trace import heap_trace
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -181,6 +186,8 @@ def main() -> None:
     ap.add_argument("--zero-bubble", action="store_true", help="also time torch's zero-bubble schedules")
     ap.add_argument("--profile", action="store_true", help="also count Python calls and CPU time per step")
     ap.add_argument("--trace-dir", default=None, help="also write torch.profiler traces of 3 steps per trainer")
+    ap.add_argument("--heap-trace", action="store_true",
+                    help="also trace 3 more steps per trainer: page faults by operator, glibc heap trims")
     ap.add_argument("--delay-ms", default="0,0", help="sleep after each forward,backward (ms), both sides")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -294,6 +301,11 @@ def main() -> None:
         result["ratio_step_time_chipset_over"] = {k: med["chipset"] / med[k] for k in names if k != "chipset"}
     if args.profile:
         result["profile"] = _gather_profile({k: profile(trainers[k], args.warmup + args.steps, b) for k in names}, b)
+    if args.heap_trace:
+        traced = {k: heap_trace(trainers[k], args.warmup + args.steps + 6, barrier=b.collective.barrier) for k in names}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, traced)
+        result["heap_trace"] = {f"rank{r}": t for r, t in enumerate(everyone)}
     if args.trace_dir:
         for k in names:
             trace(trainers[k], args.warmup + args.steps + 3, b, os.path.join(args.trace_dir, k), rank)
