@@ -24,7 +24,7 @@ import os
 
 from chipset.errors import ConfigError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("chipset.cpu.malloc")  # under chipset's logger: a rank prints it with its rank
 
 MALLOC_ENV = "CHIPSET_CPU_MALLOC"
 """``keep`` (default): raise glibc's thresholds as below; ``system``: leave malloc as it is."""
