@@ -5,7 +5,7 @@ allocates the same sizes again in the next step. With glibc's defaults, a buffer
 mmap threshold (128 KiB, raised on the fly up to 32 MiB) gets its own mapping and a free
 returns it to the kernel, and a free top of the heap larger than the trim threshold is
 returned too; the next step then takes every such page back through a minor page fault,
-zeroed by the kernel. On the pipeline benchmark that was 700-1,500 faults a step on one rank
+zeroed by the kernel. On the pipeline benchmark that was 300-2,400 faults a step on a rank
 (docs/benchmarks.md, issue 38). This module raises both thresholds once, when the backend
 selects a device for a rank, so the process keeps what it has freed and reuses it. The peak
 resident memory is what the step needs either way; what changes is that the memory stays
