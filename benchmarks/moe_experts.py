@@ -1,4 +1,4 @@
-"""A MoE layer's experts: chipset's ``MoE`` (grouped GEMM on the ``cpu`` backend) vs the plain
+"""A MoE layer's experts: chipset's ``MoE`` (the ``grouped_mlp`` kernel on the ``cpu`` backend) vs the plain
 PyTorch MoE block users write (a ``ModuleList`` of expert MLPs and a loop over the experts that
 received tokens, as Hugging Face's Mixtral/Qwen2-MoE blocks do), forward + backward.
 
@@ -111,8 +111,10 @@ def main() -> None:
     (yc, gc), (yp, gp) = step(layer, x), step(peer, x)
     torch.testing.assert_close(yc, yp, rtol=1e-4, atol=1e-5)  # the same function
     torch.testing.assert_close(gc, gp, rtol=1e-4, atol=1e-5)
-    kernel = b.kernels.select("grouped_mm", x.reshape(-1, a.hidden), layer.experts.gate_proj.transpose(1, 2),
-                              torch.ones(a.experts, dtype=torch.int32))
+    ex = layer.experts
+    ws = [w.transpose(1, 2) for w in (ex.gate_proj, ex.up_proj, ex.down_proj)]
+    kernel = b.kernels.select("grouped_mlp", x.reshape(-1, a.hidden), *ws,
+                              torch.full((a.experts,), a.tokens, dtype=torch.int32))
     times: dict[str, list[float]] = {"chipset": [], "plain": []}
     cpu: dict[str, list[float]] = {"chipset": [], "plain": []}
     for rep in range(a.reps):
@@ -126,7 +128,7 @@ def main() -> None:
             cpu[name].append((time.process_time() - c0) / a.iters)
     c, p = statistics.median(times["chipset"]), statistics.median(times["plain"])
     cc, cp = statistics.median(cpu["chipset"]), statistics.median(cpu["plain"])
-    print(f"backend {b.name}, grouped_mm kernel: {getattr(kernel, '__module__', '?')}.{getattr(kernel, '__name__', '?')}")
+    print(f"backend {b.name}, grouped_mlp kernel: {getattr(kernel, '__module__', '?')}.{getattr(kernel, '__name__', '?')}")
     print(f"tokens {a.tokens}, hidden {a.hidden}, ffn {a.ffn}, experts {a.experts}, top-k {a.top_k}, "
           f"{a.reps} reps x {a.iters} iters, load average {os.getloadavg()[0]:.2f}")
     print(f"chipset MoE   {1e3 * c:8.2f} ms per forward+backward ({1e3 * cc:.2f} ms CPU time)")
