@@ -9,7 +9,8 @@ gradients agree to float32 rounding). The two alternate repetition by repetition
 gives the median seconds per forward + backward and the ratio peer / chipset (> 1: chipset
 faster), with the load average: wall-clock time, and this process's CPU time (one thread,
 so the same work; unlike wall-clock time it does not count the time a busy machine's other
-processes hold the cores, though they still share its caches and memory bandwidth).
+processes hold the cores, though they still share its caches and memory bandwidth), and the
+memory each forward keeps for its backward (activations; parameters excluded).
 
     OMP_NUM_THREADS=1 python benchmarks/moe_experts.py [--tokens 2048] [--hidden 256]
         [--ffn 512] [--experts 8] [--top-k 2] [--reps 7] [--iters 5]
@@ -94,6 +95,22 @@ def step(module, x):
     return y.detach(), x.grad
 
 
+def saved_mib(module, x) -> float:
+    """MiB the forward keeps for the backward: distinct storages, the module's parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x.detach().requires_grad_(True))
+    return sum(seen.values()) / 2**20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048)
@@ -134,6 +151,7 @@ def main() -> None:
     print(f"chipset MoE   {1e3 * c:8.2f} ms per forward+backward ({1e3 * cc:.2f} ms CPU time)")
     print(f"plain PyTorch {1e3 * p:8.2f} ms per forward+backward ({1e3 * cp:.2f} ms CPU time)")
     print(f"ratio plain / chipset: {p / c:.2f}x (CPU time: {cp / cc:.2f}x)")
+    print(f"saved for the backward: chipset {saved_mib(layer, x):.1f} MiB, plain PyTorch {saved_mib(peer, x):.1f} MiB")
 
 
 if __name__ == "__main__":
