@@ -81,6 +81,8 @@ CASES = [
      ["test_argument_variants_match_reference[sdpa-gqa-causal-fewer_queries-float32]"]),
     ("bad_grouped_mm", "forward_matches and grouped_mm-float32 or swiglu-float32", "kernels",
      ["test_forward_matches_reference[grouped_mm-float32]"], ["test_forward_matches_reference[swiglu-float32]"]),
+    ("bad_grouped_mlp", "forward_matches and grouped_mlp-float32 or grouped_mm-float32", "kernels",
+     ["test_forward_matches_reference[grouped_mlp-float32]"], ["test_forward_matches_reference[grouped_mm-float32]"]),
     ("bad_fp8_scale", "fp8_matmul and float32", "kernels",
      ["test_fp8_matmul_matches_exact_emulation[tensorwise-float32]",
       "test_fp8_matmul_matches_exact_emulation[rowwise-float32]"], []),

@@ -2,8 +2,8 @@
 
 Unit tests check top-k, gate normalisation, capacity dropping order and the
 load-balancing loss against hand computations, and the layer (output and every gradient,
-with grouped_mm as the reference loop and as the cpu backend's torch._grouped_mm) against
-a per-token loop.
+on cpu_sim with the reference loops, on cpu with its fused grouped_mlp kernel) against a
+per-token loop.
 The parity tests run two torchrun jobs (ep2 on 2 ranks; ep2 x edp2 and ep4 on 4 ranks)
 and one single-process job with the same seed and global batch (tests/multirank.py).
 Tolerances are derived in tests/parity.py, so they hold on any CPU: fp32 per-step losses
@@ -133,7 +133,7 @@ def test_capacity_is_per_sequence_so_any_batch_split_drops_the_same_tokens():
     torch.testing.assert_close(whole.aux_loss, torch.stack([p.aux_loss for p in parts]).mean())
 
 
-@pytest.mark.parametrize("backend", ["cpu_sim", "cpu"])  # grouped_mm: the reference loop; torch._grouped_mm
+@pytest.mark.parametrize("backend", ["cpu_sim", "cpu"])  # experts: the reference loops; the cpu grouped_mlp
 @pytest.mark.parametrize("top_k,capacity_factor,router,shared", [(2, 0.6, "softmax", 0), (3, 0.8, "sigmoid", 6)])
 def test_moe_layer_and_its_gradients_equal_a_per_token_loop(backend, top_k, capacity_factor, router, shared,
                                                              monkeypatch):

@@ -43,6 +43,7 @@ KERNEL_OF = (
     (r"silu|swiglu", "swiglu"),
     (r"_foreach_|addcdiv|adam", "fused_adamw"),
     (r"grouped_mm", "grouped_mm"),
+    (r"grouped_?mlp", "grouped_mlp"),
 )
 """Operator name, lower case (a regular expression searched in it; autograd's backward nodes, e.g.
 ``MmBackward0``, included) -> the chipset kernel that implements that work; the first match wins."""

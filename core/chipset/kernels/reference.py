@@ -24,6 +24,8 @@ __all__ = [
     "cross_entropy",
     "fused_adamw",
     "linear",
+    "grouped_mm",
+    "grouped_mlp",
     "REFERENCE_KERNELS",
 ]
 
@@ -163,6 +165,18 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[-1])
 
 
+def grouped_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                offs: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU MLPs of a MoE layer's experts on grouped rows (``x``, ``offs`` as in
+    :func:`grouped_mm`): group ``g``'s rows ``r`` give ``swiglu(r @ w_gate[g], r @ w_up[g]) @
+    w_down[g]``, with ``w_gate``, ``w_up`` ``[groups, in, ffn]`` and ``w_down`` ``[groups, ffn, out]``
+    (possibly transposed views). Returns ``[T, out]``: :func:`grouped_mm`, :func:`swiglu` and
+    :func:`grouped_mm` again, in the input dtype. A backend implements it to run each group's
+    whole MLP at once (its rows stay in cache); where it does not, the layer calls its
+    ``grouped_mm`` and ``swiglu`` kernels in this order (layers/moe.py)."""
+    return grouped_mm(swiglu(grouped_mm(x, w_gate, offs), grouped_mm(x, w_up, offs)), w_down, offs)
+
+
 REFERENCE_KERNELS = {
     "rms_norm": rms_norm,
     "layer_norm": layer_norm,
@@ -173,6 +187,7 @@ REFERENCE_KERNELS = {
     "fused_adamw": fused_adamw,
     "linear": linear,
     "grouped_mm": grouped_mm,
+    "grouped_mlp": grouped_mlp,
     "fp8_matmul": fp8_matmul,
     "attention_block": attention_block,
     "attention_block_backward": attention_block_backward,

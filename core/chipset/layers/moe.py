@@ -139,14 +139,20 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``x``: tokens grouped by local expert (``counts[e]`` rows for expert e, in order).
 
-        Three grouped GEMMs (the ``grouped_mm`` kernel: one call for all experts where the
-        backend has one, e.g. ``cpu``; the reference loops over the experts) around SwiGLU."""
+        The backend's ``grouped_mlp`` kernel where it has one for these arguments (``cpu``:
+        each expert's whole MLP on its rows while they are in cache); else three grouped
+        GEMMs (the ``grouped_mm`` kernel: one call for all experts where the backend has one;
+        the reference loops over the experts) around the ``swiglu`` kernel, which is
+        ``grouped_mlp``'s reference through this backend's own kernels."""
         if not counts:
             return x[:0]
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        w = (self.gate_proj.transpose(1, 2), self.up_proj.transpose(1, 2), self.down_proj.transpose(1, 2))
+        fused = self._k.select("grouped_mlp", x, *w, offs)
+        if fused is not self._k.reference("grouped_mlp"):
+            return fused(x, *w, offs)
         mm = self._k.grouped_mm
-        h = self._k.swiglu(mm(x, self.gate_proj.transpose(1, 2), offs), mm(x, self.up_proj.transpose(1, 2), offs))
-        return mm(h, self.down_proj.transpose(1, 2), offs)
+        return mm(self._k.swiglu(mm(x, w[0], offs), mm(x, w[1], offs)), w[2], offs)
 
 
 class SharedExpert(nn.Module):

@@ -13,6 +13,8 @@
   call (and autograd node) each instead of the reference's chain of Python-level ops.
 - grouped_mm: ``torch._grouped_mm``, every MoE expert's GEMM in one call (and one autograd
   node) instead of the reference's matmul per expert.
+- grouped_mlp (float32): one autograd node running each MoE expert's gate and up GEMMs,
+  SwiGLU and down GEMM on its rows back to back, in cache (chipset_cpu.grouped_mlp).
 
 Every predicate takes the reference's arguments and says no to anything it does not
 handle exactly, so the registry falls back to ``chipset.kernels.reference``. Attention,
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from chipset.kernels import reference
+from chipset_cpu.grouped_mlp import grouped_mlp, grouped_mlp_available
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -188,6 +191,7 @@ KERNELS = {
     "swiglu": (swiglu, swiglu_available, "torch.nn.functional.silu times up"),
     "cross_entropy": (cross_entropy, cross_entropy_available, "torch.nn.functional.cross_entropy"),
     "grouped_mm": (grouped_mm, grouped_mm_available, "torch._grouped_mm (all MoE experts in one call)"),
+    "grouped_mlp": (grouped_mlp, grouped_mlp_available, "each MoE expert's SwiGLU MLP on its rows at once, float32"),
 }
 
 

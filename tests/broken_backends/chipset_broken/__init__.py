@@ -36,6 +36,7 @@ DEFECTS = {
     "ignores_mask": "scaled_dot_product_attention drops the mask",
     "ignores_ignore_index": "cross_entropy only honours ignore_index=-100",
     "bad_grouped_mm": "grouped_mm multiplies every group by the first group's weights",
+    "bad_grouped_mlp": "grouped_mlp swaps the experts' gate and up projections",
     "bad_fp8_scale": "fp8_matmul quantises x with twice its specified scale (its largest values saturate)",
     "bad_linear": "linear drops the bias",
     "bad_event": "events report negative elapsed time",
@@ -52,7 +53,7 @@ VARIANTS = (
     "bad_reduce_scatter", "bad_broadcast", "no_output_splits", "bad_send_recv", "bad_barrier",
     "async_never_completes", "hang_timeout", "swallow_timeout", "bad_memory", "empty_cache_noop",
     "reset_peak_noop", "bad_mem_info", "bad_kernel", "ignores_eps", "ignores_mask", "ignores_ignore_index",
-    "bad_grouped_mm", "bad_fp8_scale", "bad_linear",
+    "bad_grouped_mm", "bad_grouped_mlp", "bad_fp8_scale", "bad_linear",
     "bad_event", "bad_stream", "bad_probe", "ignores_visible", "bad_device_index", "wrong_profile", "few_caps",
 )
 _initialised: set[str] = set()

@@ -262,6 +262,10 @@ def _register_kernels(v: str, registry) -> None:
         ref = registry.reference("grouped_mm")
         registry.register("grouped_mm", lambda x, w, offs: ref(x, w[:1].expand_as(w), offs), priority=5,
                           description="grouped_mm with the first group's weights for every group")
+    elif v == "bad_grouped_mlp":
+        ref = registry.reference("grouped_mlp")
+        registry.register("grouped_mlp", lambda x, w_gate, w_up, w_down, offs: ref(x, w_up, w_gate, w_down, offs),
+                          priority=5, description="grouped_mlp with the gate and up projections swapped")
     elif v == "bad_fp8_scale":
         registry.register("fp8_matmul", _fp8_twice_the_scale, priority=5,
                           description="fp8_matmul with twice the specified scale for x")

@@ -57,6 +57,10 @@ def _inputs(name: str, dt: torch.dtype, dev) -> tuple[list, dict, list[int]]:
         return [r(8, 32), target], {}, [0]
     if name == "grouped_mm":  # 3 groups of 4, 0 and 7 rows; the weights as MoE experts pass them (a transposed view)
         return [r(11, 16), r(3, 8, 16).transpose(1, 2), torch.tensor([4, 4, 11], dtype=torch.int32).to(dev)], {}, [0, 1]
+    if name == "grouped_mlp":  # the same groups; gate and up 16 -> 8, down 8 -> 16, as MoE passes them
+        ws = [r(3, 8, 16, scale=0.25).transpose(1, 2), r(3, 8, 16, scale=0.25).transpose(1, 2),
+              r(3, 16, 8, scale=0.25).transpose(1, 2)]
+        return [r(11, 16), *ws, torch.tensor([4, 4, 11], dtype=torch.int32).to(dev)], {}, [0, 1, 2, 3]
     raise KeyError(name)
 
 
