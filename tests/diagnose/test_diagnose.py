@@ -51,6 +51,16 @@ def test_straggler_blamed_on_input_when_its_data_wait_explains_it():
     assert f.kind == "straggler" and f.evidence["cause"] == "input pipeline"
 
 
+def test_straggler_whose_thread_waited_for_a_host_cpu_is_a_warning_not_a_slow_device():
+    # The same slow rank as above: its excess compute is its wait for a CPU (cpu_wait_s), so the
+    # host is busy, not the device; with the wait not explaining it, the device is blamed.
+    d, f = _first(_recs(compute_s=lambda s, v: [0.8, 1.6], cpu_wait_s=lambda s, v: [0.01, 0.6]))
+    assert (f.kind, f.rank, f.severity, f.evidence["cause"]) == ("straggler", 1, "warning", "host CPU contention")
+    assert "host CPU" in f.advice and not d.has_error
+    d, f = _first(_recs(compute_s=lambda s, v: [0.8, 1.6], cpu_wait_s=lambda s, v: [0.01, 0.3]))
+    assert (f.severity, f.evidence["cause"]) == ("error", "device (compute)")
+
+
 def test_a_slightly_slower_rank_is_not_a_straggler():
     d, _ = _first(_recs(compute_s=lambda s, v: [0.8, 0.9]))
     assert not d.findings
@@ -262,6 +272,10 @@ def test_live_watch_warns_once_per_straggler_and_leak():
     lines = [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], data_wait_s=lambda s, v: [0.0, 0.7])
              for x in watch.step(rec)]
     assert lines and "0.7 s of it waiting for its batches (its input pipeline)" in lines[0]
+    watch = LiveWatch()
+    lines = [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], cpu_wait_s=lambda s, v: [0.0, 0.7])
+             for x in watch.step(rec)]
+    assert lines and "0.7 s of it waiting for a host CPU" in lines[0]
     watch = LiveWatch(stages=[0, 1])  # pp=2: the last stage's longer compute is not a straggler
     assert not [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6]) for x in watch.step(rec)]
     watch = LiveWatch()

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.multirank
 FAULTS = {
     "clean": "",
     "slow": "slow:rank=1,ms=300",
-    "slow_link": "slow_link:rank=1,ms=100",
+    # 300 ms against steps of 15-30 ms of compute: exposed communication stays over the rule's 75% for
+    # an error even when this file's own jobs slow each rank's compute sevenfold on a 2-core machine.
+    "slow_link": "slow_link:rank=1,ms=300",
     "leak": "leak:rank=0,mib=4,step=2",
     "tp_slow_link": "slow_link:rank=1,ms=20",  # with parallel.tp=2: every tp collective crosses the slow link
     "slow_loader": "slow_loader:rank=1,ms=200",
@@ -115,7 +117,11 @@ def test_a_loss_spike_multiplies_that_steps_loss_and_no_other(runs, capsys):
 def test_the_console_warns_while_the_run_goes(runs, fault, line):
     out = (runs[fault].parent / f"{fault}.out").read_text()
     assert line in out and "chipset: warning" in out
-    assert "chipset: warning: rank" not in (runs["clean"].parent / "clean.out").read_text()
+    # The clean job shares the machine with this file's other jobs: a rank whose thread waited for a
+    # CPU may be named, with that cause; no other rank warning is right for it.
+    clean = (runs["clean"].parent / "clean.out").read_text().splitlines()
+    warned = [x for x in clean if x.startswith("chipset: warning: rank")]
+    assert all("is a straggler" in x and "waiting for a host CPU" in x for x in warned), warned
 
 
 def test_a_mislaid_run_names_its_layout_and_the_planners(runs, capsys):

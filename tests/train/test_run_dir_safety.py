@@ -220,8 +220,9 @@ def fsync(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return real(fd)
 os.fsync = fsync
+from chipset._process import exit_process
 from chipset.cli.main import main
-sys.exit(main(sys.argv[2:]))
+exit_process(main(sys.argv[2:]))  # the `chipset` command's own ending (chipset.cli.main.entry)
 """
 
 

@@ -54,8 +54,8 @@ def read_run(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any], list[str
     return records, summary, missing
 
 
-PER_RANK = ("compute_s", "comm_s", "idle_s", "data_wait_s", "memory_bytes", "peak_memory_bytes_per_rank",
-            "step_time_s_per_rank", "param_sum", "compiles")
+PER_RANK = ("compute_s", "comm_s", "idle_s", "data_wait_s", "cpu_wait_s", "memory_bytes",
+            "peak_memory_bytes_per_rank", "step_time_s_per_rank", "param_sum", "compiles")
 """Record fields that hold one number per rank."""
 
 

@@ -55,6 +55,14 @@ def stages(summary, world):
     return [dims.coords(r)["pp"] for r in range(world)]
 
 
+def _explains(rows, key, r, peer_ranks, world, extra) -> bool:
+    """Whether rank ``r``'s mean excess of per-rank time ``key`` over its peers' largest explains over
+    half of ``extra`` seconds (its excess compute time)."""
+    diff = [x[key][r] - max(x[key][i] for i in peer_ranks)
+            for x in rows if isinstance(x.get(key), list) and len(x[key]) == world]
+    return bool(diff) and sum(diff) / len(diff) > 0.5 * extra
+
+
 def straggler(recs, summary):
     """Ranks compare with their peers: every other rank, or under pipeline parallelism the ranks of
     the same stage (stages do different work: stage_imbalance compares them)."""
@@ -76,14 +84,15 @@ def straggler(recs, summary):
             continue
         mine = sum(x["compute_s"][r] for x in rows) / len(rows)
         peers = sum(max(x["compute_s"][i] for i in peer_ranks) for x in rows) / len(rows)
-        wait = [x["data_wait_s"][r] - max(x["data_wait_s"][i] for i in peer_ranks)
-                for x in rows if isinstance(x.get("data_wait_s"), list) and len(x["data_wait_s"]) == world]
         extra = mine - peers
-        cause = ("input pipeline" if wait and sum(wait) / len(wait) > 0.5 * extra else "device (compute)")
+        cause = ("input pipeline" if _explains(rows, "data_wait_s", r, peer_ranks, world, extra) else
+                 "host CPU contention" if _explains(rows, "cpu_wait_s", r, peer_ranks, world, extra) else
+                 "device (compute)")
         ratio = mine / peers if peers > 0 else math.inf
         # A rank slowed by its own input is the data loader's finding (data_loader_stall has the
-        # numbers); here it is a warning, so the stall ranks first.
-        severe = ratio >= 1.5 and cause != "input pipeline"
+        # numbers); here it is a warning, so the stall ranks first. A rank whose thread waited for a
+        # host CPU (other processes on the host's cores) is a warning too: its device is not slow.
+        severe = ratio >= 1.5 and cause == "device (compute)"
         out.append(dict(
             kind="straggler", severity="error" if severe else "warning", rank=r, step=slow[0]["step"],
             title=f"rank {r} is a straggler: compute {ratio:.2f}x its slowest peer in {len(slow)} of "
@@ -95,6 +104,10 @@ def straggler(recs, summary):
             advice=(f"rank {r}'s input pipeline is slow (see data_loader_stall): raise data workers / "
                     "prefetch or move the data local"
                     if cause == "input pipeline" else
+                    f"rank {r}'s training thread waited for a host CPU (cpu_wait_s): other processes compete for "
+                    "the host's cores; give the job cores of its own (fewer ranks or threads per host, or move the "
+                    "other work)"
+                    if cause == "host CPU contention" else
                     f"rank {r}'s device is slower than its peers (thermal throttling, a shared or faulty "
                     "device, another process on it): check it and move the job off it")))
     return out, []

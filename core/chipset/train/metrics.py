@@ -14,6 +14,10 @@ which adds them to the step's ``metrics.jsonl`` record (see docs/observability.m
 - ``slowest_rank``: the rank with the most compute time (the one the others waited for);
 - ``data_wait_s``: per rank, the time spent getting its batches (inside ``compute_s``): a
   slow input pipeline shows here (``chipset diagnose``);
+- ``cpu_wait_s``: per rank, the time its training thread was ready to run but waited for a host
+  CPU (Linux's run-queue delay, :func:`cpu_wait`): other processes competing for the host's cores
+  show here, and ``chipset diagnose`` does not call that rank's device slow; absent where the OS
+  does not report it;
 - ``mfu``: PaLM model FLOPs utilisation, tokens/s x (6N + 12LHQT) / (peak x ranks), with
   the planner's FLOPs count and the device's declared peak for the run dtype (None when
   the backend declares no peak for it); for another model family, samples/s x the family's
@@ -62,7 +66,21 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", 
        "batch_p2p", "barrier", "other")
 """Collective types reported per step; ops of any other name are summed under ``other``."""
 
-_FIXED = 7  # step time, blocked seconds, memory allocated, memory peak, data wait, parameter checksum, compiles
+_FIXED = 8  # step time, blocked seconds, memory allocated, memory peak, data wait, parameter checksum, compiles,
+# CPU wait
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def cpu_wait() -> float:
+    """Seconds the calling thread has spent ready to run but waiting for a CPU since it started:
+    the second field of Linux's ``/proc/thread-self/schedstat`` (run-queue delay, in ns). NaN where
+    the OS does not report it (not Linux, or a kernel without schedstats)."""
+    try:
+        with open(_SCHEDSTAT, "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return math.nan
 
 
 class StepMetrics:
@@ -85,6 +103,7 @@ class StepMetrics:
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self.model_flops_per_token, self.peak_flops = _flops(cfg, backend)
         self._data_wait = 0.0
+        self._cpu_wait = math.nan  # cpu_wait() at the step's start
         self._compile = bool(cfg.train.compile)
         self._frames = 0  # compiled_frames() at the step's start (train.compile)
         self._mfu_sum = 0.0
@@ -112,6 +131,7 @@ class StepMetrics:
                                                     record_shapes=False)
             self._profiler.__enter__()
         self._snap = self.col.comm_stats.snapshot()
+        self._cpu_wait = cpu_wait()
         if self._compile:
             self._frames = compiled_frames()
         if self.cross is not None:
@@ -135,7 +155,8 @@ class StepMetrics:
         blocked = sum(d[2] for d in delta.values())
         local = [rec["step_time_s"], blocked, float(mem.allocated), float(mem.peak_allocated), self._data_wait,
                  self.model_stats.param_sum(int(rec["step"])),
-                 float(compiled_frames() - self._frames) if self._compile else 0.0]
+                 float(compiled_frames() - self._frames) if self._compile else 0.0,
+                 cpu_wait() - self._cpu_wait]
         self._data_wait = 0.0
         for op in OPS:
             local += delta[op]
@@ -156,6 +177,8 @@ class StepMetrics:
             rec["param_sum"] = [r[5] for r in rows]
         if self._compile:
             rec["compiles"] = [int(r[6]) for r in rows]
+        if all(math.isfinite(r[7]) for r in rows):
+            rec["cpu_wait_s"] = [r[7] for r in rows]
         step_t = [r[0] for r in rows]
         blocked_t = [min(r[1], r[0]) for r in rows]
         compute = [s - b for s, b in zip(step_t, blocked_t, strict=True)]

@@ -12,6 +12,11 @@ LEAK_BYTES = 512 * 1024
 """Growth per step that counts towards a leak (as chipset diagnose: 0.5 MiB/step)."""
 
 
+def _excess(values: list, r: int, peers: list[int]) -> float:
+    """Rank ``r``'s value over the largest of its ``peers``' (0 when the record lacks the field)."""
+    return values[r] - max(values[i] for i in peers) if len(values) > max(r, *peers) else 0.0
+
+
 class LiveWatch:
     """Fed one gathered record per step on rank 0; returns the console lines to print (each once)."""
 
@@ -27,6 +32,7 @@ class LiveWatch:
         out = []
         compute, mem, step = rec.get("compute_s") or [], rec.get("memory_bytes") or [], rec.get("step")
         wait = rec.get("data_wait_s") or []
+        cpu_wait = rec.get("cpu_wait_s") or []
         for r, c in enumerate(compute):
             same = [i for i in range(len(compute)) if i != r
                     and (self.stages is None or len(self.stages) != len(compute) or self.stages[i] == self.stages[r])]
@@ -35,10 +41,13 @@ class LiveWatch:
             self._slow[r] = self._slow.get(r, 0) + 1 if slow else 0
             if self._slow[r] >= STREAK and ("straggler", r) not in self._said:
                 self._said.add(("straggler", r))
-                # As chipset diagnose: its input pipeline when its wait for batches explains most of it.
-                waited = wait[r] - max(wait[i] for i in same) if len(wait) == len(compute) else 0.0
+                # As chipset diagnose: its input pipeline when its wait for batches explains most of it,
+                # else the host when its thread's wait for a CPU does.
+                extra = c - max(peers)
                 cause = (f", {wait[r]:.3g} s of it waiting for its batches (its input pipeline)"
-                         if waited > 0.5 * (c - max(peers)) else "")
+                         if _excess(wait, r, same) > 0.5 * extra else
+                         f", {cpu_wait[r]:.3g} s of it waiting for a host CPU (other processes on its cores)"
+                         if _excess(cpu_wait, r, same) > 0.5 * extra else "")
                 out.append(f"chipset: warning: rank {r} is a straggler: compute {c:.3g} s vs at most "
                            f"{max(peers):.3g} s on its peers for {STREAK} steps (step {step}){cause}; "
                            "run 'chipset diagnose RUN_DIR' after the run")
