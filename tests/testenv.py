@@ -172,4 +172,6 @@ def is_agent(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    if b"multiprocessing.forkserver" in cmdline:  # the agent's fork server and its ranks name the module
+        return False
     return b"chipset.train.agent" in cmdline or b"torch.distributed.run" in cmdline

@@ -56,6 +56,8 @@ def jobs(request, tmp_path_factory):
               test_modules_in_the_current_directory_do_not_run_in_the_job: _modules_in_the_current_directory_do_not_run_in_the_job,
               test_single_node_job_listens_on_loopback_only: _single_node_job_listens_on_loopback_only}
 
+    tmp_path_factory.getbasetemp()  # made here: the jobs' threads would race to make it
+
     def start(job):
         return lambda: job(tmp_path_factory.mktemp(job.__name__[1:20]))
 

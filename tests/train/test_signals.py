@@ -20,6 +20,7 @@ import pytest
 import forked_cli
 import testenv
 from chipset.train.checkpoint import store
+from chipset.train.signals import agent_ranks
 from testenv import clean_env
 
 LONG = ["--set", "train.steps=100000", "--set", "train.global_batch=4"]
@@ -159,8 +160,14 @@ def test_a_signal_to_one_rank_stops_every_rank_together(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "--nproc", "2", "--set", "train.checkpoint_every=1000")
     _wait_training(proc, run)
-    workers = [p for p in _descendants(proc.pid) if not _is_agent(p)]
-    assert len(workers) == 2  # the ranks, below the torchrun agent
+    agents = [p for p in _descendants(proc.pid) if _is_agent(p)]
+    assert len(agents) == 1
+    workers = agent_ranks(agents[0])
+    assert len(workers) == 2  # the ranks, below the torchrun agent's fork server (train/agent.py)
+    servers = {_parent(p) for p in workers}
+    assert len(servers) == 1 and servers != {agents[0]} and _parent(servers.pop()) == agents[0]
+    server = _parent(workers[0])
+    assert b"multiprocessing.forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
     os.kill(max(workers), signal.SIGTERM)  # one rank only
     try:
         out, err = proc.communicate(timeout=300)
@@ -169,6 +176,11 @@ def test_a_signal_to_one_rank_stops_every_rank_together(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     _check_stopped(proc, out, err, signal.SIGTERM, run, ckpt=True)
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 @pytest.mark.multirank

@@ -196,6 +196,24 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def agent_ranks(agent: int) -> list[int]:
+    """The ranks of a torchrun agent: its children, except that the children of a multiprocessing fork
+    server it started are its ranks (chipset's agent forks them so: train/agent.py) and the server and
+    multiprocessing's resource tracker are not."""
+    out = []
+    for pid in _children(agent):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            out += _children(pid)
+        elif b"multiprocessing.resource_tracker" not in cmdline:
+            out.append(pid)
+    return out
+
+
 def run_forwarding(cmd: list[str], env: dict) -> tuple[int, int]:
     """Run torchrun in its own session and forward SIGINT/SIGTERM to its ranks.
 
@@ -216,7 +234,7 @@ def run_forwarding(cmd: list[str], env: dict) -> tuple[int, int]:
     def forward(signum, frame) -> None:
         got.append(signum)
         first = len(got) == 1
-        ranks = _children(proc.pid)
+        ranks = agent_ranks(proc.pid)
         for pid in (ranks or [proc.pid]) if first else [*ranks, proc.pid]:
             try:
                 os.kill(pid, signum if first else signal.SIGKILL)

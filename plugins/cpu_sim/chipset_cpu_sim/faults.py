@@ -304,10 +304,14 @@ class FaultPlan:
             agent = _torchrun_agent()
             print(f"chipset cpu_sim: fault injected ({f.spec}): this node dies now (torchrun agent pid {agent} "
                   "and its ranks)", file=sys.stderr, flush=True)
-            # The agent first, so that it cannot restart anything; then its other ranks.
+            # The agent first, so that it cannot restart anything; then everything below it (its other
+            # ranks, and the fork server they may have started from).
+            below = _children(agent)
             os.kill(agent, signal.SIGKILL)
-            for pid in _children(agent):
+            while below:
+                pid = below.pop()
                 if pid != os.getpid():
+                    below += _children(pid)
                     _kill_quietly(pid)
         else:
             print(f"chipset cpu_sim: fault injected ({f.spec}): rank {f.rank} dies now", file=sys.stderr, flush=True)
@@ -322,13 +326,22 @@ AGENT_NAME = "pt_elastic"
 
 
 def _torchrun_agent() -> int:
-    """The pid of the torchrun agent that started this rank; ConfigError when there is none."""
+    """The pid of the torchrun agent that started this rank (its parent, or its grandparent where the
+    rank is a fork of the agent's multiprocessing fork server); ConfigError when there is none."""
     agent = os.getppid()
-    try:
-        cmdline = Path(f"/proc/{agent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        name = Path(f"/proc/{agent}/comm").read_text().strip()
-    except OSError:
-        cmdline = name = ""
+    cmdline = name = ""
+    for _ in range(2):
+        try:
+            cmdline = Path(f"/proc/{agent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            name = Path(f"/proc/{agent}/comm").read_text().strip()
+        except OSError:
+            cmdline = name = ""
+        if "multiprocessing.forkserver" not in cmdline:
+            break
+        try:
+            agent = int(Path(f"/proc/{agent}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
     if "GROUP_RANK" not in os.environ or not (name == AGENT_NAME or any(a in cmdline for a in AGENTS)):
         raise ConfigError(
             f"{FAULTS_ENV}: kill_node needs ranks started by torchrun (chipset train --nnodes, --max-restarts "

@@ -143,9 +143,10 @@ def _island_summaries(cfg, run_dir: Path) -> list[dict | None]:
 
 
 def _signal_tree(pid: int, signum: int) -> None:
-    from chipset.train.signals import _children
+    from chipset.train.signals import agent_ranks
 
-    for target in (_children(pid) or [pid]) if signum != signal.SIGKILL else [*_children(pid), pid]:
+    ranks = agent_ranks(pid)
+    for target in (ranks or [pid]) if signum != signal.SIGKILL else [*ranks, pid]:
         try:
             os.kill(target, signum)
         except OSError:
