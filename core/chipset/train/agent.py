@@ -25,6 +25,9 @@ Its command line stays the launcher's; torch's agent names the process ``pt_elas
 (``/proc/PID/comm``, what ``ps -o comm`` and ``top`` show).
 Elsewhere, or with other threads running (a fork copies only the calling one), the launcher
 starts the module as a new interpreter.
+
+**Its ranks are forks too**, of one multiprocessing fork server per job that imported torch once
+(:func:`main`, docs/engine.md), where torchrun would start a new interpreter per rank.
 """
 
 from __future__ import annotations
@@ -95,19 +98,17 @@ def main(args: list[str] | None = None) -> None:
         ns = torchrun.parse_args(argv)
         config, cmd, cmd_args = torchrun.config_from_args(ns)
         fork = _forked_rank(cmd, cmd_args)
-        if fork is not None:
-            cmd, cmd_args = rank_entry, fork
-            config.start_method = "forkserver"
         if fork is None:
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
             return
         import logging
         from multiprocessing import forkserver
 
+        config.start_method = "forkserver"
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietExit())
         before = getattr(forkserver._forkserver, "_forkserver_pid", None)
         try:
-            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+            elastic_launch(config=config, entrypoint=rank_entry)(*fork)
         finally:
             _stop_server(before)
 
