@@ -105,6 +105,8 @@ def main(args: list[str] | None = None) -> None:
         from multiprocessing import forkserver
 
         config.start_method = "forkserver"
+        forkserver.set_forkserver_preload([*RANK_PRELOAD, fork[0]])
+        os.environ["PYTHONUNBUFFERED"] = "1"  # the server's (and so the ranks') stdio, as ``python -u``
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietExit())
         before = getattr(forkserver._forkserver, "_forkserver_pid", None)
         try:
@@ -150,16 +152,12 @@ class _QuietExit:
 
 def _forked_rank(cmd, cmd_args: list[str]) -> list[str] | None:
     """``[MODULE, *ARGS]`` for a rank command ``python -u -m MODULE ARGS`` that can start from a fork
-    server here (and the server's preload set), else None."""
+    server here, else None."""
     import multiprocessing
 
     if (cmd != sys.executable or cmd_args[:2] != ["-u", "-m"] or len(cmd_args) < 3
             or "forkserver" not in multiprocessing.get_all_start_methods()):
         return None
-    import multiprocessing.forkserver
-
-    multiprocessing.forkserver.set_forkserver_preload([*RANK_PRELOAD, cmd_args[2]])
-    os.environ["PYTHONUNBUFFERED"] = "1"  # the server's (and so the ranks') stdio, as ``python -u``
     return cmd_args[2:]
 
 

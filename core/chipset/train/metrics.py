@@ -66,8 +66,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", 
        "batch_p2p", "barrier", "other")
 """Collective types reported per step; ops of any other name are summed under ``other``."""
 
-_FIXED = 8  # step time, blocked seconds, memory allocated, memory peak, data wait, parameter checksum, compiles,
-# CPU wait
+# step time, blocked seconds, memory allocated, memory peak, data wait, parameter checksum, compiles, CPU wait
+_FIXED = 8
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 
