@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import testenv
+from chipset.conformance._world import rank_env, session_store
 
 SESSION = textwrap.dedent("""
     import json, os, sys, torch, torch.distributed as dist, chipset
@@ -63,13 +63,11 @@ SESSION = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("sim-collective")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = session_store()  # hosted here: no free port that a rank binds later
     procs = []
     for rank in range(2):
         env = testenv.clean_env()
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+        env.update(rank_env(store), RANK=str(rank), WORLD_SIZE="2",
                    CHIPSET_COLLECTIVE_TIMEOUT="60")
         procs.append(subprocess.Popen([sys.executable, "-W", "ignore", "-c", SESSION, str(tmp / f"r{rank}.json")],
                                       env=env, stderr=subprocess.PIPE, text=True))

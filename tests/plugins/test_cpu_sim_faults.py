@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 
 import forked_cli
 import testenv
+from chipset.conformance._world import rank_env, session_store
 from chipset.errors import ConfigError
 from chipset_cpu_sim.faults import ANY_RANK, Fault, FaultPlan, fault_dir, parse_faults
 
@@ -208,13 +208,11 @@ def test_a_dropped_connection_after_most_of_the_timeout_is_reported_as_a_timeout
 
 def test_four_rank_all_reduce_with_a_hung_rank_ends_in_collective_timeout_error(tmp_path):
     timeout_s = 5
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = session_store()  # hosted here: no free port that a rank binds later
     procs = []
     t0 = time.monotonic()
     for rank in range(4):
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=rank, WORLD_SIZE=4,
+        env = _env(**rank_env(store), RANK=rank, WORLD_SIZE=4,
                    CHIPSET_COLLECTIVE_TIMEOUT=timeout_s, CHIPSET_SIM_FAULTS="hang:rank=2,collective=1")
         procs.append(subprocess.Popen([sys.executable, "-c", HANG, str(tmp_path / f"r{rank}.json")], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))

@@ -1,7 +1,7 @@
 """Multi-rank sessions for the collectives group: real processes over loopback.
 
 :func:`run_world` starts ``WORLD`` interpreters (``python -m chipset.conformance._world``)
-that rendezvous through ``MASTER_ADDR=127.0.0.1`` and a free port, load the backend
+that rendezvous at a store this process hosts on a free loopback port, load the backend
 under test by name (``CHIPSET_BACKEND``), bind rank r to device ``r % device_count``
 and run the whole battery in one process-group session. Each rank appends one JSON
 line per check to its own file, so a crash or a hang still leaves the verdicts of
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,10 +65,22 @@ class WorldResult:
         return "passed", ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def session_store():
+    """The rendezvous store of a session, hosted by this process on a free loopback port.
+
+    The ranks reach it as clients (``rank_env``), as torchrun's workers reach their agent's:
+    no port is picked free and then bound later by a rank, which another process on a busy
+    host could take in between (every check of the session then fails to start).
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+
+
+def rank_env(store) -> dict[str, str]:
+    """What a rank needs to join the session whose store is ``store``."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
 def session_seed() -> int:
@@ -94,7 +105,7 @@ def run_world(backend: str, world: int, deadline_s: float = 900.0, only: list[st
     Once one rank has exited with a failure (a watchdog verdict), the others get a few
     seconds and are then stopped.
     """
-    port = _free_port()
+    store = session_store()
     out = WorldResult(world)
     out.seed = session_seed() if seed is None else seed
     t0 = time.monotonic()
@@ -103,7 +114,7 @@ def run_world(backend: str, world: int, deadline_s: float = 900.0, only: list[st
         for rank in range(world):
             env = dict(os.environ)
             env.update(
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                **rank_env(store), RANK=str(rank), WORLD_SIZE=str(world),
                 LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), CHIPSET_BACKEND=backend,
                 CHIPSET_COLLECTIVE_TIMEOUT=str(SESSION_COLLECTIVE_TIMEOUT_S),
                 CHIPSET_CONFORMANCE_SEED=str(out.seed),
@@ -144,6 +155,7 @@ def run_world(backend: str, world: int, deadline_s: float = 900.0, only: list[st
                         row = json.loads(line)
                         rows[row["id"]] = row
             out.per_rank.append(rows)
+    del store
     out.seconds = time.monotonic() - t0
     return out
 

@@ -139,17 +139,13 @@ class Session:
         return "passed", "", rows[0]["losses"]
 
 
-def _free_port() -> int:
-    from chipset.conformance._world import _free_port as free
-
-    return free()
-
-
 def run_session(backend: str, world: int = WORLD, deadline_s: float = DEADLINE_S) -> Session:
     """Start the ``world``-rank session and the one-device reference together; never wait past the deadline."""
     out = Session()
     t0 = time.monotonic()
-    port = _free_port()
+    from chipset.conformance._world import rank_env, session_store
+
+    store = session_store()
     with tempfile.TemporaryDirectory(prefix="chipset-conformance-engine-") as tmp:
         procs: list[tuple[str, subprocess.Popen, object, Path]] = []
         for launch, size in (("world", world), ("ref", 1)):
@@ -161,9 +157,9 @@ def run_session(backend: str, world: int = WORLD, deadline_s: float = DEADLINE_S
                     OMP_NUM_THREADS="1",
                 )
                 if launch == "world":
-                    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                    env.update(rank_env(store))
                 else:  # one process without a launcher: a private world of one
-                    for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+                    for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"):
                         env.pop(k, None)
                 env.pop("CHIPSET_SIM_FAULTS", None)  # the group certifies the backend, not a fault plan
                 path = Path(tmp) / f"{launch}{rank}.jsonl"

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,10 +53,7 @@ def store_endpoint(cfg, islands_here: list[int]) -> tuple[str, bool]:
         raise ConfigError(f"--island {islands_here[0]}: the islands of this job run from several commands, so they "
                           "need a store to meet at: set islands.endpoint = \"HOST:PORT\" (an address of the node "
                           "running island 0, the same in every command)")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"127.0.0.1:{port}", True
+    return "127.0.0.1:0", True  # the store picks a free port as it starts listening
 
 
 def launch_islands(cfg, *, islands_here: list[int], backends: list[str], nproc: int, run_dir: Path,
@@ -66,6 +62,8 @@ def launch_islands(cfg, *, islands_here: list[int], backends: list[str], nproc: 
     out = out or sys.stdout
     endpoint, host = store_endpoint(cfg, islands_here)
     store = connect_store(endpoint, timeout_s=CONNECT_TIMEOUT_S, host=host)  # unreachable: exit 2 here
+    if endpoint.endswith(":0"):
+        endpoint = f"{endpoint.rsplit(':', 1)[0]}:{store.port}"
     scratch = tempfile.mkdtemp(prefix="chipset-job-")
     from chipset.train.launch import JOB_TMPDIR_ENV, launch_env, torchrun_command
 
