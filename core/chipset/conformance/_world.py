@@ -1,7 +1,7 @@
 """Multi-rank sessions for the collectives group: real processes over loopback.
 
-:func:`run_world` starts ``WORLD`` interpreters (``python -m chipset.conformance._world``)
-that rendezvous at a store this process hosts on a free loopback port, load the backend
+:func:`run_world` starts ``WORLD`` ranks (``chipset.conformance._world``; forks of a server
+that imported torch once, chipset.conformance._ranks) that rendezvous at a store this process hosts on a free loopback port, load the backend
 under test by name (``CHIPSET_BACKEND``), bind rank r to device ``r % device_count``
 and run the whole battery in one process-group session. Each rank appends one JSON
 line per check to its own file, so a crash or a hang still leaves the verdicts of
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -21,6 +20,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from chipset.conformance import _ranks
 
 SESSION_COLLECTIVE_TIMEOUT_S = 30
 """CHIPSET_COLLECTIVE_TIMEOUT inside the session: a broken op fails in seconds, not minutes."""
@@ -121,12 +122,9 @@ def run_world(backend: str, world: int, deadline_s: float = 900.0, only: list[st
                 CHIPSET_CONFORMANCE_ONLY=",".join(only or []),
             )
             env.pop("CHIPSET_SIM_FAULTS", None)  # the battery certifies the backend, not a fault plan
-            err = open(Path(tmp) / f"rank{rank}.err", "w+")  # noqa: SIM115 - closed below
-            errs.append(err)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "chipset.conformance._world", str(Path(tmp) / f"rank{rank}.jsonl")],
-                env=env, stdout=subprocess.DEVNULL, stderr=err,
-            ))
+            errs.append(Path(tmp) / f"rank{rank}.err")
+            procs.append(_ranks.start("chipset.conformance._world", [str(Path(tmp) / f"rank{rank}.jsonl")],
+                                      env, str(errs[-1])))
         failed_at = None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
@@ -144,9 +142,7 @@ def run_world(backend: str, world: int, deadline_s: float = 900.0, only: list[st
             time.sleep(0.05)
         for rank, (p, err) in enumerate(zip(procs, errs, strict=True)):
             out.exit_codes.append(p.returncode)
-            err.seek(0)
-            out.stderr_tails.append(err.read()[-4000:])
-            err.close()
+            out.stderr_tails.append(err.read_text(errors="replace")[-4000:] if err.exists() else "")
             rows: dict[str, dict] = {}
             path = Path(tmp) / f"rank{rank}.jsonl"
             if path.exists():
@@ -231,7 +227,12 @@ def _worker(path: str) -> int:
     os._exit(0)  # the timeout check leaves a dead group behind; do not wait on its teardown
 
 
+def rank_main(argv: list[str]) -> int:
+    """One rank of a session (chipset.conformance._ranks): ``argv`` is its JSON-lines file."""
+    return _worker(argv[0])
+
+
 if __name__ == "__main__":
     from chipset._process import exit_rank
 
-    exit_rank(_worker(sys.argv[1]))
+    exit_rank(rank_main(sys.argv[1:]))

@@ -108,35 +108,15 @@ def main(args: list[str] | None = None) -> None:
         forkserver.set_forkserver_preload([*RANK_PRELOAD, fork[0]])
         os.environ["PYTHONUNBUFFERED"] = "1"  # the server's (and so the ranks') stdio, as ``python -u``
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietExit())
+        from chipset._process import stop_fork_server
+
         before = getattr(forkserver._forkserver, "_forkserver_pid", None)
         try:
             elastic_launch(config=config, entrypoint=rank_entry)(*fork)
         finally:
-            _stop_server(before)
+            stop_fork_server(before)
 
     run(args)
-
-
-def _stop_server(before: int | None) -> None:
-    """Stop the fork server this agent started for its ranks (``before``: the server's pid before the
-    launch, None where this agent had none) and reap it; the ranks are gone by now. Left alone it
-    exits only with this agent, as an orphan (a zombie in a container whose first process reaps
-    nothing), after its interpreter's teardown of torch: 0.5 s of CPU for nothing, so it is killed.
-    multiprocessing's resource tracker, started with it, exits with this agent once the agent's
-    exit functions have released the semaphores it tracks. ``_forkserver_pid`` and ``_stop`` are
-    CPython's own (3.8 to 3.14); where one is missing, the server exits with this agent instead."""
-    import signal
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
-    if not pid or pid == before or not hasattr(server, "_stop"):
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    server._stop()
 
 
 class _QuietExit:

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from chipset.conformance import _ranks
+
 if TYPE_CHECKING:
     from chipset.loader import Backend
 
@@ -147,7 +149,7 @@ def run_session(backend: str, world: int = WORLD, deadline_s: float = DEADLINE_S
 
     store = session_store()
     with tempfile.TemporaryDirectory(prefix="chipset-conformance-engine-") as tmp:
-        procs: list[tuple[str, subprocess.Popen, object, Path]] = []
+        procs: list[tuple[str, object, Path, Path]] = []
         for launch, size in (("world", world), ("ref", 1)):
             for rank in range(size):
                 env = dict(os.environ)
@@ -163,11 +165,8 @@ def run_session(backend: str, world: int = WORLD, deadline_s: float = DEADLINE_S
                         env.pop(k, None)
                 env.pop("CHIPSET_SIM_FAULTS", None)  # the group certifies the backend, not a fault plan
                 path = Path(tmp) / f"{launch}{rank}.jsonl"
-                err = open(Path(tmp) / f"{launch}{rank}.err", "w+")  # noqa: SIM115 - closed below
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "chipset.conformance.tests.test_engine", launch, str(path)],
-                    env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=tmp,
-                )
+                err = Path(tmp) / f"{launch}{rank}.err"
+                proc = _ranks.start("chipset.conformance.tests.test_engine", [launch, str(path)], env, str(err), cwd=tmp)
                 procs.append((launch, proc, err, path))
         for _, p, _, _ in procs:
             left = max(1.0, deadline_s - (time.monotonic() - t0))
@@ -179,10 +178,8 @@ def run_session(backend: str, world: int = WORLD, deadline_s: float = DEADLINE_S
                         q.kill()
                 p.wait()
         for launch, p, err, path in procs:
-            err.seek(0)
             out.exit_codes.setdefault(launch, []).append(p.returncode)
-            out.stderr_tails.setdefault(launch, []).append(err.read()[-4000:])
-            err.close()
+            out.stderr_tails.setdefault(launch, []).append(err.read_text(errors="replace")[-4000:] if err.exists() else "")
             out.rows.setdefault(launch, []).append(_read_rows(path))
     out.seconds = time.monotonic() - t0
     return out
@@ -269,7 +266,12 @@ def test_losses_equal_one_device(request, caps, run):
         )
 
 
+def rank_main(argv: list[str]) -> int:
+    """One process of the session (chipset.conformance._ranks): ``argv`` is its launch and JSON-lines file."""
+    return _process(argv[0], argv[1])
+
+
 if __name__ == "__main__":
     from chipset._process import exit_rank
 
-    exit_rank(_process(sys.argv[1], sys.argv[2]))
+    exit_rank(rank_main(sys.argv[1:]))
