@@ -181,6 +181,17 @@ class Forked:
         self._proc.kill()
 
 
+def popen(cmd, *, log, env: dict | None = None, cwd=None):
+    """``subprocess.Popen(cmd, ...)`` with stdout and stderr to the file ``log``, forked from the
+    server where it can be (module docstring): a :class:`Forked` or a ``subprocess.Popen``."""
+    cmd = [str(c) for c in cmd]
+    what = target(cmd)
+    if what is None or not forkable(env):
+        with open(log, "w") as f:
+            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
+    return Forked(cmd, what, cmd[3:], env=env, cwd=cwd, out=str(log))
+
+
 def run(cmd, *, env: dict | None = None, cwd=None, timeout: float | None = None, capture_output: bool = False,
         text: bool = False, stdout=None, stderr=None, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, ...)``, forked from the server where it can be (module docstring)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -451,16 +450,16 @@ def trained(families, tmp_path_factory):
     procs = {}
     for name, (fam, n) in runs.items():
         extra = ["--set", f"parallel.{name[-3:-1]}=2", "--nproc", "2"] if n == 2 else []
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "chipset.cli.main", "train", "--set", f"model.init_from={families / fam}",
+        procs[name] = forked_cli.popen(
+            [*forked_cli.CLI, "train", "--set", f"model.init_from={families / fam}",
              "--set", "train.steps=3", "--set", "train.checkpoint_every=3", "--set", f"train.seq_len={SEQ}",
              "--set", "train.lr=0.01", *extra, "--run-dir", str(root / name)],
-            env=multirank.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env=multirank.env(), log=root / f"{name}.log")
     from chipset.cli.main import main
 
     for name, p in procs.items():
-        log = p.communicate(timeout=600)[0]
-        assert p.returncode == 0, log[-4000:]
+        p.wait(timeout=600)
+        assert p.returncode == 0, (root / f"{name}.log").read_text()[-4000:]
         for fmt in ("hf", "torch"):
             # The CLI's own entry point, in this process: 22 interpreter starts saved; the tests below
             # run `chipset export` as a subprocess for its refusals and sharding.

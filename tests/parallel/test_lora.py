@@ -17,7 +17,6 @@ relative in fp32; a wrong merge scale moves them by more than 1e-2).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,9 +49,9 @@ DEPTH = parity.model_depth(LAYERS) + 2 * 4 * LAYERS
 RTOL = 1e-5
 
 
-def _train(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "chipset.cli.main", "train", *TRAIN, *args],
-                            env=multirank.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _train(log: Path, *args: str):
+    """``chipset train`` started (forked, tests/forked_cli.py), its output to ``log``."""
+    return forked_cli.popen([*forked_cli.CLI, "train", *TRAIN, *args], env=multirank.env(), log=log)
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +61,15 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = make_family("llama", "LlamaConfig", {}, root)
     init = ["--set", f"model.init_from={base}"]
-    ref = _train(*init, "--run-dir", str(root / "ref"))
-    procs = {name: _train(*init, *extra, "--nproc", "2", "--run-dir", str(root / name))
+    ref = _train(root / "ref.log", *init, "--run-dir", str(root / "ref"))
+    procs = {name: _train(root / f"{name}.log", *init, *extra, "--nproc", "2", "--run-dir", str(root / name))
              for name, (extra, _) in LAYOUTS.items()}
-    assert ref.wait(timeout=600) == 0, ref.communicate()[0][-4000:]
-    procs["resumed"] = _train(*init, "--resume", str(root / "ref" / "checkpoints" / "step-00000002"),
+    assert ref.wait(timeout=600) == 0, (root / "ref.log").read_text()[-4000:]
+    procs["resumed"] = _train(root / "resumed.log", *init, "--resume", str(root / "ref" / "checkpoints" / "step-00000002"),
                               "--run-dir", str(root / "resumed"))
     for name, p in procs.items():
-        log = p.communicate(timeout=600)[0]
-        assert p.returncode == 0, f"{name}:\n{log[-4000:]}"
+        p.wait(timeout=600)
+        assert p.returncode == 0, f"{name}:\n{(root / f'{name}.log').read_text()[-4000:]}"
     return root, base
 
 
