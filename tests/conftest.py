@@ -24,6 +24,12 @@ os.environ.pop("CHIPSET_BACKEND", None)
 os.environ.pop("CHIPSET_DISABLE_PLUGINS", None)
 os.environ.update(testenv.selection_env())
 
+# Under pytest-xdist, each worker's own computing gets its share of the cores (tox: two workers on
+# a 2-core machine, one thread each), not one thread per core: OpenMP threads that outnumber the
+# cores left to them spend their CPU spinning.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def _import_triton_interpreted() -> None:
     """Import triton under its interpreter before any test module can import it compiled.

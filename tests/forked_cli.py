@@ -14,7 +14,7 @@ the interpreter's own), the module run as ``__main__``, stdin from /dev/null, st
 to files, exit functions run, the exit code of ``SystemExit`` (a message printed, exit 1) or 1
 with the traceback. What differs: its parent is the fork server, and torch and ``chipset.cli``
 were imported before the environment was set (neither reads a variable the suite changes at
-import). Tests about the interpreter itself (its import path at start, the console script,
+import; OpenMP's thread count, read as torch loads, is set again from ``OMP_NUM_THREADS``). Tests about the interpreter itself (its import path at start, the console script,
 signals sent to the CLI's own process) start it with ``subprocess`` as before.
 """
 
@@ -48,6 +48,7 @@ def _child(target: tuple[str, str], argv: list[str], env: dict, cwd: str, base_p
     os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if err else fd, 2)
     os.environ.clear()
     os.environ.update(env)
+    _threads(env)
     os.chdir(cwd)
     kind, name = target
     head = [] if env.get("PYTHONSAFEPATH") else [os.getcwd() if kind == "module" else os.path.dirname(name)]
@@ -80,6 +81,20 @@ def _child(target: tuple[str, str], argv: list[str], env: dict, cwd: str, base_p
             except (OSError, ValueError):
                 pass
         os._exit(code)
+
+
+def _threads(env: dict) -> None:
+    """The intra-op thread count a new interpreter with ``env`` would have. OpenMP read
+    ``OMP_NUM_THREADS`` when the server imported torch (the suite's clean environment, which
+    leaves it unset: one thread per core), so a run whose environment sets it gets it here.
+    Without this, a run given ``OMP_NUM_THREADS=1`` computed on two threads that, on a loaded
+    2-core machine, spent most of their CPU spinning: a 15-step GRPO run took 13.0 s of CPU
+    instead of 4.4 (2026-12-06)."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def _context():
