@@ -42,6 +42,9 @@ def clean_env(*, keep_settings: bool = False) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items()
          if not (k in drop if keep_settings else k.startswith("CHIPSET_"))}
     e.update(selection_env())
+    # One intra-op thread per process unless a test asks for more: the suite's processes share two
+    # cores, and OpenMP threads that outnumber the cores left to them spend their CPU spinning.
+    e.setdefault("OMP_NUM_THREADS", "1")
     # The suite's helper modules (testenv, multirank, ...) live in tests/, the test files in its
     # rooms (tests/<room>/): a test file run as a script or a rank imports them from here.
     e["PYTHONPATH"] = os.pathsep.join([*([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []), str(TESTS)])

@@ -92,16 +92,29 @@ def values(seed: int, rep: int, n: int, dt: torch.dtype, rank: int) -> torch.Ten
     """
     if not dt.is_floating_point:
         return torch.randint(0, INT_MAX, (n,), generator=_gen(seed, rep, rank), dtype=torch.int64).to(dt)
-    mmax, exps = _FLOAT_VALUES[dt]
-    e = torch.tensor(exps, dtype=torch.float64)[torch.randint(0, len(exps), (n,), generator=_gen(seed, rep))]
-    m = torch.randint(-mmax, mmax + 1, (n,), generator=_gen(seed, rep, rank), dtype=torch.int64)
-    return (m.to(torch.float64) * torch.pow(2.0, e)).to(dt)
+    return (_mantissas(seed, rep, n, dt, rank) * _scales(seed, rep, n, dt)).to(dt)
+
+
+def _scales(seed: int, rep: int, n: int, dt: torch.dtype) -> torch.Tensor:
+    """The elements' powers of two (float64), shared by every rank."""
+    _, exps = _FLOAT_VALUES[dt]
+    table = torch.tensor([2.0 ** x for x in exps], dtype=torch.float64)  # exact: powers of two
+    return table[torch.randint(0, len(exps), (n,), generator=_gen(seed, rep))]
+
+
+def _mantissas(seed: int, rep: int, n: int, dt: torch.dtype, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s integer mantissas, as float64."""
+    mmax, _ = _FLOAT_VALUES[dt]
+    return torch.randint(-mmax, mmax + 1, (n,), generator=_gen(seed, rep, rank), dtype=torch.int64).to(torch.float64)
 
 
 def _all(seed: int, rep: int, n: int, dt: torch.dtype, w: int) -> torch.Tensor:
     """Every rank's values stacked, in float64 (exact for every float dtype) or int64."""
-    wide = torch.float64 if dt.is_floating_point else torch.int64
-    return torch.stack([values(seed, rep, n, dt, j).to(wide) for j in range(w)])
+    if not dt.is_floating_point:
+        return torch.stack([values(seed, rep, n, dt, j).to(torch.int64) for j in range(w)])
+    # What values() gives rank j, widened back to float64 (the dtype's rounding of m * 2**e is
+    # exact: the mantissas fit the dtype, the powers of two its range), the scales drawn once.
+    return torch.stack([_mantissas(seed, rep, n, dt, j) for j in range(w)]) * _scales(seed, rep, n, dt)
 
 
 def _expect(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 0.0, atol: float = 0.0) -> None:
