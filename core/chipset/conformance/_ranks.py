@@ -5,10 +5,11 @@ A session's rank (the collectives battery's, the engine group's) is the module's
 the session gives it. Where multiprocessing's ``forkserver`` start method exists (Linux,
 macOS), each rank is a fork of one server per conformance run (``python`` + ``PRELOAD``,
 started on the first session and reused by the next), instead of a new interpreter that
-imports torch again. The collectives and engine groups on cpu_sim (6 processes) took 55-63 s of
-CPU instead of 65-70 on a 2-core machine (2026-12-06, two runs each). The server imports torch but loads no backend and initialises no device;
-a rank loads the backend under test after the fork, as a new interpreter would. Elsewhere a
-rank is ``python -m MODULE ARGV``.
+imports torch again: the collectives and engine groups on cpu_sim (6 processes) took 55-63 s
+of CPU instead of 65-70 on a 2-core machine (2026-12-06, two runs each). The server imports
+torch but loads no backend and initialises no device; a rank loads the backend under test
+after the fork, as a new interpreter would, and computes on the intra-op threads its
+``OMP_NUM_THREADS`` asks for. Elsewhere a rank is ``python -m MODULE ARGV``.
 """
 
 from __future__ import annotations

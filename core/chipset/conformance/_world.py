@@ -1,9 +1,10 @@
 """Multi-rank sessions for the collectives group: real processes over loopback.
 
-:func:`run_world` starts ``WORLD`` ranks (``chipset.conformance._world``; forks of a server
-that imported torch once, chipset.conformance._ranks) that rendezvous at a store this process hosts on a free loopback port, load the backend
-under test by name (``CHIPSET_BACKEND``), bind rank r to device ``r % device_count``
-and run the whole battery in one process-group session. Each rank appends one JSON
+:func:`run_world` starts ``WORLD`` ranks (``chipset.conformance._world``, forks of a server
+that imported torch once: chipset.conformance._ranks) that rendezvous at a store this
+process hosts on a free loopback port, load the backend under test by name
+(``CHIPSET_BACKEND``), bind rank r to device ``r % device_count`` and run the whole
+battery in one process-group session. Each rank appends one JSON
 line per check to its own file, so a crash or a hang still leaves the verdicts of
 the checks before it. A session that overruns its deadline is killed.
 """
