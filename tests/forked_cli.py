@@ -14,8 +14,9 @@ the interpreter's own), the module run as ``__main__``, stdin from /dev/null, st
 to files, exit functions run, the exit code of ``SystemExit`` (a message printed, exit 1) or 1
 with the traceback. What differs: its parent is the fork server, and torch and ``chipset.cli``
 were imported before the environment was set (neither reads a variable the suite changes at
-import; OpenMP's thread count, read as torch loads, is set again from ``OMP_NUM_THREADS``). Tests about the interpreter itself (its import path at start, the console script,
-signals sent to the CLI's own process) start it with ``subprocess`` as before.
+import; OpenMP's thread count, read as torch loads, is set again from ``OMP_NUM_THREADS``).
+Tests about the interpreter itself (its import path at start, the console script, signals sent
+to the CLI's own process) start it with ``subprocess`` as before.
 """
 
 from __future__ import annotations

@@ -80,3 +80,17 @@ def stop_fork_server(before: int | None) -> None:
     except ProcessLookupError:
         pass
     server._stop()
+
+
+def release_fork_server_pipe() -> None:
+    """In a child of a multiprocessing fork server: close the server's "alive" pipe, which the
+    server hands each child (what tells the server its client is gone). Held by the child, it
+    keeps the server, and so the child's parent-death signal, alive after the process that
+    started the server is gone (even SIGKILLed). ``_forkserver_alive_fd`` is CPython's own;
+    where it is missing nothing is closed."""
+    from multiprocessing import forkserver
+
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        forkserver._forkserver._forkserver_alive_fd = None

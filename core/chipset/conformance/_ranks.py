@@ -81,14 +81,9 @@ def start(module: str, argv: list[str], env: dict[str, str], stderr_path: str,
 
 def _entry(module: str, argv: list[str], env: dict[str, str], stderr_path: str, cwd: str | None) -> None:
     """In the fork: become ``python -m MODULE ARGV`` with ``env``, then run the rank to its exit."""
-    from multiprocessing import forkserver
+    from chipset._process import exit_rank, release_fork_server_pipe
 
-    # The server's "alive" pipe, handed to each child; held here it would keep the server up
-    # after the conformance run that started it is gone.
-    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
-    if fd is not None:
-        os.close(fd)
-        forkserver._forkserver._forkserver_alive_fd = None
+    release_fork_server_pipe()  # else the server outlives the conformance run that started it
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
@@ -105,6 +100,4 @@ def _entry(module: str, argv: list[str], env: dict[str, str], stderr_path: str, 
 
         torch.set_num_threads(int(threads))  # read by OpenMP when the server imported torch, not now
     sys.argv = [module, *argv]
-    from chipset._process import exit_rank
-
     exit_rank(importlib.import_module(module).rank_main(argv))

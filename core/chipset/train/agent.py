@@ -145,15 +145,12 @@ def rank_entry(module: str, *argv: str) -> None:
     """A rank forked from the job's fork server: ``python -m MODULE ARGV``, whose ``main(argv)``
     returns the rank's exit status; a status other than 0 ends the process with it."""
     import importlib
-    from multiprocessing import forkserver
 
-    # The server hands each child its "alive" pipe (what tells the server its client is gone), so
-    # that the child could reuse it; held here it would keep the server, and so this rank (its
-    # parent-death signal, chipset.train.signals.die_with_parent), alive after a SIGKILLed agent.
-    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
-    if fd is not None:
-        os.close(fd)
-        forkserver._forkserver._forkserver_alive_fd = None
+    from chipset._process import release_fork_server_pipe
+
+    # Else a SIGKILLed agent would leave the server, and so this rank (its parent-death signal,
+    # chipset.train.signals.die_with_parent), alive.
+    release_fork_server_pipe()
     sys.argv = [module, *argv]
     code = importlib.import_module(module).main(list(argv))
     for stream in (sys.stdout, sys.stderr):

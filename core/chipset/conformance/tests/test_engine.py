@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from chipset.conformance import _ranks
+from chipset.conformance._world import rank_env, session_store
 
 if TYPE_CHECKING:
     from chipset.loader import Backend
@@ -145,8 +146,6 @@ def run_session(backend: str, world: int = WORLD, deadline_s: float = DEADLINE_S
     """Start the ``world``-rank session and the one-device reference together; never wait past the deadline."""
     out = Session()
     t0 = time.monotonic()
-    from chipset.conformance._world import rank_env, session_store
-
     store = session_store()
     with tempfile.TemporaryDirectory(prefix="chipset-conformance-engine-") as tmp:
         procs: list[tuple[str, object, Path, Path]] = []
