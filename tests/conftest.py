@@ -24,7 +24,7 @@ os.environ.pop("CHIPSET_BACKEND", None)
 os.environ.pop("CHIPSET_DISABLE_PLUGINS", None)
 os.environ.update(testenv.selection_env())
 
-# Under pytest-xdist, each worker's own computing gets its share of the cores (tox: two workers on
+# Under pytest-xdist, each worker's own computing gets its share of the cores (tox: three workers on
 # a 2-core machine, one thread each), not one thread per core: OpenMP threads that outnumber the
 # cores left to them spend their CPU spinning.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
