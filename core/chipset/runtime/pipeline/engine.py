@@ -8,7 +8,9 @@ bucketing, clipping, AdamW and mixed precision are the data-parallel engine's ow
 Per step it interprets the schedule (checked by
 :func:`~chipset.runtime.pipeline.check.check_schedule` when the engine is built):
 FORWARD/BACKWARD run a chunk on a micro-batch; a run of consecutive transfers is posted
-as one ``backend.collective.batch_p2p`` in the schedule's order and waited on as a whole.
+as one ``backend.collective.batch_p2p`` in the schedule's order and waited on as a whole; its
+receives are posted one compute op ahead (before the forward or backward that precedes them),
+so their data arrives while that op computes.
 
 Loss: the last virtual stage computes each micro-batch's mean cross-entropy and
 back-propagates ``loss * scale / m``, exactly as the single-process gradient-accumulation
@@ -224,7 +226,7 @@ class PipelineEngine:
         final_backward = max(i for i, ins in enumerate(self.instructions) if ins.op is Op.BACKWARD)
         overlap = s.virtual_stages == 1
         self.timings = []
-        batch: list[tuple[Instruction, torch.Tensor]] = []
+        batch: list[tuple[Instruction, torch.Tensor, object]] = []  # (op, buffer, handle if posted ahead)
 
         # Sends in flight: (handle, tensor). A send is waited one flush later (or at the end of
         # the step), not right away: on gloo a send completes only once the peer has posted the
@@ -232,15 +234,41 @@ class PipelineEngine:
         # Receives are waited at once (their data is used next). Keeping the tensor referenced
         # keeps its storage alive until the send is done; numerics are unchanged.
         sends: list[tuple[object, torch.Tensor]] = []
+        peers = self.pp_group.ranks
+        # Receives posted one compute op ahead: {instruction index: (handle, buffer)}. The
+        # receives that follow a compute op in the schedule are posted before it runs, so their
+        # data arrives during it instead of after it (on gloo a transfer starts once both sides
+        # have posted); they are waited where the schedule has them, and each peer's receives
+        # keep the schedule's order.
+        ahead: dict[int, tuple[object, torch.Tensor]] = {}
+
+        def recv_buffer(ins: Instruction) -> torch.Tensor:
+            shape = self._boundary_shape(batches[ins.mb][0], self._vs(ins.chunk), ins.op is Op.RECV_GRAD)
+            return torch.empty(shape, dtype=e.dtype, device=self.device)
+
+        def post_ahead(i: int) -> None:
+            recvs = []
+            for j in range(i + 1, len(self.instructions)):
+                nxt = self.instructions[j]
+                if nxt.op.is_compute:
+                    break
+                if nxt.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                    recvs.append((j, nxt, recv_buffer(nxt)))
+            if recvs:
+                handles = self.collective.batch_p2p([P2POp("recv", t, peers[nxt.peer]) for _, nxt, t in recvs])
+                for h, (j, _, t) in zip(handles, recvs, strict=True):
+                    ahead[j] = (h, t)
 
         def flush() -> None:
             if not batch:
                 return
-            peers = self.pp_group.ranks
-            handles = self.collective.batch_p2p(
-                [P2POp("send" if ins.op.is_send else "recv", t, peers[ins.peer]) for ins, t in batch])
+            launch = [(ins, t) for ins, t, h in batch if h is None]
+            handles = iter(self.collective.batch_p2p(
+                [P2POp("send" if ins.op.is_send else "recv", t, peers[ins.peer]) for ins, t in launch]))
             new_sends = []
-            for h, (ins, t) in zip(handles, batch, strict=True):
+            for ins, t, h in batch:
+                if h is None:
+                    h = next(handles)
                 if ins.op.is_send:
                     new_sends.append((h, t))
                 else:
@@ -248,7 +276,7 @@ class PipelineEngine:
             for h, _ in sends:
                 h.wait()
             sends[:] = new_sends
-            for ins, t in batch:
+            for ins, t, _ in batch:
                 key = (ins.chunk, ins.mb)
                 if ins.op is Op.RECV_ACT:
                     inputs[key] = t.requires_grad_(True)
@@ -259,16 +287,17 @@ class PipelineEngine:
         for i, ins in enumerate(self.instructions):
             key = (ins.chunk, ins.mb)
             if ins.op is Op.SEND_ACT:
-                batch.append((ins, outputs[key].detach().contiguous()))
+                batch.append((ins, outputs[key].detach().contiguous(), None))
                 continue
             if ins.op is Op.SEND_GRAD:
-                batch.append((ins, grads_out.pop(key).contiguous()))
+                batch.append((ins, grads_out.pop(key).contiguous(), None))
                 continue
             if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                shape = self._boundary_shape(batches[ins.mb][0], self._vs(ins.chunk), ins.op is Op.RECV_GRAD)
-                batch.append((ins, torch.empty(shape, dtype=e.dtype, device=self.device)))
+                h, t = ahead.pop(i, (None, None))
+                batch.append((ins, recv_buffer(ins) if t is None else t, h))
                 continue
             flush()
+            post_ahead(i)
             t0 = time.perf_counter()
             vs = self._vs(ins.chunk)
             # A profiler range per stage op (closed after the timing below; no-op unless profiling).
