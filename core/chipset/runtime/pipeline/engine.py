@@ -226,7 +226,8 @@ class PipelineEngine:
         final_backward = max(i for i, ins in enumerate(self.instructions) if ins.op is Op.BACKWARD)
         overlap = s.virtual_stages == 1
         self.timings = []
-        batch: list[tuple[Instruction, torch.Tensor, object]] = []  # (op, buffer, handle if posted ahead)
+        # The transfers since the last compute op: (op, buffer, the receive's handle; None for a send).
+        batch: list[tuple[Instruction, torch.Tensor, object]] = []
 
         # Sends in flight: (handle, tensor). A send is waited one flush later (or at the end of
         # the step), not right away: on gloo a send completes only once the peer has posted the
@@ -235,47 +236,38 @@ class PipelineEngine:
         # keeps its storage alive until the send is done; numerics are unchanged.
         sends: list[tuple[object, torch.Tensor]] = []
         peers = self.pp_group.ranks
-        # Receives posted one compute op ahead: {instruction index: (handle, buffer)}. The
-        # receives that follow a compute op in the schedule are posted before it runs, so their
-        # data arrives during it instead of after it (on gloo a transfer starts once both sides
-        # have posted); they are waited where the schedule has them, and each peer's receives
-        # keep the schedule's order.
+        # Receives are posted one compute op ahead: {instruction index: (handle, buffer)}. The
+        # receives that follow a compute op in the schedule are posted before it runs (those before
+        # the first, at the start), so their data arrives during it instead of after it (on gloo a
+        # transfer starts once both sides have posted); each is waited where the schedule has it,
+        # and each peer's receives keep the schedule's order.
         ahead: dict[int, tuple[object, torch.Tensor]] = {}
 
-        def recv_buffer(ins: Instruction) -> torch.Tensor:
-            shape = self._boundary_shape(batches[ins.mb][0], self._vs(ins.chunk), ins.op is Op.RECV_GRAD)
-            return torch.empty(shape, dtype=e.dtype, device=self.device)
-
-        def post_ahead(i: int) -> None:
+        def post_receives(i: int) -> None:
+            """Post the receives between instruction ``i`` and the next compute op."""
             recvs = []
             for j in range(i + 1, len(self.instructions)):
                 nxt = self.instructions[j]
                 if nxt.op.is_compute:
                     break
                 if nxt.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                    recvs.append((j, nxt, recv_buffer(nxt)))
-            if recvs:
-                handles = self.collective.batch_p2p([P2POp("recv", t, peers[nxt.peer]) for _, nxt, t in recvs])
-                for h, (j, _, t) in zip(handles, recvs, strict=True):
-                    ahead[j] = (h, t)
+                    shape = self._boundary_shape(batches[nxt.mb][0], self._vs(nxt.chunk), nxt.op is Op.RECV_GRAD)
+                    recvs.append((j, nxt, torch.empty(shape, dtype=e.dtype, device=self.device)))
+            handles = self.collective.batch_p2p([P2POp("recv", t, peers[nxt.peer]) for _, nxt, t in recvs])
+            for h, (j, _, t) in zip(handles, recvs, strict=True):
+                ahead[j] = (h, t)
 
         def flush() -> None:
             if not batch:
                 return
-            launch = [(ins, t) for ins, t, h in batch if h is None]
-            handles = iter(self.collective.batch_p2p(
-                [P2POp("send" if ins.op.is_send else "recv", t, peers[ins.peer]) for ins, t in launch]))
-            new_sends = []
-            for ins, t, h in batch:
-                if h is None:
-                    h = next(handles)
-                if ins.op.is_send:
-                    new_sends.append((h, t))
-                else:
+            posted = self.collective.batch_p2p(
+                [P2POp("send", t, peers[ins.peer]) for ins, t, h in batch if h is None])
+            for _, _, h in batch:
+                if h is not None:
                     h.wait()
             for h, _ in sends:
                 h.wait()
-            sends[:] = new_sends
+            sends[:] = zip(posted, (t for _, t, h in batch if h is None), strict=True)
             for ins, t, _ in batch:
                 key = (ins.chunk, ins.mb)
                 if ins.op is Op.RECV_ACT:
@@ -284,6 +276,7 @@ class PipelineEngine:
                     grads_in[key] = t
             batch.clear()
 
+        post_receives(-1)
         for i, ins in enumerate(self.instructions):
             key = (ins.chunk, ins.mb)
             if ins.op is Op.SEND_ACT:
@@ -293,11 +286,11 @@ class PipelineEngine:
                 batch.append((ins, grads_out.pop(key).contiguous(), None))
                 continue
             if ins.op in (Op.RECV_ACT, Op.RECV_GRAD):
-                h, t = ahead.pop(i, (None, None))
-                batch.append((ins, recv_buffer(ins) if t is None else t, h))
+                h, t = ahead.pop(i)
+                batch.append((ins, t, h))
                 continue
             flush()
-            post_ahead(i)
+            post_receives(i)
             t0 = time.perf_counter()
             vs = self._vs(ins.chunk)
             # A profiler range per stage op (closed after the timing below; no-op unless profiling).
