@@ -92,18 +92,20 @@ class _Half(nn.Module):
 
 def zero_bubble_trainer(cfg, b, data, rank: int, m: int, style: str, loss_fn, delay):
     """One step of torch's ScheduleInterleavedZeroBubble (``style`` "loop": stages 0-3 on ranks
-    0,1,0,1) or ScheduleZBVZeroBubble ("v": ranks 0,1,1,0) over a fresh copy of the model."""
+    0,1,0,1; "h1": one stage per rank, chipset's 1F1B split) or ScheduleZBVZeroBubble ("v": ranks
+    0,1,1,0) over a fresh copy of the model."""
     model = Transformer(cfg.model, b.kernels, seed=1)
     dev = b.device.torch_device()
-    per = cfg.model.num_hidden_layers // 4
-    mine = (rank, 2 + rank) if style == "loop" else (rank, 3 - rank)
-    mods = [_Half(model, s * per, (s + 1) * per, s == 0, s == 3, delay).to(dev) for s in mine]
-    stages = [PipelineStage(mod, s, 4, dev) for mod, s in zip(mods, mine, strict=True)]
-    kind = ScheduleInterleavedZeroBubble if style == "loop" else ScheduleZBVZeroBubble
+    n = 2 if style == "h1" else 4
+    per = cfg.model.num_hidden_layers // n
+    mine = (rank,) if style == "h1" else (rank, 2 + rank) if style == "loop" else (rank, 3 - rank)
+    mods = [_Half(model, s * per, (s + 1) * per, s == 0, s == n - 1, delay).to(dev) for s in mine]
+    stages = [PipelineStage(mod, s, n, dev) for mod, s in zip(mods, mine, strict=True)]
+    kind = ScheduleZBVZeroBubble if style == "v" else ScheduleInterleavedZeroBubble
     sched = kind(stages, m, loss_fn=loss_fn)
     opt = torch.optim.AdamW([p for mod in mods for p in mod.parameters()], lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0)
-    holds_last = 3 in mine
+    holds_last = n - 1 in mine
 
     def step(i: int) -> float:
         tokens, targets = data.batch(i, 0, 1, device=dev)
@@ -255,7 +257,19 @@ def main() -> None:
 
     trainers = {"chipset": step_chipset, "torch": step_torch}
     if args.zero_bubble:
-        for name, style in (("torch_interleaved_zb", "loop"), ("torch_zbv", "v")):
+        zb_cfg = RunConfig.from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"],
+                                                                    "schedule": "zero_bubble"}})
+        zb, zb_data, _ = build(zb_cfg.validate(world_size=world), b)
+        zb.compute_delay = delay
+
+        def step_chipset_zb(step: int) -> float:
+            batches = [zb_data.batch(step, 0, 1, i, m, device=dev) for i in range(m)]
+            losses = zb.forward_backward_step(batches)
+            zb.step(1e-3)
+            return sum(losses) / m
+
+        trainers["chipset_zero_bubble"] = step_chipset_zb
+        for name, style in (("torch_zb_h1", "h1"), ("torch_interleaved_zb", "loop"), ("torch_zbv", "v")):
             trainers[name] = zero_bubble_trainer(cfg, b, data, rank, m, style, loss_fn, delay)
 
     names = list(trainers)

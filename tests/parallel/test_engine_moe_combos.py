@@ -47,6 +47,9 @@ W4 = {
     "dp2_pp2_ep2_zero3_gpipe": {"parallel": {"pp": 2, "ep": 2, "zero": 3, "schedule": "gpipe", "micro_batches": 2}},
     "tp2_pp2_interleaved": {"parallel": {"pp": 2, "tp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
                                          "micro_batches": 2}},
+    # zero bubble: the MoE experts' grouped_mlp node (a custom autograd Function) on the frontier
+    # of a split backward, tp's collectives on its input path, the aux loss on a non-last stage.
+    "tp2_pp2_zero_bubble": {"parallel": {"pp": 2, "tp": 2, "schedule": "zero_bubble", "micro_batches": 4}},
 }
 
 # name -> overrides: run on 4 ranks with a broken ep dispatch (``_unsorted_dispatch``).

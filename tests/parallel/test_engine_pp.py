@@ -40,6 +40,7 @@ from chipset.runtime.pipeline import (
     parse_split,
     render,
     split_units,
+    zero_bubble,
 )
 from multirank import merge as _merge
 
@@ -59,11 +60,14 @@ VARIANTS = {
         "pp2_interleaved": {"parallel": {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
         "pp2_1f1b_split": {"parallel": {"pp": 2, "schedule": "1f1b", "pipeline_split": "1,5"},
                            "train": {"recompute": "full"}},
+        "pp2_zero_bubble": {"parallel": {"pp": 2, "schedule": "zero_bubble"}},
     },
     4: {
         "pp4_interleaved": {"parallel": {"pp": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
         "dp2_pp2": {"parallel": {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"}},
         "tp2_pp2": {"parallel": {"pp": 2, "tp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
+        "dp2_pp2_zero_bubble_zero3": {"parallel": {"pp": 2, "dp": 2, "zero": 3, "schedule": "zero_bubble"}},
+        "pp4_zero_bubble": {"parallel": {"pp": 4, "schedule": "zero_bubble"}},
     },
 }
 
@@ -104,6 +108,49 @@ def test_every_rank_runs_each_forward_and_backward_once():
         f = sorted((i.chunk, i.mb) for i in instrs if i.op is Op.FORWARD)
         b = sorted((i.chunk, i.mb) for i in instrs if i.op is Op.BACKWARD)
         assert f == b == [(c, mb) for c in range(2) for mb in range(8)]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_zero_bubble_on_two_ranks_has_the_zb_h1_bubble(m):
+    sim = check_schedule(zero_bubble(2, m))
+    if m >= 2:  # one micro-batch leaves no weight half to overlap with the other rank's work
+        assert sim.bubble == pytest.approx(1 / (3 * m)) == zero_bubble(2, m).theoretical_bubble()
+    assert sim.makespan < check_schedule(one_f_one_b(2, m)).makespan
+
+
+@pytest.mark.parametrize("p,m", [(3, 6), (4, 4), (4, 8), (8, 8), (8, 16)])
+def test_zero_bubble_beats_1f1b_on_more_ranks(p, m):
+    assert check_schedule(zero_bubble(p, m)).makespan < check_schedule(one_f_one_b(p, m)).makespan
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
+def test_zero_bubble_runs_each_half_once_and_holds_at_most_p_micro_batches(p, m):
+    for instrs in zero_bubble(p, m).ranks:
+        order = {op: [i.mb for i in instrs if i.op is op]
+                 for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.BACKWARD)}
+        assert order[Op.BACKWARD] == []
+        for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+            assert sorted(order[op]) == list(range(m)), op
+        live = peak = 0
+        for ins in instrs:
+            live += {Op.FORWARD: 1, Op.BACKWARD_WEIGHT: -1}.get(ins.op, 0)
+            peak = max(peak, live)
+        assert peak <= p
+
+
+def test_checker_rejects_a_weight_half_before_its_input_half_and_mixed_backwards():
+    s = zero_bubble(2, 2)
+    r0 = list(s.ranks[0])
+    w = r0.index(Instruction(Op.BACKWARD_WEIGHT, 0))
+    r0.insert(0, r0.pop(w))
+    with pytest.raises(ScheduleError, match="weight gradient before its input gradient"):
+        check_schedule(_edit(s, 0, r0))
+    r1 = [replace(i, op=Op.BACKWARD) if i == Instruction(Op.BACKWARD_INPUT, 1) else i for i in s.ranks[1]]
+    with pytest.raises(ScheduleError, match="either all whole or all split"):
+        check_schedule(_edit(s, 1, r1))
+    r1 = [i for i in s.ranks[1] if i != Instruction(Op.BACKWARD_WEIGHT, 1)]
+    with pytest.raises(ScheduleError, match="never runs the weight gradient of chunk 0, micro-batch 1"):
+        check_schedule(_edit(s, 1, r1))
 
 
 def _edit(s: PipelineSchedule, rank: int, instrs: list[Instruction]) -> PipelineSchedule:

@@ -55,6 +55,7 @@ JOBS = {
         "tp2 + sp": {"parallel": {"tp": 2, "sequence_parallel": True}},
         "pp2 1f1b": {"parallel": {"pp": 2, "schedule": "1f1b", "micro_batches": 4}},
         "pp2 gpipe": {"parallel": {"pp": 2, "schedule": "gpipe", "micro_batches": 4}},
+        "pp2 zero bubble": {"parallel": {"pp": 2, "schedule": "zero_bubble", "micro_batches": 4}},
         "ep2 (4 experts, top-2)": {"model": MOE, "parallel": {"ep": 2}},
         "tp2 + sp (4 experts, top-2, replicated over tp)": {"model": MOE, "parallel": {"tp": 2, "sequence_parallel": True}},
         "cp2": {"parallel": {"cp": 2}},

@@ -6,7 +6,7 @@ Measured bubble of a rank in a step: its seconds blocked in point-to-point ops (
 busy seconds (its step time, ``compute_s + comm_s + idle_s``, less that wait and its
 ``data_wait_s``). It is the quantity the theory gives, idle time over ideal time
 (:func:`chipset.parallel.schedule.bubble_fraction`, docs/formulas.md): (p-1)/m for GPipe and
-1F1B, (p-1)/(v·m) interleaved. Busy time includes the optimizer and the other collectives, which
+1F1B, (p-1)/(v·m) interleaved, (p-1)/(3m) zero bubble. Busy time includes the optimizer and the other collectives, which
 the theory leaves out, so the measurement errs low.
 
 A step's bubble is the smallest over its ranks: the rank that waited least relative to its work.
@@ -69,7 +69,7 @@ def pipeline_bubble(recs, summary):
     if m is None:
         return [], ["summary.json has no pipeline.micro_batches (a run from before it was recorded): "
                     "no pipeline-bubble check"]
-    theory = bubble_fraction(pp, m, v)
+    theory = bubble_fraction(pp, m, v, name)
     rows = [x for x in recs if isinstance(x.get("compute_s"), list) and x["compute_s"]]
     world = len(rows[0]["compute_s"]) if rows else 0
     measured = [(x["step"], b) for x in steady(rows) if (b := _step_bubble(x, world)) is not None]
@@ -82,10 +82,11 @@ def pipeline_bubble(recs, summary):
     mean = sum(b[0] for _, b in measured) / len(measured)
     excess = sum(b[2] - theory * b[3] for _, b in measured) / len(measured)
     few = theory > SLOW_PIPELINE - 1  # the schedule's own bubble is large: more micro-batches shrink it
+    formula = "(pp-1)/(3m)" if name == "zero_bubble" else "(pp-1)/(v*m)"
     return [dict(
         kind="pipeline_bubble", severity="warning", rank=None, step=over[0][0],
         title=f"pipeline bubble {mean:.0%} of busy time, {(1 + mean) / (1 + theory):.2f}x what the {name} schedule "
-              f"allows (theory (pp-1)/(v*m) = {theory:.0%}) in {len(over)} of {len(measured)} steady steps",
+              f"allows (theory {formula} = {theory:.0%}) in {len(over)} of {len(measured)} steady steps",
         evidence={"measured_bubble": mean, "theory_bubble": theory, "limit": limit, "pp": pp, "micro_batches": m,
                   "virtual_stages": v, "schedule": name, "excess_wait_s_per_step": excess,
                   "over_steps": [s for s, _ in over], "first_step": over[0][0],

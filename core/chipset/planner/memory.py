@@ -120,12 +120,15 @@ def stage_blocks(m: ModelSpec, lay: Layout, stage: str | None = None) -> int:
 def in_flight_chunks(lay: Layout, micro_batches: int, rank: int = 0) -> int:
     """Model chunks (each 1/v of a rank's blocks) whose activations pipeline rank ``rank`` (0: the
     first stage) holds at its peak: 1F1B min(p - rank, m), interleaved Megatron-LM's warm-up
-    2(p - rank - 1) + (v - 1)p + 1 (at most m·v), GPipe m."""
+    2(p - rank - 1) + (v - 1)p + 1 (at most m·v), GPipe m, zero bubble min(p, m) on every rank (a
+    micro-batch's activations live until its deferred weight gradient)."""
     p, v, mb = lay.pp, lay.v, micro_batches
     if p == 1:
         return 1
     if lay.schedule == "gpipe":
         return mb
+    if lay.schedule == "zero_bubble":
+        return min(p, mb)
     if lay.schedule == "interleaved_1f1b":
         return min(mb * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
     return min(p - rank, mb)
@@ -309,7 +312,7 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     # last stage runs each backward right after its forward except under GPipe.
     if stage == "last" and lay.schedule == "interleaved_1f1b":  # its other chunks warm up like the first rank's
         chunks = min(micro_batches * lay.v, (lay.v - 1) * lay.pp + 1)
-    elif stage == "last":
+    elif stage == "last" and lay.schedule != "zero_bubble":
         chunks = micro_batches * lay.v if lay.schedule == "gpipe" else 1
     else:
         chunks = in_flight_chunks(lay, micro_batches, rank)
@@ -319,17 +322,21 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     # 1F1B the first stage has min(p, m-1) left (rank i: min(p - i, m - 1)), GPipe m-1; the interleaved
     # schedule is counted as if its warm-up were still in flight (an upper bound).
     accumulated = gb * local if lay.zero >= 2 and micro_batches > 1 else 0.0
-    if stage == "only" or lay.schedule == "interleaved_1f1b" or stage == "last" and lay.schedule != "gpipe":
+    if stage == "only" or lay.schedule in ("interleaved_1f1b", "zero_bubble") or stage == "last" and lay.schedule != "gpipe":
         later = chunks
     elif lay.schedule == "gpipe":
         later = chunks - lay.v
     else:
         later = min(lay.pp - rank, micro_batches - 1)
     z3 = e * local / max(1, blocks) if lay.zero == 3 else 0.0  # the block's gathered parameters
+    # Zero bubble: the other micro-batches alive have run their input half and keep the gradients
+    # their weight half needs (not on the first stage, whose whole backward is its weight half).
+    frontier = (tokens * ref.frontier_grad_bytes_per_token(m, lay, train, blocks, loss_stage)
+                if lay.schedule == "zero_bubble" and stage in ("middle", "last") else 0.0)
     moments = []
     for alive, grads in ((chunks, 0.0), (later, accumulated)) if accumulated else ((chunks, 0.0),):
         mbs = max(1, alive // lay.v) if lay.v > 1 else alive
-        acts = block * blocks / lay.v * alive + embed * mbs
+        acts = block * blocks / lay.v * alive + embed * mbs + frontier * (alive - 1)
         # Chunk outputs kept for their backward; a loss chunk's output is the loss (interleaved: one in flight).
         kept = alive - 1 if loss_stage and lay.v > 1 else 0 if loss_stage else alive
         stage_out = e * tokens * m.hidden * kept

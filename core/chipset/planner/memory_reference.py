@@ -112,6 +112,15 @@ def head_bytes_per_token(m: ModelSpec, lay: Layout, train: TrainSpec) -> float:
     return _norm(m, lay, e) + e * m.hidden + F * m.vocab / lay.tp + 2 * F + 10
 
 
+def frontier_grad_bytes_per_token(m: ModelSpec, lay: Layout, train: TrainSpec, blocks: int, head: bool) -> float:
+    """Zero bubble: the gradients a micro-batch's input half keeps for its weight half (the output
+    gradient of every node with a weight: per block the two norms, q, k, v, o and the MLP's three
+    projections; on the last stage the final norm and the logits)."""
+    e, t = train.param_bytes, lay.tp
+    block = e * (2 * m.hidden + (2 * m.hidden + 2 * m.kv_dim + 2 * m.ffn + m.hidden) / t)
+    return blocks * block + (e * (m.hidden + m.vocab / t) if head else 0.0)
+
+
 def loss_tokens(lay: Layout, tokens: float, batch: int) -> float:
     """Tokens whose logits exist at once: a chunk of ``loss_chunk`` (whole columns of the
     ``batch`` sequences, as the model cuts them), or all ``tokens``."""

@@ -200,6 +200,8 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
     if pp > 1:
         scheds.append(("gpipe", 1))
         scheds += [("interleaved_1f1b", v) for v in interleave_depths(m.layers, pp)]
+        if fix.get("schedule") == "zero_bubble":  # planned when asked for; its step time is not yet
+            scheds.append(("zero_bubble", 1))   # validated against measured runs, so never proposed
     if "schedule" in fix or "virtual_stages" in fix:
         want_s = fix.get("schedule")
         want_v = fix.get("virtual_stages")

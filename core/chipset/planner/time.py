@@ -126,10 +126,11 @@ def launch_floor(blocks: int, recompute: str, a: Assumptions) -> int:
     return int(round(blocks * per_block))
 
 
-def bubble_fraction(pp: int, micro_batches: int, v: int = 1) -> float:
+def bubble_fraction(pp: int, micro_batches: int, v: int = 1, schedule: str = "1f1b") -> float:
     """Idle pipeline time over ideal time: the runtime's formula (one declaration,
-    :func:`chipset.parallel.schedule.bubble_fraction`): (p-1)/m, or (p-1)/(v·m) interleaved."""
-    return schedule_bubble(pp, micro_batches, v)
+    :func:`chipset.parallel.schedule.bubble_fraction`): (p-1)/m, (p-1)/(v·m) interleaved,
+    (p-1)/(3m) zero bubble."""
+    return schedule_bubble(pp, micro_batches, v, schedule)
 
 
 def _sum(items: list[CommItem], *, dim: str | None = None, phase: str | None = None) -> float:
@@ -219,7 +220,9 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     eff = sc.gemm_efficiency(peak)
     # The bubble: p - 1 times the slowest stage's largest chunk, 1/v of its slot when v divides its
     # blocks; else 1/v of the slot plus the blocks its largest chunk holds beyond 1/v of them.
-    if blocks % lay.v == 0:
+    if lay.schedule == "zero_bubble":  # ZB-H1: (p-1)(F+B-W), a third of a slot per stage
+        bubble = t_slot * (lay.pp - 1) / 3
+    elif blocks % lay.v == 0:
         bubble = t_slot * (lay.pp - 1) / lay.v
     else:
         t_block = _slot(m, lay, train, cl, a, s, 1, False, 0, mb, t_pp)[0] - t_pp

@@ -1,6 +1,9 @@
 """Pipeline parallelism with schedules as data (docs/engine.md, "Pipeline parallel").
 
-* :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B as per-rank instruction lists.
+* :mod:`.schedules` — GPipe, 1F1B, interleaved 1F1B, zero bubble (ZB-H1) as per-rank
+  instruction lists.
+* :mod:`.split_backward` — a backward in two halves (input gradient now, weight gradients
+  later) for the zero-bubble schedule.
 * :mod:`.check` — a simulator proving a schedule deadlock-free with matching transfers,
   before anything runs; also its timeline and bubble.
 * :mod:`.split` — the rules of a split: ``parallel.pipeline_split`` read, a chain balanced.
@@ -30,6 +33,7 @@ from chipset.runtime.pipeline.schedules import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    zero_bubble,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +60,7 @@ __all__ = [
     "parse_split",
     "pipeline_problems",
     "schedule_for",
+    "zero_bubble",
     "split_units",
 ]
 

@@ -16,7 +16,8 @@ rank, the instruction index and the instruction:
    semantics also runs under laxer (buffered) ones.
 
 The same simulation times every compute instruction (forward = 1, backward = 2 units by
-default) and so gives the schedule's bubble and a printable timeline.
+default; a split backward's input and weight halves 1 each) and so gives the schedule's bubble
+and a printable timeline.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _static_check(s: PipelineSchedule) -> None:
     if len(s.ranks) != p:
         raise ScheduleError(f"pipeline schedule {s.name!r} lists {len(s.ranks)} ranks, expected {p}")
     for r, instrs in enumerate(s.ranks):
-        done_f, done_b, got_act, got_grad = set(), set(), set(), set()
+        done_f, done_b, done_w, got_act, got_grad = set(), set(), set(), set(), set()
+        split = any(ins.op is Op.BACKWARD_WEIGHT for ins in instrs)
         for i, ins in enumerate(instrs):
             key = (ins.chunk, ins.mb)
             if not (0 <= ins.chunk < v and 0 <= ins.mb < m):
@@ -99,7 +101,10 @@ def _static_check(s: PipelineSchedule) -> None:
                 if vs > 0 and key not in got_act:
                     raise _fail(s, r, i, ins, "forward before its input activation was received (RECV_ACT)")
                 done_f.add(key)
-            elif ins.op is Op.BACKWARD:
+            elif ins.op.sends_gradient:
+                if (ins.op is Op.BACKWARD) == split:
+                    raise _fail(s, r, i, ins, "a rank's backwards are either all whole or all split into "
+                                              "BACKWARD_INPUT and BACKWARD_WEIGHT")
                 if key in done_b:
                     raise _fail(s, r, i, ins, "this backward already ran")
                 if key not in done_f:
@@ -107,6 +112,12 @@ def _static_check(s: PipelineSchedule) -> None:
                 if vs < last and key not in got_grad:
                     raise _fail(s, r, i, ins, "backward before its output gradient was received (RECV_GRAD)")
                 done_b.add(key)
+            elif ins.op is Op.BACKWARD_WEIGHT:
+                if key in done_w:
+                    raise _fail(s, r, i, ins, "this weight gradient already ran")
+                if key not in done_b:
+                    raise _fail(s, r, i, ins, "weight gradient before its input gradient (BACKWARD_INPUT)")
+                done_w.add(key)
             elif ins.op is Op.SEND_ACT and key not in done_f:
                 raise _fail(s, r, i, ins, "activation sent before the forward that produces it")
             elif ins.op is Op.SEND_GRAD and key not in done_b:
@@ -116,7 +127,8 @@ def _static_check(s: PipelineSchedule) -> None:
             elif ins.op is Op.RECV_GRAD:
                 got_grad.add(key)
         everything = {(c, mb) for c in range(v) for mb in range(m)}
-        for what, done in (("forward", done_f), ("backward", done_b)):
+        whats = (("forward", done_f), ("backward", done_b)) + ((("weight gradient", done_w),) if split else ())
+        for what, done in whats:
             if done != everything:
                 c, mb = min(everything - done)
                 raise _fail(s, r, len(instrs), None, f"never runs the {what} of chunk {c}, micro-batch {mb}")
@@ -201,7 +213,9 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
                     break
                 ins = instrs[pc[r]]
                 if ins.op.is_compute:
-                    cost = forward_cost if ins.op is Op.FORWARD else backward_cost
+                    # A split backward's halves: half the backward's cost each.
+                    cost = (forward_cost if ins.op is Op.FORWARD else backward_cost if ins.op is Op.BACKWARD
+                            else backward_cost / 2)
                     res.spans[r].append((clock[r], clock[r] + cost, ins))
                     clock[r] += cost
                     pc[r] += 1
@@ -229,11 +243,13 @@ def render(schedule: PipelineSchedule) -> str:
     """Readable form of ``schedule``, checked: the header, a per-rank timeline, then every rank's
     instruction list (what ``chipset train --print-schedule`` prints)."""
     sim = check_schedule(schedule)
+    split = any(ins.op is Op.BACKWARD_WEIGHT for instrs in schedule.ranks for ins in instrs)
     lines = [
         f"pipeline schedule {schedule.name}: {schedule.stages} ranks, {schedule.micro_batches} micro-batches, "
         f"{schedule.virtual_stages} chunk(s) per rank",
         f"checked: deadlock-free, every send matches its receive; simulated bubble {sim.bubble:.3f} "
-        f"(theory {schedule.theoretical_bubble():.3f}) with forward = 1, backward = 2 time units",
+        f"(theory {schedule.theoretical_bubble():.3f}) with forward = 1, backward = 2 time units"
+        + (" (its input half B and weight half W 1 each)" if split else ""),
         "",
         "timeline (one column per time unit; . = idle):",
         sim.timeline(),

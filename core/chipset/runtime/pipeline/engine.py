@@ -37,6 +37,7 @@ from chipset.runtime.data_parallel import DataParallel
 from chipset.runtime.digest import combine
 from chipset.runtime.pipeline.check import check_schedule
 from chipset.runtime.pipeline.schedules import Instruction, Op, PipelineSchedule
+from chipset.runtime.pipeline.split_backward import WeightGrad, backward_input
 from chipset.runtime.precision import compute_input
 from chipset.runtime.trace import trace_range
 
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
     from chipset.loader import Backend
 
 __all__ = ["PipelineEngine"]
+
+_RANGE = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_INPUT: "backward_input",
+          Op.BACKWARD_WEIGHT: "backward_weight"}
 
 
 class PipelineEngine:
@@ -220,11 +224,14 @@ class PipelineEngine:
         # compute and its next hand-off.
         loss_parts: list[list[torch.Tensor]] = [[] for _ in range(m)]
         scale = self.scaler.scale / m
-        # With one chunk, the final backward is the last time every bucket fills: launch the
-        # gradient communication during it (overlap). With several, buckets span chunks
-        # whose last backwards interleave, so communication starts after the last one.
-        final_backward = max(i for i, ins in enumerate(self.instructions) if ins.op is Op.BACKWARD)
+        # With one chunk, the final backward (or, split, the final weight half) is the last time
+        # every bucket fills: launch the gradient communication during it (overlap). With
+        # several, buckets span chunks whose last backwards interleave, so communication starts
+        # after the last one.
+        final_backward = max(i for i, ins in enumerate(self.instructions)
+                             if ins.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
         overlap = s.virtual_stages == 1
+        deferred: dict[tuple[int, int], WeightGrad] = {}  # zero bubble: weight halves still to run
         self.timings = []
         # The transfers since the last compute op: (op, buffer, the receive's handle; None for a send).
         batch: list[tuple[Instruction, torch.Tensor, object]] = []
@@ -294,7 +301,7 @@ class PipelineEngine:
             t0 = time.perf_counter()
             vs = self._vs(ins.chunk)
             # A profiler range per stage op (closed after the timing below; no-op unless profiling).
-            stage_range = trace_range(f"chipset::stage{vs}.{'forward' if ins.op is Op.FORWARD else 'backward'}")
+            stage_range = trace_range(f"chipset::stage{vs}.{_RANGE[ins.op]}")
             stage_range.__enter__()
             if ins.op is Op.FORWARD:
                 tokens, targets = batches[ins.mb]
@@ -317,6 +324,21 @@ class PipelineEngine:
                     aux_out[key] = aux.float() * scale
                 outputs[key] = out
                 delay = self.compute_delay[0]
+            elif ins.op is Op.BACKWARD_WEIGHT:
+                if overlap and i == final_backward:
+                    e.begin_accumulation(sync=True)
+                deferred.pop(key).run()
+                delay = self.compute_delay[1] / 2
+            elif ins.op is Op.BACKWARD_INPUT:
+                out = outputs.pop(key)
+                roots, grads = [out], [None if vs == last_vs else grads_in.pop(key)]
+                if key in aux_out:
+                    roots.append(aux_out.pop(key))
+                    grads.append(None)
+                dx, deferred[key] = backward_input(roots, grads, inputs.pop(key) if vs > 0 else None)
+                if vs > 0:
+                    grads_out[key] = dx
+                delay = self.compute_delay[1] / 2
             else:
                 if overlap and i == final_backward:
                     e.begin_accumulation(sync=True)

@@ -41,6 +41,7 @@ __all__ = [
     "gpipe",
     "one_f_one_b",
     "interleaved_1f1b",
+    "zero_bubble",
     "make_schedule",
     "with_transfers",
 ]
@@ -49,6 +50,11 @@ __all__ = [
 class Op(str, Enum):
     FORWARD = "FORWARD"
     BACKWARD = "BACKWARD"
+    BACKWARD_INPUT = "BACKWARD_INPUT"
+    """The input-gradient half of a backward (zero-bubble schedules): what the previous stage
+    waits for; the weight gradients are deferred to the BACKWARD_WEIGHT of the same micro-batch."""
+    BACKWARD_WEIGHT = "BACKWARD_WEIGHT"
+    """The deferred weight-gradient half: no transfer waits for it, so it fills the bubble."""
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -56,14 +62,19 @@ class Op(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Op.FORWARD, Op.BACKWARD)
+        return self in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+    @property
+    def sends_gradient(self) -> bool:
+        """A backward that produces the gradient the previous stage waits for."""
+        return self in (Op.BACKWARD, Op.BACKWARD_INPUT)
 
     @property
     def is_send(self) -> bool:
         return self in (Op.SEND_ACT, Op.SEND_GRAD)
 
 
-_SHORT = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.SEND_ACT: "send act", Op.RECV_ACT: "recv act",
+_SHORT = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.BACKWARD_INPUT: "B", Op.BACKWARD_WEIGHT: "W", Op.SEND_ACT: "send act", Op.RECV_ACT: "recv act",
           Op.SEND_GRAD: "send grad", Op.RECV_GRAD: "recv grad"}
 
 
@@ -114,7 +125,7 @@ class PipelineSchedule:
 
     def theoretical_bubble(self) -> float:
         """:func:`bubble_fraction` of this schedule's shape."""
-        return bubble_fraction(self.stages, self.micro_batches, self.virtual_stages)
+        return bubble_fraction(self.stages, self.micro_batches, self.virtual_stages, self.name)
 
 def _fwd(chunk: int, mb: int) -> Instruction:
     return Instruction(Op.FORWARD, mb, chunk)
@@ -140,12 +151,14 @@ def with_transfers(name: str, p: int, m: int, v: int, compute: list[list[tuple[I
             for ins in group:
                 vs = ins.chunk * p + r
                 prev_rank, next_rank = (vs - 1) % p, (vs + 1) % p
+                if ins.op is Op.BACKWARD_WEIGHT:
+                    continue  # nothing waits for it, it waits for nothing
                 if ins.op is Op.FORWARD:
                     if vs > 0:
                         recvs.append(Instruction(Op.RECV_ACT, ins.mb, ins.chunk, prev_rank))
                     if vs < last:
                         sends.append(Instruction(Op.SEND_ACT, ins.mb, ins.chunk, next_rank))
-                else:
+                else:  # BACKWARD or BACKWARD_INPUT
                     if vs < last:
                         recvs.append(Instruction(Op.RECV_GRAD, ins.mb, ins.chunk, next_rank))
                     if vs > 0:
@@ -219,6 +232,58 @@ def interleaved_1f1b(p: int, m: int, v: int) -> PipelineSchedule:
 
 
 
+def zero_bubble(p: int, m: int) -> PipelineSchedule:
+    """Zero bubble, ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): each backward is
+    split into its input-gradient half B, which the previous stage waits for, and its
+    weight-gradient half W, which nothing waits for and so fills the time 1F1B leaves idle.
+
+    The order is list-scheduled once, with F = B = W = 1 time unit: whenever a rank is free it
+    runs whichever of these can start earliest (B before F before W at a tie): its next B (once
+    the gradient has arrived); its next F (once the activation has arrived, while fewer than
+    p-r micro-batches on rank r have run F but not B, as in 1F1B, and fewer than p have run F
+    but not W: the peak activation memory of 1F1B's first rank, on every rank); its oldest
+    pending W. With 2 ranks that is ZB-H1's (p-1)(F+B-W) of idle time per rank against 1F1B's
+    (p-1)(F+B+W); ``chipset train --print-schedule`` shows the checker's timeline for any shape.
+    """
+    _check_sizes(p, m)
+    clock = [0.0] * p
+    act: list[dict[int, float]] = [{i: 0.0 for i in range(m)}] + [{} for _ in range(p - 1)]  # arrival times
+    grad: list[dict[int, float]] = [{} for _ in range(p)]
+    next_f, next_b, weights_done = [0] * p, [0] * p, [0] * p
+    pending_w: list[list[int]] = [[] for _ in range(p)]
+    order: list[list[tuple[Instruction, ...]]] = [[] for _ in range(p)]
+    while any(len(o) < 3 * m for o in order):
+        best = None  # (start, priority, rank, op)
+        for r in range(p):
+            options = []
+            if next_b[r] < next_f[r] and (r == p - 1 or next_b[r] in grad[r]):
+                options.append((max(clock[r], grad[r].get(next_b[r], 0.0)), 0, r, Op.BACKWARD_INPUT))
+            if (next_f[r] < m and next_f[r] in act[r] and next_f[r] - next_b[r] < p - r
+                    and next_f[r] - weights_done[r] < p):
+                options.append((max(clock[r], act[r][next_f[r]]), 1, r, Op.FORWARD))
+            if pending_w[r]:
+                options.append((clock[r], 2, r, Op.BACKWARD_WEIGHT))
+            if options and (best is None or min(options) < best):
+                best = min(options)
+        start, _, r, op = best
+        clock[r] = start + 1.0
+        if op is Op.FORWARD:
+            mb = next_f[r]
+            next_f[r] += 1
+            if r < p - 1:
+                act[r + 1][mb] = clock[r]
+        elif op is Op.BACKWARD_INPUT:
+            mb = next_b[r]
+            next_b[r] += 1
+            pending_w[r].append(mb)
+            if r > 0:
+                grad[r - 1][mb] = clock[r]
+        else:
+            mb = pending_w[r].pop(0)
+            weights_done[r] += 1
+        order[r].append((Instruction(op, mb, 0),))
+    return with_transfers("zero_bubble", p, m, 1, order)
+
 
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
     """The schedule ``name`` (one of :data:`SCHEDULES`) for p ranks, m micro-batches, v chunks."""
@@ -228,6 +293,8 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
         sched = one_f_one_b(p, m)
     elif name == "interleaved_1f1b":
         sched = interleaved_1f1b(p, m, v)
+    elif name == "zero_bubble":
+        sched = zero_bubble(p, m)
     else:
         raise ConfigError(f"parallel.schedule = {name!r}: expected one of {', '.join(SCHEDULES)}")
     if name != "interleaved_1f1b" and v != 1:
