@@ -67,7 +67,6 @@ VARIANTS = {
         "dp2_pp2": {"parallel": {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"}},
         "tp2_pp2": {"parallel": {"pp": 2, "tp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
         "dp2_pp2_zero_bubble_zero3": {"parallel": {"pp": 2, "dp": 2, "zero": 3, "schedule": "zero_bubble"}},
-        "pp4_zero_bubble": {"parallel": {"pp": 4, "schedule": "zero_bubble"}},
     },
 }
 

@@ -36,7 +36,8 @@ step's record once it is complete (after the loop added its evaluation), and wit
 torch.profiler Chrome trace per rank, ``RUN_DIR/traces/rank<r>.json``, holding chipset's
 own ranges (``chipset::step``: the step after its data is fetched, ``chipset::forward``,
 ``chipset::backward``, ``chipset::optimizer``,
-``chipset::stage<N>.forward``/``.backward`` under pipeline parallelism, one
+``chipset::stage<N>.forward``/``.backward`` under pipeline parallelism (``.backward_input``/
+``.backward_weight`` under the zero-bubble schedule), one
 ``chipset::<op>`` per collective).
 """
 
