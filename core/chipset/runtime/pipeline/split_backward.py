@@ -86,10 +86,13 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None],
     send) through ``roots`` with incoming ``grads`` (None for a scalar root: ones), and the
     weight half for later. Nothing accumulates into any ``.grad`` here."""
     grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads, strict=True)]
-    params = [leaf.variable for leaf in _leaves_below([r.grad_fn for r in roots])]
-    whole = WeightGrad([(list(roots), grads, params)])
+
+    def whole() -> WeightGrad:  # every parameter, from the roots (only where it is needed: a walk)
+        params = [leaf.variable for leaf in _leaves_below([r.grad_fn for r in roots])]
+        return WeightGrad([(list(roots), grads, params)])
+
     if x is None:  # the first stage: everything is weight gradient
-        return None, whole
+        return None, whole()
     target = get_gradient_edge(x).node
     reaches = _walk([r.grad_fn for r in roots], target)
     # Frontier: nodes on the input path with a child off it; each group is a frontier node's
@@ -125,7 +128,7 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None],
         # A parameter below two frontier nodes (a weight used twice on the path): one group
         # per node would count it from both; the weight half is then the whole backward again,
         # restricted to the parameters (correct, at the cost of the input path once more).
-        return dx, whole
+        return dx, whole()
     deferred = []
     for node, ps in groups:
         if isinstance(node, torch.Tensor):
