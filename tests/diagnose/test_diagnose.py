@@ -131,6 +131,19 @@ def test_leak_rate_rank_and_first_step():
     assert f.evidence["mib_per_step"] == 4.0  # steady steps 2..8: 0 -> 24 MiB over 6 steps
 
 
+def test_profiled_steps_are_not_read_as_a_leak_and_a_leak_before_them_still_is():
+    # The profiler's buffers grow memory at every step from the first profiled one (step 6) on.
+    profiler = _recs(n=30, memory_bytes=lambda s, v: [100 * MIB + max(0, s - 5) * 30 * MIB] * 2)
+    assert [f.kind for f in diagnose_records(profiler, SUMMARY).findings] == ["memory_leak"] * 2
+    d = diagnose_records(profiler, {**SUMMARY, "profiled_steps": [6, 30]})
+    assert d.findings == []
+    leak = _recs(n=30, memory_bytes=lambda s, v: [100 * MIB, 100 * MIB + s * 4 * MIB])
+    d = diagnose_records(leak, {**SUMMARY, "profiled_steps": [6, 30]})
+    assert [(f.kind, f.rank) for f in d.findings] == [("memory_leak", 1)]  # read on steps 2-5
+    short = diagnose_records(leak, {**SUMMARY, "profiled_steps": [4, 5]})
+    assert short.findings == [] and any("before the first profiled step (4)" in m for m in short.missing)
+
+
 def test_near_capacity():
     d, f = _first(_recs(peak_memory_bytes_per_rank=lambda s, v: [200 * MIB, 1010 * MIB] if s == 5 else v))
     assert (f.kind, f.rank, f.step, f.severity) == ("memory_near_capacity", 1, 5, "error")

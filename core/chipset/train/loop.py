@@ -49,7 +49,7 @@ from chipset.runtime.pipeline import build_pipeline
 from chipset.runtime.precision import DTYPE_BY_NAME, LossScaler
 from chipset.runtime.trace import trace_range
 from chipset.train import lr as lr_schedule
-from chipset.train.config import RunConfig
+from chipset.train.config import RunConfig, parse_profile_steps
 from chipset.train.evaluate import Evaluator, family_unit
 from chipset.train.metrics import StepMetrics
 from chipset.train.progress import Progress, fmt_bytes
@@ -385,6 +385,9 @@ def train(cfg: RunConfig, backend: Backend, run_dir: str | Path | None = None, *
         # what the pipeline bubble's theory needs (chipset diagnose: pipeline_bubble)
         "pipeline": {"schedule": par.schedule, "micro_batches": par.micro_batches,
                      "virtual_stages": par.virtual_stages},
+        # the steps train.profile_steps profiled (chipset diagnose: the profiler's own buffers
+        # grow the host memory from the first, which the leak check must not read as a leak)
+        "profiled_steps": list(parse_profile_steps(tr.profile_steps) or ()),
         "dtype": tr.dtype,
         "recompute": tr.recompute,
         "compile": compile_backend_of(backend.record.descriptor) if tr.compile else None,
