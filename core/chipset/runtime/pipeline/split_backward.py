@@ -27,6 +27,8 @@ the frontier does its work twice; torch's own operators do not.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
@@ -95,26 +97,24 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None],
         return None, whole()
     target = get_gradient_edge(x).node
     reaches = _walk([r.grad_fn for r in roots], target)
-    # Frontier: nodes on the input path with a child off it; each group is a frontier node's
-    # edges and the parameters below its off-path children.
-    groups, owner = [], {}
+    # Frontier: nodes on the input path with a child off it; each is deferred with the parameters
+    # below its off-path children (each parameter must have one owner, else ``shared``).
+    frontier, owners, deferred = [], Counter(), []
     for node, on_path in reaches.items():
         off = [c for c, _ in node.next_functions if c is not None and not reaches[c]] if on_path else []
         if off:
             leaves = _leaves_below(off)
-            for leaf in leaves:
-                owner.setdefault(leaf, []).append(node)
-            groups.append((node, [leaf.variable for leaf in leaves]))
+            owners.update(leaves)
+            frontier.append((node, [leaf.variable for leaf in leaves]))
     on_path = [i for i, r in enumerate(roots) if reaches.get(r.grad_fn)]
     for i, r in enumerate(roots):  # roots off the input path (an aux loss of the weights alone)
         if i not in on_path and r.grad_fn is not None:
-            groups.append((r, [leaf.variable for leaf in _leaves_below([r.grad_fn])]))
-            for leaf in _leaves_below([r.grad_fn]):
-                owner.setdefault(leaf, []).append(r)
-    shared = any(len(nodes) > 1 for nodes in owner.values())
+            leaves = _leaves_below([r.grad_fn])
+            owners.update(leaves)
+            deferred.append(([r], [grads[i]], [leaf.variable for leaf in leaves]))
+    shared = any(n > 1 for n in owners.values())
     kept: dict = {}
-    handles = [] if shared else [n.register_prehook(lambda g, n=n: kept.__setitem__(n, g))
-                                 for n, _ in groups if not isinstance(n, torch.Tensor)]
+    handles = [] if shared else [n.register_prehook(lambda g, n=n: kept.__setitem__(n, g)) for n, _ in frontier]
     try:
         if on_path:
             (dx,) = torch.autograd.grad([roots[i] for i in on_path], [x], [grads[i] for i in on_path],
@@ -129,11 +129,7 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None],
         # per node would count it from both; the weight half is then the whole backward again,
         # restricted to the parameters (correct, at the cost of the input path once more).
         return dx, whole()
-    deferred = []
-    for node, ps in groups:
-        if isinstance(node, torch.Tensor):
-            deferred.append(([node], [grads[next(i for i, r in enumerate(roots) if r is node)]], ps))
-            continue
+    for node, ps in frontier:
         g = kept.get(node)
         if g is None:
             continue  # never reached with a gradient (a branch the loss does not depend on)
