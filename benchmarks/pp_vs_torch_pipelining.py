@@ -9,11 +9,12 @@ chipset is faster), plus each one's per-step loss so the runs can be seen to agr
 
 ``--size S|M|L`` picks the model of ``vs_plain_torch.py``'s sizes S and M (hidden 128 / 256,
 4 blocks, sequence 128) or the larger L of issue 38 (hidden 512, 8 blocks, sequence 256);
-explicit ``--hidden`` ... flags override it. ``--zero-bubble`` adds torch's zero-bubble
-schedules as extra trainers in the same alternation: ``ScheduleInterleavedZeroBubble`` and
-``ScheduleZBVZeroBubble``, each over 4 stages of the same model (two per rank: interleaved
-ranks 0,1,0,1; V-shaped 0,1,1,0), their own copy of the model and optimizer; each one's
-median and ratio to chipset's 1F1B are reported too. ``--profile`` adds each trainer's
+explicit ``--hidden`` ... flags override it. ``--zero-bubble`` adds the zero-bubble
+schedules as extra trainers in the same alternation: chipset's ``zero_bubble`` (ZB-H1) and
+``zbv`` (4 virtual stages of a quarter of the blocks each, V-shaped), torch's
+``ScheduleInterleavedZeroBubble`` (one stage per rank: ZB-H1; and 4 stages interleaved ranks
+0,1,0,1) and ``ScheduleZBVZeroBubble`` (4 stages V-shaped 0,1,1,0), each with its own copy of
+the model and optimizer; each one's median and the ratio of chipset's 1F1B to it are reported too. ``--profile`` adds each trainer's
 Python function calls and CPU time per step (cProfile over 3 more steps each, after the
 timed ones; CPU time under cProfile, so compare it between the trainers only). Every run
 also reports each rank's median main-thread CPU time per step of each trainer (the work it
@@ -269,6 +270,19 @@ def main() -> None:
             return sum(losses) / m
 
         trainers["chipset_zero_bubble"] = step_chipset_zb
+        q = args.layers // 4
+        zbv_cfg = RunConfig.from_dict({**cfg.to_dict(), "parallel": {
+            **cfg.to_dict()["parallel"], "schedule": "zbv", "virtual_stages": 2, "pipeline_split": f"{q},{q},{q},{q}"}})
+        zbv, zbv_data, _ = build(zbv_cfg.validate(world_size=world), b)
+        zbv.compute_delay = delay
+
+        def step_chipset_zbv(step: int) -> float:
+            batches = [zbv_data.batch(step, 0, 1, i, m, device=dev) for i in range(m)]
+            losses = zbv.forward_backward_step(batches)
+            zbv.step(1e-3)
+            return sum(losses) / m
+
+        trainers["chipset_zbv"] = step_chipset_zbv
         for name, style in (("torch_zb_h1", "h1"), ("torch_interleaved_zb", "loop"), ("torch_zbv", "v")):
             trainers[name] = zero_bubble_trainer(cfg, b, data, rank, m, style, loss_fn, delay)
 

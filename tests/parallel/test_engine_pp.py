@@ -40,6 +40,7 @@ from chipset.runtime.pipeline import (
     parse_split,
     render,
     split_units,
+    zbv,
     zero_bubble,
 )
 from multirank import merge as _merge
@@ -61,12 +62,14 @@ VARIANTS = {
         "pp2_1f1b_split": {"parallel": {"pp": 2, "schedule": "1f1b", "pipeline_split": "1,5"},
                            "train": {"recompute": "full"}},
         "pp2_zero_bubble": {"parallel": {"pp": 2, "schedule": "zero_bubble"}},
+        "pp2_zbv": {"parallel": {"pp": 2, "schedule": "zbv", "virtual_stages": 2}},
     },
     4: {
         "pp4_interleaved": {"parallel": {"pp": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
         "dp2_pp2": {"parallel": {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"}},
         "tp2_pp2": {"parallel": {"pp": 2, "tp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}},
         "dp2_pp2_zero_bubble_zero3": {"parallel": {"pp": 2, "dp": 2, "zero": 3, "schedule": "zero_bubble"}},
+        "dp2_pp2_zbv_zero3": {"parallel": {"pp": 2, "dp": 2, "zero": 3, "schedule": "zbv", "virtual_stages": 2}},
     },
 }
 
@@ -135,6 +138,63 @@ def test_zero_bubble_runs_each_half_once_and_holds_at_most_p_micro_batches(p, m)
             live += {Op.FORWARD: 1, Op.BACKWARD_WEIGHT: -1}.get(ins.op, 0)
             peak = max(peak, live)
         assert peak <= p
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (2, 8), (3, 6), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16)])
+def test_zbv_places_chunks_in_a_v_and_beats_zero_bubble(p, m):
+    s = zbv(p, m)
+    assert [s.locate(vs) for vs in range(2 * p)] == [(r, 0) for r in range(p)] + [(r, 1) for r in reversed(range(p))]
+    assert s.local_neighbour(p - 1, 0, +1) == 1 and s.local_neighbour(p - 1, 1, -1) == 0
+    assert s.local_neighbour(0, 0, +1) is None
+    sim, zb = check_schedule(s), check_schedule(zero_bubble(p, m))
+    assert sim.bubble <= zb.bubble + 1e-12  # a chunk is half a stage: compare idle shares, not makespans
+    if m >= 2 * p:
+        assert sim.bubble < zb.bubble
+        assert sim.bubble == pytest.approx(s.theoretical_bubble()) == pytest.approx((p - 1) / (6 * m))
+    for r, instrs in enumerate(s.ranks):
+        assert all(i.peer != r for i in instrs if not i.op.is_compute)  # the turn needs no transfer
+        live = peak = 0
+        for ins in instrs:
+            live += {Op.FORWARD: 1, Op.BACKWARD_WEIGHT: -1}.get(ins.op, 0)
+            peak = max(peak, live)
+        assert peak <= 2 * p  # chunk micro-batches: 1F1B's first-rank activation memory
+        for c in (0, 1):
+            for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+                assert sorted(i.mb for i in instrs if i.op is op and i.chunk == c) == list(range(m))
+
+
+def test_zbv_receives_in_the_senders_order_and_needs_its_buffered_sends():
+    s = zbv(2, 4)
+    # Rank 0 sends rank 1 activations (virtual stage 0 -> 1) and gradients (3 -> 2) on one pair:
+    # rank 1 receives them in rank 0's order, some ahead of the compute that uses them.
+    sent = [(i.op, i.mb) for i in s.ranks[0] if i.op.is_send and i.peer == 1]
+    got = [({Op.RECV_ACT: Op.SEND_ACT, Op.RECV_GRAD: Op.SEND_GRAD}[i.op], i.mb)
+           for i in s.ranks[1] if i.op in (Op.RECV_ACT, Op.RECV_GRAD) and i.peer == 0]
+    assert got == sent and {op for op, _ in sent} == {Op.SEND_ACT, Op.SEND_GRAD}
+    # Waiting each send one batch later, as the other schedules do, would deadlock it.
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_schedule(replace(s, buffered_sends=False))
+    # A send nobody receives is caught even though no batch waits for it.
+    with pytest.raises(ScheduleError, match="rank 1 never receives this send"):
+        check_schedule(_edit(s, 0, [*s.ranks[0], Instruction(Op.SEND_ACT, 3, 0, 1)]))
+
+
+def test_checker_rejects_a_local_hand_off_done_out_of_order_or_as_a_transfer():
+    s = zbv(2, 2)
+    r1 = list(s.ranks[1])
+    f0, f1 = r1.index(Instruction(Op.FORWARD, 0, 0)), r1.index(Instruction(Op.FORWARD, 0, 1))
+    r1[f0], r1[f1] = r1[f1], r1[f0]
+    with pytest.raises(ScheduleError, match="forward before the forward of chunk 0"):
+        check_schedule(_edit(s, 1, r1))
+    r1 = list(s.ranks[1])
+    b1, b0 = r1.index(Instruction(Op.BACKWARD_INPUT, 0, 1)), r1.index(Instruction(Op.BACKWARD_INPUT, 0, 0))
+    r1[b1], r1[b0] = r1[b0], r1[b1]
+    with pytest.raises(ScheduleError, match="backward before the backward of chunk 1"):
+        check_schedule(_edit(s, 1, r1))
+    r1 = list(s.ranks[1])
+    r1.insert(r1.index(Instruction(Op.FORWARD, 0, 1)), Instruction(Op.RECV_ACT, 0, 1, 1))
+    with pytest.raises(ScheduleError, match="hand off locally"):
+        check_schedule(_edit(s, 1, r1))
 
 
 def test_checker_rejects_a_weight_half_before_its_input_half_and_mixed_backwards():
@@ -208,6 +268,8 @@ def test_schedule_options_are_validated():
         make_schedule("zb", 2, 4)
     with pytest.raises(ConfigError, match="only interleaved_1f1b"):
         make_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ConfigError, match="set parallel.virtual_stages=2"):
+        make_schedule("zbv", 2, 4, 1)
 
 
 def test_render_prints_a_timeline_and_every_instruction():

@@ -10,17 +10,22 @@ from __future__ import annotations
 
 __all__ = ["SCHEDULES", "bubble_fraction"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 """GPipe (all forwards, then all backwards), 1F1B (one forward, one backward after the warm-up),
 interleaved 1F1B (``virtual_stages`` model chunks per rank, Narayanan et al. 2021), zero bubble
 (ZB-H1, Qi et al. 2023: each backward split into its input- and weight-gradient halves, the
-weight halves filling 1F1B's idle time)."""
+weight halves filling 1F1B's idle time), ZBV (zero bubble on two chunks per rank placed in a V,
+Qi et al. 2024)."""
 
 
 def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
     """Idle pipeline time over ideal time (docs/formulas.md): (p-1)/m for GPipe and 1F1B,
     (p-1)/(v*m) interleaved, (p-1)/(3m) zero bubble (ZB-H1's (p-1)(F+B-W) idle time over
-    m(F+B+W), with a backward's input and weight halves each as long as a forward)."""
+    m(F+B+W), with a backward's input and weight halves each as long as a forward), (p-1)/(6m) ZBV
+    (its ranks idle only while the first micro-batch's activation reaches the last one: p-1 chunk
+    forwards, over 2m chunks' F+B+W)."""
+    if schedule == "zbv":
+        return (stages - 1) / (6 * micro_batches)
     if schedule == "zero_bubble":
         return (stages - 1) / (3 * micro_batches)
     return (stages - 1) / (virtual_stages * micro_batches)

@@ -21,9 +21,12 @@ from chipset.parallel.defaults import DEFAULT_CP_ATTENTION, DEFAULT_SEQUENCE_PAR
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.parallel.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
-__all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE"]
+__all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE", "ZBV_NOT_PLANNED"]
 
 SCHEDULES = PIPELINE_SCHEDULES  # chipset train's parallel.schedule names, declared by the runtime
+ZBV_NOT_PLANNED = ("parallel.schedule = 'zbv' is not modelled by the planner yet (chipset train runs it): plan "
+                   "with zero_bubble, which holds the same activations per rank (p micro-batches' worth), and "
+                   "expect ZBV's bubble (pp-1)/(6m) instead of (pp-1)/(3m) (docs/planner.md)")
 # parallel.cp_attention's names: the engine's (CP_ATTENTION, parallel/context.py)
 
 
@@ -97,6 +100,8 @@ class Layout:
             problems.append(f"parallel.zero must be 0, 1, 2 or 3 (found {self.zero!r})")
         if self.schedule not in SCHEDULES:
             problems.append(f"parallel.schedule must be one of {', '.join(SCHEDULES)} (found {self.schedule!r})")
+        elif self.schedule == "zbv":
+            problems.append(ZBV_NOT_PLANNED)
         if self.cp_attention not in CP_ATTENTION:
             problems.append(f"parallel.cp_attention must be one of {', '.join(CP_ATTENTION)} (found {self.cp_attention!r})")
         if self.cp_attention == "hybrid" and self.cp > 1 and not (

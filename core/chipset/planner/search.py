@@ -21,7 +21,7 @@ from typing import Any
 from chipset.errors import ConfigError, UsageError
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
-from chipset.planner.layout import RECOMPUTE, SCHEDULES, Layout, TrainSpec
+from chipset.planner.layout import RECOMPUTE, SCHEDULES, ZBV_NOT_PLANNED, Layout, TrainSpec
 from chipset.planner.memory import memory_per_device
 from chipset.planner.model import ModelSpec
 from chipset.planner.stages import interleave_depths
@@ -82,6 +82,8 @@ def parse_fix(items: list[str]) -> dict[str, Any]:
                 out[name] = _int(item, value)
     if out.get("schedule", "1f1b") not in SCHEDULES:
         raise ConfigError(f"--fix parallel.schedule={out['schedule']!r}: expected 1f1b, gpipe or interleaved-vN")
+    if out.get("schedule") == "zbv":
+        raise ConfigError(f"--fix parallel.schedule='zbv': {ZBV_NOT_PLANNED}")
     if out.get("zero", 0) not in (0, 1, 2, 3):
         raise ConfigError(f"--fix parallel.zero={out['zero']}: expected a ZeRO stage 0, 1, 2 or 3")
     for k in ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages"):

@@ -91,9 +91,9 @@ class ParallelConfig:
     cp_ulysses: int = 0
     """With cp_attention = "hybrid": the Ulysses degree inside the cp group (adjacent cp ranks; heads/tp must divide by it); the ring runs over cp/cp_ulysses groups. 0 = not hybrid."""
     schedule: str = "1f1b"
-    """With pp > 1: pipeline schedule gpipe, 1f1b, interleaved_1f1b or zero_bubble (docs/engine.md, `chipset train --print-schedule`)."""
+    """With pp > 1: pipeline schedule gpipe, 1f1b, interleaved_1f1b, zero_bubble or zbv (with virtual_stages = 2) (docs/engine.md, `chipset train --print-schedule`)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank; > 1 only with schedule interleaved_1f1b (bubble (pp-1)/(v*m))."""
+    """Model chunks per pipeline rank; > 1 only with schedule interleaved_1f1b (bubble (pp-1)/(v*m)) and zbv (exactly 2)."""
     pipeline_split: str = ""
     """Blocks per virtual stage, e.g. "3,1" (pp*virtual_stages entries); empty = balanced by parameter count."""
 

@@ -33,6 +33,7 @@ from chipset.runtime.pipeline.schedules import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    zbv,
     zero_bubble,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "pipeline_problems",
     "schedule_for",
     "zero_bubble",
+    "zbv",
     "split_units",
 ]
 

@@ -5,12 +5,15 @@ rank, the instruction index and the instruction:
 
 1. Per rank, in order: every (chunk, micro-batch) is run forward once and backward once,
    backward after forward; a forward on a non-first virtual stage comes after its
-   activation was received, a backward on a non-last one after its gradient was
-   received; sends come after the compute that produces them; peers are the neighbouring
-   virtual stages' ranks.
+   activation was received (or, from a virtual stage on the same rank, after that stage's
+   forward), a backward on a non-last one after its gradient was received (or after the
+   same-rank next stage's backward); sends come after the compute that produces them; peers
+   are the neighbouring virtual stages' ranks, never the rank itself.
 2. All ranks together, under the strictest transport semantics (a transfer completes
    only once both sides have posted it; a batch of consecutive transfers blocks until all
    of it completes; the n-th send on an ordered pair of ranks meets the n-th receive).
+   A schedule with ``buffered_sends`` (ZBV) waits its sends only at the end of the step, and
+   is checked so: its batches block on their receives alone, and every send must be received.
    Anything that cannot make progress is a deadlock; a send meeting a receive of another
    kind, micro-batch or stage is a mismatch. A schedule that passes under these
    semantics also runs under laxer (buffered) ones.
@@ -95,10 +98,16 @@ def _static_check(s: PipelineSchedule) -> None:
                     raise _fail(s, r, i, ins, f"virtual stage {vs} has no neighbour {want} to transfer with")
                 if ins.peer != s.locate(want)[0]:
                     raise _fail(s, r, i, ins, f"peer must be rank {s.locate(want)[0]} (virtual stage {want})")
+            if not ins.op.is_compute and ins.peer == r:
+                raise _fail(s, r, i, ins, "neighbouring virtual stages on one rank hand off locally, without a transfer")
+            prev_local = s.local_neighbour(r, ins.chunk, -1)
+            next_local = s.local_neighbour(r, ins.chunk, +1)
             if ins.op is Op.FORWARD:
                 if key in done_f:
                     raise _fail(s, r, i, ins, "this forward already ran")
-                if vs > 0 and key not in got_act:
+                if prev_local is not None and (prev_local, ins.mb) not in done_f:
+                    raise _fail(s, r, i, ins, f"forward before the forward of chunk {prev_local} it takes its input from")
+                if vs > 0 and prev_local is None and key not in got_act:
                     raise _fail(s, r, i, ins, "forward before its input activation was received (RECV_ACT)")
                 done_f.add(key)
             elif ins.op.sends_gradient:
@@ -109,7 +118,10 @@ def _static_check(s: PipelineSchedule) -> None:
                     raise _fail(s, r, i, ins, "this backward already ran")
                 if key not in done_f:
                     raise _fail(s, r, i, ins, "backward before its forward")
-                if vs < last and key not in got_grad:
+                if next_local is not None and (next_local, ins.mb) not in done_b:
+                    raise _fail(s, r, i, ins, f"backward before the backward of chunk {next_local} it takes its "
+                                              "output gradient from")
+                if vs < last and next_local is None and key not in got_grad:
                     raise _fail(s, r, i, ins, "backward before its output gradient was received (RECV_GRAD)")
                 done_b.add(key)
             elif ins.op is Op.BACKWARD_WEIGHT:
@@ -189,9 +201,12 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
                         f"({b['ins']}, expecting the {eb[0]} of micro-batch {eb[1]} leaving virtual stage {eb[2]})",
                     )
                 t = max(state["t"], other["t"])
-                state["done_at"] = other["done_at"] = t
+                for o in (a, b) if not s.buffered_sends else (b,):
+                    o["done_at"] = t
             else:
                 mine.append(state)
+            if s.buffered_sends and ins.op.is_send:
+                state["done_at"] = state["t"]  # posted; waited only at the end of the step
             ops.append(state)
             pc[r] += 1
         posted[r] = ops
@@ -235,6 +250,10 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
             o = next(o for o in posted[first] if o["done_at"] is None)
             raise _fail(s, first, o["index"], o["ins"],
                         "deadlock: no rank can make progress; " + "; ".join(blocked))
+    for (src, dst), queue in sends.items():
+        if queue:
+            o = queue[0]
+            raise _fail(s, src, o["index"], o["ins"], f"rank {dst} never receives this send")
     res.makespan = max(clock)
     return res
 

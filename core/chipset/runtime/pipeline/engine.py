@@ -10,7 +10,9 @@ Per step it interprets the schedule (checked by
 FORWARD/BACKWARD run a chunk on a micro-batch; a run of consecutive transfers is posted
 as one ``backend.collective.batch_p2p`` in the schedule's order and waited on as a whole; its
 receives are posted one compute op ahead (before the forward or backward that precedes them),
-so their data arrives while that op computes.
+so their data arrives while that op computes. Sends are waited one batch later, or, where the
+schedule buffers them (ZBV), at the end of the step. Neighbouring virtual stages on one rank
+(ZBV's turn) hand over a copy of the activation and get its gradient back without a transfer.
 
 Loss: the last virtual stage computes each micro-batch's mean cross-entropy and
 back-propagates ``loss * scale / m``, exactly as the single-process gradient-accumulation
@@ -103,6 +105,8 @@ class PipelineEngine:
         self.engine = DataParallel(self.model, backend, dims, **dp_kwargs)
         self.engine.norm_groups = [self.pp_group]
         self.instructions = schedule.ranks[self.pp_rank]
+        # ZBV's turn: the chunk whose input (output gradient) is another chunk's of this rank.
+        self._local_prev = {c: schedule.local_neighbour(self.pp_rank, c, -1) for c in range(v)}
         self.compute_delay: tuple[float, float] = (0.0, 0.0)
         """Seconds slept after each forward/backward (benchmarks and the bubble test make compute dominate)."""
         self.timings: list[tuple[Instruction, float, float]] = []
@@ -272,9 +276,11 @@ class PipelineEngine:
             for _, _, h in batch:
                 if h is not None:
                     h.wait()
-            for h, _ in sends:
-                h.wait()
-            sends[:] = zip(posted, (t for _, t, h in batch if h is None), strict=True)
+            if not s.buffered_sends:  # else every send is waited at the end of the step
+                for h, _ in sends:
+                    h.wait()
+                sends.clear()
+            sends.extend(zip(posted, (t for _, t, h in batch if h is None), strict=True))
             for ins, t, _ in batch:
                 key = (ins.chunk, ins.mb)
                 if ins.op is Op.RECV_ACT:
@@ -303,8 +309,11 @@ class PipelineEngine:
             # A profiler range per stage op (closed after the timing below; no-op unless profiling).
             stage_range = trace_range(f"chipset::stage{vs}.{_RANGE[ins.op]}")
             stage_range.__enter__()
+            prev_local = self._local_prev[ins.chunk]
             if ins.op is Op.FORWARD:
                 tokens, targets = batches[ins.mb]
+                if prev_local is not None:  # handed over on this rank: a copy, as a transfer would make
+                    inputs[key] = outputs[(prev_local, ins.mb)].detach().clone().requires_grad_(True)
                 x = self.model.local(compute_input(tokens, e.dtype)) if vs == 0 else inputs[key]
                 with e.gathered_saved_weights():  # ZeRO-3: saved weights re-gathered in backward
                     out = self.model.chunk_forward(ins.chunk, x)
@@ -336,7 +345,9 @@ class PipelineEngine:
                     roots.append(aux_out.pop(key))
                     grads.append(None)
                 dx, deferred[key] = backward_input(roots, grads, inputs.pop(key) if vs > 0 else None)
-                if vs > 0:
+                if prev_local is not None:
+                    grads_in[(prev_local, ins.mb)] = dx
+                elif vs > 0:
                     grads_out[key] = dx
                 delay = self.compute_delay[1] / 2
             else:
@@ -349,7 +360,9 @@ class PipelineEngine:
                     torch.autograd.backward([out, aux_out.pop(key)], [grads_in.pop(key), None])
                 else:
                     out.backward(grads_in.pop(key))
-                if vs > 0:
+                if prev_local is not None:
+                    grads_in[(prev_local, ins.mb)] = inputs.pop(key).grad
+                elif vs > 0:
                     grads_out[key] = inputs.pop(key).grad
                 delay = self.compute_delay[1]
             if delay:

@@ -8,9 +8,12 @@ runtime (:mod:`chipset.runtime.pipeline.engine`) interprets the lists and the ch
 Vocabulary:
 
 * ``p`` pipeline ranks, ``v`` model chunks per rank (virtual stages; 1 except for
-  interleaved 1F1B), ``m`` micro-batches. Chunk ``c`` of rank ``r`` is virtual stage
-  ``c*p + r``; activations flow from virtual stage ``s`` to ``s+1``, gradients back.
-  Virtual stage 0 holds the embedding, the last one the head and the loss.
+  interleaved 1F1B and ZBV), ``m`` micro-batches. Chunk ``c`` of rank ``r`` is virtual stage
+  ``c*p + r`` (the "loop" placement); ZBV places two chunks in a V: chunk 0 of rank ``r`` is
+  virtual stage ``r``, chunk 1 is ``2p-1-r``, so rank 0 holds the first and the last and rank
+  p-1 hands its chunk 0's output to its own chunk 1 without a transfer (a local hand-off).
+  Activations flow from virtual stage ``s`` to ``s+1``, gradients back. Virtual stage 0 holds
+  the embedding, the last one the head and the loss.
 * Compute: ``FORWARD``/``BACKWARD`` of (chunk, micro-batch).
 * Transfers: ``SEND_ACT``/``RECV_ACT`` (activations forward), ``SEND_GRAD``/``RECV_GRAD``
   (their gradients backward); ``peer`` is the other side's pipeline rank.
@@ -42,6 +45,7 @@ __all__ = [
     "one_f_one_b",
     "interleaved_1f1b",
     "zero_bubble",
+    "zbv",
     "make_schedule",
     "with_transfers",
 ]
@@ -111,21 +115,50 @@ class PipelineSchedule:
     virtual_stages: int
     """Model chunks per rank v."""
     ranks: tuple[tuple[Instruction, ...], ...]
+    placement: str = "loop"
+    """Which virtual stage a rank's chunk holds: "loop" (chunk c of rank r: c*p + r) or "v"
+    (two chunks: r, then 2p-1-r)."""
+    buffered_sends: bool = False
+    """Sends are waited only at the end of the step, not one batch later (ZBV: two ranks send to
+    each other both ways, so a send waited earlier can wait on a receive its peer posts only after
+    its own send completes). Receives still block where they are."""
 
     @property
     def num_virtual(self) -> int:
         return self.stages * self.virtual_stages
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.stages + rank
+        return _place(self.placement, self.stages, rank, chunk)
 
     def locate(self, virtual_stage: int) -> tuple[int, int]:
         """(rank, chunk) holding ``virtual_stage``."""
-        return virtual_stage % self.stages, virtual_stage // self.stages
+        return _locate(self.placement, self.stages, virtual_stage)
+
+    def local_neighbour(self, rank: int, chunk: int, step: int) -> int | None:
+        """The chunk of ``rank`` holding the virtual stage ``step`` (-1 or +1) away from its
+        chunk ``chunk``'s, when that stage is on the same rank (a hand-off without a transfer)."""
+        vs = self.virtual_stage(rank, chunk) + step
+        if not 0 <= vs < self.num_virtual:
+            return None
+        r, c = self.locate(vs)
+        return c if r == rank else None
 
     def theoretical_bubble(self) -> float:
         """:func:`bubble_fraction` of this schedule's shape."""
         return bubble_fraction(self.stages, self.micro_batches, self.virtual_stages, self.name)
+
+
+def _place(placement: str, p: int, rank: int, chunk: int) -> int:
+    if placement == "v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def _locate(placement: str, p: int, vs: int) -> tuple[int, int]:
+    if placement == "v":
+        return (vs, 0) if vs < p else (2 * p - 1 - vs, 1)
+    return vs % p, vs // p
+
 
 def _fwd(chunk: int, mb: int) -> Instruction:
     return Instruction(Op.FORWARD, mb, chunk)
@@ -135,37 +168,77 @@ def _bwd(chunk: int, mb: int) -> Instruction:
     return Instruction(Op.BACKWARD, mb, chunk)
 
 
-def with_transfers(name: str, p: int, m: int, v: int, compute: list[list[tuple[Instruction, ...]]]) -> PipelineSchedule:
+def with_transfers(name: str, p: int, m: int, v: int, compute: list[list[tuple[Instruction, ...]]],
+                   placement: str = "loop", buffered_sends: bool = False) -> PipelineSchedule:
     """Insert transfers around groups of compute instructions: receives before, sends after.
 
     ``compute[r]`` is rank r's order as groups run back to back (usually one instruction;
     interleaved 1F1B's steady state pairs a forward with a backward). The transfers
     between two groups (the sends of the one, the receives of the next) form one batch.
+    Neighbouring virtual stages on the same rank (ZBV's turn) hand off without a transfer.
+
+    Between two ranks the n-th send meets the n-th receive, so a rank receives from a peer in
+    the order the peer sent: when a group needs a message that the peer sent after others this
+    rank has not received yet (ZBV, where one pair of ranks carries activations one way and
+    gradients the same way), those earlier ones are received in the same batch, ahead of it.
     """
     last = p * v - 1
+
+    def neighbours(r: int, chunk: int) -> tuple[int, int, int]:
+        vs = _place(placement, p, r, chunk)
+        prev_rank = _locate(placement, p, vs - 1)[0] if vs > 0 else r
+        next_rank = _locate(placement, p, vs + 1)[0] if vs < last else r
+        return vs, prev_rank, next_rank
+
+    def transfers(r: int, ins: Instruction) -> tuple[list[Instruction], list[Instruction]]:
+        """(receives, sends) of one compute instruction of rank r."""
+        vs, prev_rank, next_rank = neighbours(r, ins.chunk)
+        if ins.op is Op.BACKWARD_WEIGHT:
+            return [], []  # nothing waits for it, it waits for nothing
+        if ins.op is Op.FORWARD:
+            return ([Instruction(Op.RECV_ACT, ins.mb, ins.chunk, prev_rank)] if prev_rank != r else [],
+                    [Instruction(Op.SEND_ACT, ins.mb, ins.chunk, next_rank)] if next_rank != r else [])
+        return ([Instruction(Op.RECV_GRAD, ins.mb, ins.chunk, next_rank)] if next_rank != r else [],
+                [Instruction(Op.SEND_GRAD, ins.mb, ins.chunk, prev_rank)] if prev_rank != r else [])
+
+    def matching_receive(src: int, send: Instruction) -> Instruction:
+        vs = _place(placement, p, src, send.chunk) + (1 if send.op is Op.SEND_ACT else -1)
+        dst, chunk = _locate(placement, p, vs)
+        kind = Op.RECV_ACT if send.op is Op.SEND_ACT else Op.RECV_GRAD
+        return Instruction(kind, send.mb, chunk, src)
+
+    # What each ordered pair of ranks carries, in the sender's order.
+    sent: dict[tuple[int, int], list[Instruction]] = {}
+    for r, groups in enumerate(compute):
+        for group in groups:
+            for ins in group:
+                for send in transfers(r, ins)[1]:
+                    sent.setdefault((r, send.peer), []).append(matching_receive(r, send))
     ranks = []
     for r, groups in enumerate(compute):
         out: list[Instruction] = []
+        received = {src: 0 for src in range(p)}  # messages taken from each peer so far
+        early: set[Instruction] = set()  # received ahead of the group that uses them
         for group in groups:
             recvs, sends = [], []
             for ins in group:
-                vs = ins.chunk * p + r
-                prev_rank, next_rank = (vs - 1) % p, (vs + 1) % p
-                if ins.op is Op.BACKWARD_WEIGHT:
-                    continue  # nothing waits for it, it waits for nothing
-                if ins.op is Op.FORWARD:
-                    if vs > 0:
-                        recvs.append(Instruction(Op.RECV_ACT, ins.mb, ins.chunk, prev_rank))
-                    if vs < last:
-                        sends.append(Instruction(Op.SEND_ACT, ins.mb, ins.chunk, next_rank))
-                else:  # BACKWARD or BACKWARD_INPUT
-                    if vs < last:
-                        recvs.append(Instruction(Op.RECV_GRAD, ins.mb, ins.chunk, next_rank))
-                    if vs > 0:
-                        sends.append(Instruction(Op.SEND_GRAD, ins.mb, ins.chunk, prev_rank))
+                needed, produced = transfers(r, ins)
+                for want in needed:
+                    if want in early:
+                        early.discard(want)
+                        continue
+                    queue = sent[(want.peer, r)]
+                    while True:
+                        got = queue[received[want.peer]]
+                        received[want.peer] += 1
+                        recvs.append(got)
+                        if got == want:
+                            break
+                        early.add(got)
+                sends += produced
             out += recvs + list(group) + sends
         ranks.append(tuple(out))
-    return PipelineSchedule(name, p, m, v, tuple(ranks))
+    return PipelineSchedule(name, p, m, v, tuple(ranks), placement, buffered_sends)
 
 
 def _check_sizes(p: int, m: int, v: int = 1) -> None:
@@ -285,6 +358,58 @@ def zero_bubble(p: int, m: int) -> PipelineSchedule:
     return with_transfers("zero_bubble", p, m, 1, order)
 
 
+def zbv(p: int, m: int) -> PipelineSchedule:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory"): zero bubble on two
+    chunks per rank placed in a V (chunk 0 of rank r is virtual stage r, chunk 1 is 2p-1-r).
+
+    Rank 0 runs the first and the last virtual stage, so a micro-batch's backward starts on the
+    rank its forward started on, and rank p-1 hands its chunk 0's output to its chunk 1 locally.
+    Each chunk is half a rank's layers (F = B = W = 1 unit per chunk); the order is the paper's
+    (:func:`_v_order`): every rank holds at most 2p chunk micro-batches between F and W (the
+    activation memory of 1F1B's first rank), and once m >= 2p its only idle time is the first
+    activation's way to the last rank, (p-1)/(6m) of the step. Sends are buffered (waited at the
+    end of the step): neighbouring ranks send each other activations and gradients both ways.
+    """
+    _check_sizes(p, m)
+    return with_transfers("zbv", p, m, 2, _v_order(p, m), "v", buffered_sends=True)
+
+
+def _v_order(p: int, m: int) -> list[list[tuple[Instruction, ...]]]:
+    """ZB-V's own order (the paper's, as torch's ``ScheduleZBVZeroBubble`` runs it), per rank r:
+    warm-up with 2(p-r)-1 forwards of chunk 0, r pairs (F chunk 1, F chunk 0) and p-r triples
+    (F, B, W of chunk 1); then F, B, W of chunk 0 and of chunk 1 in turn; then r pairs (B chunk
+    0, B chunk 1), p-r pairs (B, W of chunk 0) and the weight halves left. Built for at least
+    2p-1 micro-batches; the ones beyond m are dropped."""
+    return [_v_rank_order(p, m, r) for r in range(p)]
+
+
+def _v_rank_order(p: int, m: int, r: int) -> list[tuple[Instruction, ...]]:
+    n = max(2 * p - 1, m)
+    f, b, w = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    done = {(op, c): 0 for op in (f, b, w) for c in (0, 1)}
+    order: list[tuple[Instruction, ...]] = []
+
+    def run(*ops: tuple[Op, int]) -> None:
+        for op, c in ops:
+            mb = done[(op, c)]
+            done[(op, c)] += 1
+            if mb < m:
+                order.append((Instruction(op, mb, c),))
+
+    run(*[(f, 0)] * (2 * (p - r) - 1))
+    run(*[(f, 1), (f, 0)] * r)
+    run(*[(f, 1), (b, 1), (w, 1)] * (p - r))
+    while done[(f, 1)] < done[(f, 0)] or done[(f, 0)] < n:
+        if done[(f, 0)] < n:
+            run((f, 0))
+        run((b, 0), (w, 0), (f, 1), (b, 1), (w, 1))
+    run(*[(b, 0), (b, 1)] * r)
+    run(*[(b, 0), (w, 0)] * (p - r))
+    run(*[(w, 1)] * (done[(b, 1)] - done[(w, 1)]))
+    run(*[(w, 0)] * (done[(b, 0)] - done[(w, 0)]))
+    return order
+
+
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
     """The schedule ``name`` (one of :data:`SCHEDULES`) for p ranks, m micro-batches, v chunks."""
     if name == "gpipe":
@@ -295,11 +420,16 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> PipelineSchedule:
         sched = interleaved_1f1b(p, m, v)
     elif name == "zero_bubble":
         sched = zero_bubble(p, m)
+    elif name == "zbv":
+        if v != 2:
+            raise ConfigError(f"parallel.schedule = 'zbv' runs two model chunks per rank in a V; found "
+                              f"parallel.virtual_stages = {v}: set parallel.virtual_stages=2")
+        return zbv(p, m)
     else:
         raise ConfigError(f"parallel.schedule = {name!r}: expected one of {', '.join(SCHEDULES)}")
     if name != "interleaved_1f1b" and v != 1:
         raise ConfigError(
-            f"parallel.virtual_stages = {v}: only interleaved_1f1b runs several chunks per rank; "
+            f"parallel.virtual_stages = {v}: only interleaved_1f1b and zbv run several chunks per rank; "
             f"set parallel.virtual_stages=1 or parallel.schedule=interleaved_1f1b"
         )
     return sched
