@@ -258,31 +258,22 @@ def main() -> None:
 
     trainers = {"chipset": step_chipset, "torch": step_torch}
     if args.zero_bubble:
-        zb_cfg = RunConfig.from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"],
-                                                                    "schedule": "zero_bubble"}})
-        zb, zb_data, _ = build(zb_cfg.validate(world_size=world), b)
-        zb.compute_delay = delay
+        def chipset_trainer(**parallel):
+            """A step of chipset's pipeline with ``parallel`` overriding the 1F1B trainer's settings."""
+            over = RunConfig.from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"], **parallel}})
+            engine, engine_data, _ = build(over.validate(world_size=world), b)
+            engine.compute_delay = delay
 
-        def step_chipset_zb(step: int) -> float:
-            batches = [zb_data.batch(step, 0, 1, i, m, device=dev) for i in range(m)]
-            losses = zb.forward_backward_step(batches)
-            zb.step(1e-3)
-            return sum(losses) / m
+            def step_fn(step: int) -> float:
+                losses = engine.forward_backward_step([engine_data.batch(step, 0, 1, i, m, device=dev)
+                                                       for i in range(m)])
+                engine.step(1e-3)
+                return sum(losses) / m
+            return step_fn
 
-        trainers["chipset_zero_bubble"] = step_chipset_zb
         q = args.layers // 4
-        zbv_cfg = RunConfig.from_dict({**cfg.to_dict(), "parallel": {
-            **cfg.to_dict()["parallel"], "schedule": "zbv", "virtual_stages": 2, "pipeline_split": f"{q},{q},{q},{q}"}})
-        zbv, zbv_data, _ = build(zbv_cfg.validate(world_size=world), b)
-        zbv.compute_delay = delay
-
-        def step_chipset_zbv(step: int) -> float:
-            batches = [zbv_data.batch(step, 0, 1, i, m, device=dev) for i in range(m)]
-            losses = zbv.forward_backward_step(batches)
-            zbv.step(1e-3)
-            return sum(losses) / m
-
-        trainers["chipset_zbv"] = step_chipset_zbv
+        trainers["chipset_zero_bubble"] = chipset_trainer(schedule="zero_bubble")
+        trainers["chipset_zbv"] = chipset_trainer(schedule="zbv", virtual_stages=2, pipeline_split=f"{q},{q},{q},{q}")
         for name, style in (("torch_zb_h1", "h1"), ("torch_interleaved_zb", "loop"), ("torch_zbv", "v")):
             trainers[name] = zero_bubble_trainer(cfg, b, data, rank, m, style, loss_fn, delay)
 
