@@ -203,7 +203,7 @@ def with_transfers(name: str, p: int, m: int, v: int, compute: list[list[tuple[I
 
     def matching_receive(src: int, send: Instruction) -> Instruction:
         vs = _place(placement, p, src, send.chunk) + (1 if send.op is Op.SEND_ACT else -1)
-        dst, chunk = _locate(placement, p, vs)
+        chunk = _locate(placement, p, vs)[1]
         kind = Op.RECV_ACT if send.op is Op.SEND_ACT else Op.RECV_GRAD
         return Instruction(kind, send.mb, chunk, src)
 
