@@ -200,9 +200,9 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
                         f"leaving virtual stage {ea[2]}) with rank {b['rank']} instruction {b['index']} "
                         f"({b['ins']}, expecting the {eb[0]} of micro-batch {eb[1]} leaving virtual stage {eb[2]})",
                     )
-                t = max(state["t"], other["t"])
-                for o in (a, b) if not s.buffered_sends else (b,):
-                    o["done_at"] = t
+                b["done_at"] = max(a["t"], b["t"])  # the receive completes once both sides posted
+                if not s.buffered_sends:
+                    a["done_at"] = b["done_at"]
             else:
                 mine.append(state)
             if s.buffered_sends and ins.op.is_send:
