@@ -623,7 +623,12 @@ class DataParallel:
         def pack(t: torch.Tensor):
             b = self._live.get(t.untyped_storage().data_ptr()) if t.numel() else None
             if b is None:
-                return t
+                # Detached: a node saving its own output would otherwise hold that output, whose
+                # grad_fn is the node itself, a cycle no collector sees. A backward without
+                # retain_graph breaks it by freeing what it saved; a split backward's input half
+                # keeps its graph (retain_graph) and its weight half runs only part of it, so the
+                # rest leaked every step (zero-bubble schedules under ZeRO-3).
+                return t.detach()
             return (b, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
         def unpack(x):

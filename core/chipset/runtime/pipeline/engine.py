@@ -369,6 +369,9 @@ class PipelineEngine:
                 time.sleep(delay)
             self.timings.append((ins, t0, time.perf_counter()))
             stage_range.__exit__(None, None, None)
+            # Drop this op's references: a split backward keeps its graph (retain_graph) for the weight
+            # half, and its input-path nodes' saved tensors live until nothing holds the graph's roots.
+            out = x = loss = aux = roots = grads = dx = None
         flush()
         for h, _ in sends:
             h.wait()
