@@ -42,6 +42,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "pp2-1f1b": (2, ["parallel.pp=2", "parallel.schedule=\"1f1b\"", "parallel.pipeline_split=\"1,1\""]),
     "pp2-interleaved": (2, ["parallel.pp=2", "parallel.schedule=\"interleaved_1f1b\"", "parallel.virtual_stages=2",
                             "model.num_hidden_layers=4", "parallel.pipeline_split=\"1,1,1,1\""]),
+    "pp2-zbv": (2, ["parallel.pp=2", "parallel.schedule=\"zbv\"", "parallel.virtual_stages=2",
+                    "model.num_hidden_layers=4", "parallel.pipeline_split=\"1,1,1,1\""]),
     "ep2": (2, ["parallel.ep=2", *MOE]),
     "cp2-allgather": (2, ["parallel.cp=2", "parallel.cp_attention=\"allgather\""]),
     "cp2-ring": (2, ["parallel.cp=2", "parallel.cp_attention=\"ring\""]),
@@ -51,6 +53,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                        "parallel.pipeline_split=\"1,1\""]),
     "cp2-pp2": (4, ["parallel.cp=2", "parallel.pp=2", "parallel.pipeline_split=\"1,1\""]),
     "dp2-pp2-z3": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.pipeline_split=\"1,1\""]),
+    "dp2-pp2-zbv-z3": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.schedule=\"zbv\"",
+                           "parallel.virtual_stages=2", "model.num_hidden_layers=4",
+                           "parallel.pipeline_split=\"1,1,1,1\""]),
     "dp2-tp2-pp2": (8, ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.pipeline_split=\"1,1\""]),
 }
 DEFAULT = [n for n, (w, _) in LAYOUTS.items() if w <= 4]

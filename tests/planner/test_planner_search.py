@@ -81,15 +81,6 @@ def test_fix_fully_specifying_a_layout_evaluates_just_that_layout():
                                               sequence_parallel=True)
 
 
-def test_zbv_is_refused_by_the_planner_with_what_to_plan_instead():
-    """chipset train runs parallel.schedule = "zbv"; the planner does not model it and says so
-    rather than planning it as 1F1B."""
-    with pytest.raises(ConfigError, match="not modelled by the planner yet.*plan with zero_bubble"):
-        parse_fix(["parallel.schedule=zbv"])
-    with pytest.raises(ConfigError, match="not modelled by the planner yet"):
-        Layout(pp=2, schedule="zbv", virtual_stages=2).check()
-
-
 def test_parse_fix_reads_interleaved_chunks_and_rejects_unknown_keys():
     assert parse_fix(["parallel.schedule=interleaved-v4"]) == {"schedule": "interleaved_1f1b", "virtual_stages": 4}
     with pytest.raises(ConfigError, match="expected parallel.KEY=VALUE"):
@@ -100,7 +91,7 @@ def test_parse_fix_reads_interleaved_chunks_and_rejects_unknown_keys():
         parse_fix(["parallel.zero=5"])
     with pytest.raises(ConfigError, match="positive integer"):
         parse_fix(["parallel.micro_batch=0"])
-    with pytest.raises(ConfigError, match="expected 1f1b, gpipe or interleaved-vN"):
+    with pytest.raises(ConfigError, match="expected 1f1b, gpipe, interleaved-vN, zero_bubble or zbv"):
         parse_fix(["parallel.schedule=zb"])
 
 

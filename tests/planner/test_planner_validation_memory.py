@@ -57,6 +57,7 @@ JOBS = {
         "pp2 1f1b": {"parallel": {"pp": 2, "schedule": "1f1b", "micro_batches": 4}},
         "pp2 gpipe": {"parallel": {"pp": 2, "schedule": "gpipe", "micro_batches": 4}},
         "pp2 zero bubble": {"parallel": {"pp": 2, "schedule": "zero_bubble", "micro_batches": 4}},
+        "pp2 zbv": {"parallel": {"pp": 2, "schedule": "zbv", "virtual_stages": 2, "micro_batches": 4}},
         "ep2 (4 experts, top-2)": {"model": MOE, "parallel": {"ep": 2}},
         "tp2 + sp (4 experts, top-2, replicated over tp)": {"model": MOE, "parallel": {"tp": 2, "sequence_parallel": True}},
         "cp2": {"parallel": {"cp": 2}},
@@ -73,6 +74,10 @@ JOBS = {
     4: {
         "dp2 x pp2 zero1 1f1b, 4 micro-batches": {"parallel": {"dp": 2, "pp": 2, "zero": 1, "micro_batches": 4}},
         "dp2 x pp2 zero3 1f1b, 2 micro-batches": {"parallel": {"dp": 2, "pp": 2, "zero": 3, "micro_batches": 2}},
+        "dp2 x pp2 zero3 zero bubble, 4 micro-batches": {"parallel": {"dp": 2, "pp": 2, "zero": 3,
+                                                                     "schedule": "zero_bubble", "micro_batches": 4}},
+        "dp2 x pp2 zero3 zbv, 4 micro-batches": {"parallel": {"dp": 2, "pp": 2, "zero": 3, "schedule": "zbv",
+                                                             "virtual_stages": 2, "micro_batches": 4}},
         "cp4 hybrid (Ulysses 2 x ring 2)": {"parallel": {"cp": 4, "cp_attention": "hybrid", "cp_ulysses": 2}},
     },
 }

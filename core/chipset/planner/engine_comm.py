@@ -75,13 +75,16 @@ def planner_inputs(cfg: Any) -> tuple[ModelSpec, Layout, TrainSpec]:
 
 
 def stage_of(cfg: Any, rank: int) -> str:
-    """The planner's stage name for ``rank``: "only" without pipelining, else "first" or "last"."""
+    """The planner's stage name for ``rank``: "only" without pipelining, else "first" or "last"
+    ("ends" or "turn" under ZBV)."""
     par = cfg.parallel
     if par.pp == 1:
         return "only"
     if par.pp > 2:
         raise ValueError(f"parallel.pp = {par.pp}: the engine comparison covers first and last stages (pp <= 2)")
     per_stage = par.dp * par.cp * par.tp  # pp is the outermost dimension of the rank order
+    if par.schedule == "zbv":
+        return "ends" if rank < per_stage else "turn"
     return "first" if rank < per_stage else "last"
 
 
@@ -113,7 +116,7 @@ def departures(cfg: Any, stage: str) -> list[Departure]:
     mb, b, h, t = par.micro_batches, lay.micro_batch, m.hidden, lay.tp
     s = m.seq_len // lay.cp
     L = stage_blocks(m, lay, stage)
-    first, last = stage in ("only", "first"), stage in ("only", "last")
+    first, last = stage in ("only", "first", "ends"), stage in ("only", "last", "ends")
     act = E * b * s * h
     out: list[Departure] = []
 
@@ -184,7 +187,7 @@ def departures(cfg: Any, stage: str) -> list[Departure]:
                 "cp_attention=allgather: K, V gradients reduce-scattered back to their owners in backward")
     # --- pipeline -------------------------------------------------------------------------
     if lay.pp > 1 and t > 1 and not lay.sp:  # with sp each tp rank holds, and sends, only its slice
-        sends = (2 * lay.v - 1) * mb
+        sends = (2 if lay.schedule == "zbv" else 2 * lay.v - 1) * mb
         add("batch_p2p", 2 * sends * act * (t - 1) / t,
             "every tp rank sends the whole activation (without sequence parallelism no rank holds only a slice)")
     return out
@@ -200,8 +203,8 @@ def _padding(m: ModelSpec, lay: Layout, stage: str, psi: float, n: int, kind: st
         return _pad(psi, n)  # one bucket (the model is under parallel.bucket_mb)
     # ZeRO-3: one bucket per unit: embedding, each block, head.
     t = lay.tp
-    emb = m.vocab * m.hidden / t if stage in ("only", "first") else 0
-    head = m.norm_params() + m.vocab * m.hidden / t if stage in ("only", "last") else 0
+    emb = m.vocab * m.hidden / t if stage in ("only", "first", "ends") else 0
+    head = m.norm_params() + m.vocab * m.hidden / t if stage in ("only", "last", "ends") else 0
     blocks = stage_blocks(m, lay, stage)
     block = (psi - emb - head) / blocks
     return _pad(emb, n) + _pad(head, n) + blocks * _pad(block, n)

@@ -21,12 +21,9 @@ from chipset.parallel.defaults import DEFAULT_CP_ATTENTION, DEFAULT_SEQUENCE_PAR
 from chipset.parallel.recompute import RECOMPUTE
 from chipset.parallel.schedule import SCHEDULES as PIPELINE_SCHEDULES
 
-__all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE", "ZBV_NOT_PLANNED"]
+__all__ = ["Layout", "TrainSpec", "SCHEDULES", "RECOMPUTE"]
 
 SCHEDULES = PIPELINE_SCHEDULES  # chipset train's parallel.schedule names, declared by the runtime
-ZBV_NOT_PLANNED = ("parallel.schedule = 'zbv' is not modelled by the planner yet (chipset train runs it): plan "
-                   "with zero_bubble, which holds the same activations per rank (p micro-batches' worth), and "
-                   "expect ZBV's bubble (pp-1)/(6m) instead of (pp-1)/(3m) (docs/planner.md)")
 # parallel.cp_attention's names: the engine's (CP_ATTENTION, parallel/context.py)
 
 
@@ -49,10 +46,11 @@ class Layout:
     micro_batch: int = 1
     """Sequences per micro-batch per data-parallel rank."""
     schedule: str = "1f1b"
-    """Pipeline schedule, by chipset train's names (``parallel.schedule``): "1f1b", "gpipe" or
-    "interleaved_1f1b" (with ``virtual_stages`` chunks; labelled ``interleaved-vN`` in plans)."""
+    """Pipeline schedule, by chipset train's names (``parallel.schedule``): "1f1b", "gpipe",
+    "interleaved_1f1b" (with ``virtual_stages`` chunks; labelled ``interleaved-vN`` in plans),
+    "zero_bubble" (ZB-H1) or "zbv" (two chunks per rank placed in a V)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (v); > 1 only for the interleaved schedule."""
+    """Model chunks per pipeline rank (v); > 1 only for the interleaved schedule and ZBV (2)."""
     recompute: str = "none"
     """Activation recomputation: "none", "selective" (attention core) or "full" (whole block)."""
     sequence_parallel: bool = DEFAULT_SEQUENCE_PARALLEL
@@ -82,6 +80,8 @@ class Layout:
 
     @property
     def v(self) -> int:
+        if self.schedule == "zbv":
+            return 2 if self.pp > 1 else 1
         return self.virtual_stages if self.schedule == "interleaved_1f1b" else 1
 
     @property
@@ -100,8 +100,9 @@ class Layout:
             problems.append(f"parallel.zero must be 0, 1, 2 or 3 (found {self.zero!r})")
         if self.schedule not in SCHEDULES:
             problems.append(f"parallel.schedule must be one of {', '.join(SCHEDULES)} (found {self.schedule!r})")
-        elif self.schedule == "zbv":
-            problems.append(ZBV_NOT_PLANNED)
+        elif self.schedule == "zbv" and self.pp > 1 and self.virtual_stages != 2:
+            problems.append(f"parallel.schedule = 'zbv' places 2 chunks per rank in a V: set parallel.virtual_stages = 2 "
+                            f"(found {self.virtual_stages!r})")
         if self.cp_attention not in CP_ATTENTION:
             problems.append(f"parallel.cp_attention must be one of {', '.join(CP_ATTENTION)} (found {self.cp_attention!r})")
         if self.cp_attention == "hybrid" and self.cp > 1 and not (

@@ -19,6 +19,12 @@ micro-batches, 1F1B min(p, m), interleaved 1F1B the warm-up of Megatron's schedu
 2(p-1) + (v-1)p + 1 model chunks (capped at m*v) of l/(pv) blocks each, i.e. about
 l(1 + (p-1)/(pv)) blocks' worth.
 
+ZBV (Qi et al. 2024) places each rank's two chunks in a V, so rank 0 holds the embedding and the
+head and rank p-1 turns the V round. Its positions are "ends" (rank 0) and "turn" (rank p-1, whose
+chunk micro-batches in flight bound every middle rank's); rank r holds min(2p, 2m, m + r + 1)
+chunk micro-batches of l/(2p) blocks at its peak, so no rank more than 1F1B's first (counted from
+chipset's schedule, tests/planner). The planner models it when 2p divides the blocks.
+
 With ``ModelSpec.kernels == "reference"`` the activations are those chipset's engine saves
 with its pure-torch reference kernels (what cpu_sim runs), counted from the code and checked
 tensor by tensor (docs/planner.md, "Validation: peak memory"), and the peak is the largest of
@@ -35,6 +41,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from chipset.errors import ConfigError
 from chipset.planner import memory_reference as ref
 from chipset.planner.layout import Layout, TrainSpec
 from chipset.planner.model import ModelSpec
@@ -98,6 +105,12 @@ def pipeline_positions(m: ModelSpec, lay: Layout) -> dict[str, tuple[int, int]]:
     last stage and more micro-batches in flight than any later rank."""
     if lay.pp == 1:
         return {"only": (0, m.layers)}
+    if lay.schedule == "zbv":
+        if m.layers % (2 * lay.pp):
+            raise ConfigError(f"parallel.schedule = 'zbv' is planned when 2 x pp divides the blocks: {m.layers} blocks "
+                              f"over {2 * lay.pp} virtual stages do not split evenly; plan with zero_bubble, or with a "
+                              "number of blocks that 2 x pp divides")
+        return {"ends": (0, m.layers // lay.pp), "turn": (lay.pp - 1, m.layers // lay.pp)}
     counts = stage_block_counts(m.layers, lay.pp)
     out = {"first": (0, counts[0])}
     if lay.pp >= 3 and not even_split(m.layers, lay.pp):
@@ -121,10 +134,12 @@ def in_flight_chunks(lay: Layout, micro_batches: int, rank: int = 0) -> int:
     """Model chunks (each 1/v of a rank's blocks) whose activations pipeline rank ``rank`` (0: the
     first stage) holds at its peak: 1F1B min(p - rank, m), interleaved Megatron-LM's warm-up
     2(p - rank - 1) + (v - 1)p + 1 (at most m·v), GPipe m, zero bubble min(p, m) on every rank (a
-    micro-batch's activations live until its deferred weight gradient)."""
+    micro-batch's activations live until its deferred weight gradient), ZBV min(2p, 2m, m + rank + 1)."""
     p, v, mb = lay.pp, lay.v, micro_batches
     if p == 1:
         return 1
+    if lay.schedule == "zbv":
+        return min(2 * p, 2 * mb, mb + rank + 1)
     if lay.schedule == "gpipe":
         return mb
     if lay.schedule == "zero_bubble":
@@ -160,9 +175,9 @@ def _params_per_device(m: ModelSpec, t: int, ep: int, positions: tuple[tuple[str
     blocks = max(b for _, b in positions)
     expert = blocks * moe_frac * m.mlp_params() * (m.num_experts / ep) / expert_t if m.is_moe else 0.0
     emb = m.vocab * m.hidden / t + (m.seq_len * m.hidden if m.position == "learned" else 0)
-    pp1 = positions[0][0] == "only"
-    out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and pp1) else 1)
-    edges = {"only": emb + out, "first": emb, "last": out, "middle": 0.0}
+    one_rank = positions[0][0] in ("only", "ends")  # the embedding and the head on one rank
+    out = m.norm_params() + m.vocab * m.hidden / t * (0 if (m.tied_embeddings and one_rank) else 1)
+    edges = {"only": emb + out, "first": emb, "last": out, "middle": 0.0, "ends": emb + out, "turn": 0.0}
     stages = []
     for name, b in positions:
         non_expert = b * ((1 - moe_frac) * dense_block + moe_frac * moe_block)
@@ -254,7 +269,11 @@ def memory_per_stage(m: ModelSpec, lay: Layout, train: TrainSpec,
         expert = stage_expert_params(m, lay, blocks)
         p, g, o = zero_model_state_bytes(psi, n_dense, lay.zero, train)
         pe, ge, oe = zero_model_state_bytes(expert, n_expert, lay.zero, train)
-        if stage == "last":  # 1F1B: the last stage runs each backward right after its forward
+        if lay.schedule == "zbv":  # rank 0's loss chunk runs its backward right after its forward
+            act = per_block * (blocks / lay.v) * in_flight_chunks(lay, micro_batches, rank)
+            if stage == "ends":
+                act += first_extra * min(micro_batches, 2 * lay.pp) + last_extra
+        elif stage == "last":  # 1F1B: the last stage runs each backward right after its forward
             act = per_block * blocks * (micro_batches if lay.schedule == "gpipe" else 1) + last_extra
         else:
             act = per_block * (blocks / lay.v) * in_flight_chunks(lay, micro_batches, rank)
@@ -299,8 +318,8 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
         redo, block = redo + block, 0.0
     # Where modelled, node by node instead: the block's saved tensors come back one node at a time.
     offloaded = ref.offloaded_block_backward_bytes(m, lay, tokens, train)
-    loss_stage = stage in ("only", "last")
-    embed = tokens * ref.embed_bytes_per_token(lay) if stage in ("only", "first") else 0.0
+    loss_stage = stage in ("only", "last", "ends")
+    embed = tokens * ref.embed_bytes_per_token(lay) if stage in ("only", "first", "ends") else 0.0
     logit_tokens = ref.loss_tokens(lay, tokens, lay.micro_batch)
     head = logit_tokens * ref.head_bytes_per_token(m, lay, train) if loss_stage else 0.0
     chunk_grads = 0.0
@@ -322,33 +341,56 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     # 1F1B the first stage has min(p, m-1) left (rank i: min(p - i, m - 1)), GPipe m-1; the interleaved
     # schedule is counted as if its warm-up were still in flight (an upper bound).
     accumulated = gb * local if lay.zero >= 2 and micro_batches > 1 else 0.0
-    if stage == "only" or lay.schedule in ("interleaved_1f1b", "zero_bubble") or stage == "last" and lay.schedule != "gpipe":
+    if stage == "only" or lay.schedule in ("interleaved_1f1b", "zero_bubble", "zbv") or stage == "last" and lay.schedule != "gpipe":
         later = chunks
     elif lay.schedule == "gpipe":
         later = chunks - lay.v
     else:
         later = min(lay.pp - rank, micro_batches - 1)
     z3 = e * local / max(1, blocks) if lay.zero == 3 else 0.0  # the block's gathered parameters
+    if lay.zero == 3 and stage in ("middle", "last", "turn") and lay.schedule in ("zero_bubble", "zbv"):
+        # An input half gathers each unit and its weight half releases it (the release waits for
+        # the unit's gradients): between the two the whole stage is gathered. (ZBV's rank 0: its
+        # first chunk has no input half, so one chunk, about the one block counted above.)
+        z3 = e * local
     # Zero bubble: the other micro-batches alive have run their input half and keep the gradients
     # their weight half needs (not on the first stage, whose whole backward is its weight half).
     frontier = (tokens * ref.frontier_grad_bytes_per_token(m, lay, train, blocks, loss_stage)
                 if lay.schedule == "zero_bubble" and stage in ("middle", "last") else 0.0)
+    if lay.schedule == "zbv":  # one chunk's nodes
+        frontier = tokens * ref.frontier_grad_bytes_per_token(m, lay, train, blocks // 2, loss_stage)
     moments = []
+
+    def in_backward(alive: int, embedded: int, heads: int, kept: int, waiting: int, keeps: bool, loss: bool,
+                    grads: float) -> None:
+        """The loss's and a block's backward with ``alive`` chunk micro-batches holding activations,
+        ``embedded`` embedding outputs, ``heads`` head activations, ``kept`` chunk outputs and
+        ``waiting`` micro-batches' gradients kept for their weight half (split backward; by its
+        end the input half in progress keeps its own too when ``keeps``)."""
+        acts = block * blocks / lay.v * alive + embed * embedded + frontier * waiting
+        stage_out = e * tokens * m.hidden * kept
+        if loss:
+            moments.append(("loss backward", acts + stage_out + head * heads,
+                            logit_tokens * ref.loss_backward_bytes_per_token(m, lay) + grads + chunk_grads, 0.0))
+        held = acts + stage_out + (head * (heads - 1) if loss else 0.0) + (frontier if keeps else 0.0)
+        if offloaded is None:
+            moments.append(("block backward", held + redo, ref.block_backward_bytes(m, lay, tokens, train) + grads, z3))
+        else:
+            moments.append(("block backward", held, offloaded + grads, z3))
+
     for alive, grads in ((chunks, 0.0), (later, accumulated)) if accumulated else ((chunks, 0.0),):
+        if lay.schedule == "zbv":
+            for state in _zbv_states(stage, lay.pp, micro_batches):
+                in_backward(*state, grads)
+            continue
         mbs = max(1, alive // lay.v) if lay.v > 1 else alive
-        acts = block * blocks / lay.v * alive + embed * mbs + frontier * (alive - 1)
         # Chunk outputs kept for their backward; a loss chunk's output is the loss (interleaved: one in flight).
         kept = alive - 1 if loss_stage and lay.v > 1 else 0 if loss_stage else alive
-        stage_out = e * tokens * m.hidden * kept
-        if loss_stage:
-            moments.append(("loss backward", acts + stage_out + head * mbs,
-                            logit_tokens * ref.loss_backward_bytes_per_token(m, lay) + grads + chunk_grads, 0.0))
-        if offloaded is None:
-            moments.append(("block backward", acts + stage_out + head * (mbs - 1) + redo,
-                            ref.block_backward_bytes(m, lay, tokens, train) + grads, z3))
-        else:
-            moments.append(("block backward", acts + stage_out + head * (mbs - 1), offloaded + grads, z3))
-    mbs = max(1, chunks // lay.v) if lay.v > 1 else chunks
+        in_backward(alive, mbs, mbs, kept, alive - 1, True, loss_stage, grads)
+    if lay.schedule == "zbv":
+        mbs = min(micro_batches, 2 * lay.pp) if stage == "ends" else 0
+    else:
+        mbs = max(1, chunks // lay.v) if lay.v > 1 else chunks
     bucket = train.bucket_mb * 2**20 / e if lay.zero < 3 else local / max(1, blocks)
     bucket = min(local, bucket)
     if lay.zero >= 2:  # every bucket's flattened gradient waits for its reduce-scatter until the step
@@ -363,3 +405,37 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     moments.append(("optimizer step", 0.0, temps * ref.F * shard + send, 0.0))
     phase, act, work, buf = max(moments, key=lambda x: x[1] + x[2] + x[3])
     return dataclasses.replace(states, activations=act, workspace=work, zero3_buffer=buf, phase=phase)
+
+
+
+@functools.lru_cache(maxsize=256)
+def _zbv_states(stage: str, p: int, m: int) -> tuple[tuple[int, int, int, int, int, bool, bool], ...]:
+    """The states of a ZBV position at each of its input-gradient backwards, read off chipset's
+    schedule for (p, m): (chunk micro-batches alive, embedding outputs, head activations, chunk
+    outputs kept, micro-batches whose gradients wait for their weight half, whether this input half
+    keeps gradients too, whether it is the loss's backward).
+    Rank 0 ("ends") keeps its chunk 0's outputs (sent on) and its loss chunk's head; the turning
+    rank keeps both chunks' outputs (one handed over locally, one sent back)."""
+    from chipset.runtime.pipeline.schedules import Op, zbv
+
+    rank = 0 if stage == "ends" else p - 1
+    alive: dict[tuple[int, int], bool] = {}  # (chunk, micro-batch) -> its input half has run
+    out = set()
+    for ins in zbv(p, m).ranks[rank]:
+        key = (ins.chunk, ins.mb)
+        if ins.op == Op.FORWARD:
+            alive[key] = False
+        elif ins.op == Op.BACKWARD_INPUT:
+            first = sum(1 for c, _ in alive if c == 0)
+            # The input halves run so far keep their gradients for their weight halves (this one's
+            # by its end); rank 0's first chunk has no input gradient (all weight half).
+            keeps = stage != "ends" or ins.chunk == 1
+            waiting = sum(done for (c, _), done in alive.items() if stage != "ends" or c == 1)
+            if stage == "ends":
+                out.add((len(alive), first, len(alive) - first, first, waiting, keeps, ins.chunk == 1))
+            else:
+                out.add((len(alive), 0, 0, len(alive), waiting, keeps, False))
+            alive[key] = True
+        elif ins.op in (Op.BACKWARD_WEIGHT, Op.BACKWARD):
+            alive.pop(key)
+    return tuple(sorted(out))

@@ -92,7 +92,10 @@ def peak_memory_per_rank(cfg: Any, world_size: int | None = None,
     out = []
     for rank in range(lay.world_size):
         idx = rank // per_stage
-        key = "only" if lay.pp == 1 else "first" if idx == 0 else "last" if idx == lay.pp - 1 else middle
+        if lay.pp > 1 and lay.schedule == "zbv":  # the turning rank bounds the middle ones
+            key = "ends" if idx == 0 else "turn"
+        else:
+            key = "only" if lay.pp == 1 else "first" if idx == 0 else "last" if idx == lay.pp - 1 else middle
         out.append(stages[key])
     return out
 

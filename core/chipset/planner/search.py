@@ -21,7 +21,7 @@ from typing import Any
 from chipset.errors import ConfigError, UsageError
 from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
-from chipset.planner.layout import RECOMPUTE, SCHEDULES, ZBV_NOT_PLANNED, Layout, TrainSpec
+from chipset.planner.layout import RECOMPUTE, SCHEDULES, Layout, TrainSpec
 from chipset.planner.memory import memory_per_device
 from chipset.planner.model import ModelSpec
 from chipset.planner.stages import interleave_depths
@@ -72,6 +72,8 @@ def parse_fix(items: list[str]) -> dict[str, Any]:
                 out["schedule"] = "interleaved_1f1b" if sched == "interleaved" else sched
                 if v:
                     out["virtual_stages"] = _int(item, v)
+                elif sched == "zbv":  # its two chunks per rank are part of the schedule
+                    out["virtual_stages"] = 2
             elif name == "recompute":
                 if value not in RECOMPUTE:
                     raise ConfigError(f"--fix {item!r}: recompute must be one of {', '.join(RECOMPUTE)}")
@@ -81,9 +83,8 @@ def parse_fix(items: list[str]) -> dict[str, Any]:
             else:
                 out[name] = _int(item, value)
     if out.get("schedule", "1f1b") not in SCHEDULES:
-        raise ConfigError(f"--fix parallel.schedule={out['schedule']!r}: expected 1f1b, gpipe or interleaved-vN")
-    if out.get("schedule") == "zbv":
-        raise ConfigError(f"--fix parallel.schedule='zbv': {ZBV_NOT_PLANNED}")
+        raise ConfigError(f"--fix parallel.schedule={out['schedule']!r}: expected 1f1b, gpipe, interleaved-vN, "
+                          "zero_bubble or zbv")
     if out.get("zero", 0) not in (0, 1, 2, 3):
         raise ConfigError(f"--fix parallel.zero={out['zero']}: expected a ZeRO stage 0, 1, 2 or 3")
     for k in ("dp", "tp", "pp", "ep", "cp", "micro_batch", "virtual_stages"):
@@ -180,6 +181,10 @@ def search(m: ModelSpec, train: TrainSpec, cl: Cluster, fix: dict[str, Any] | No
     # Ties (e.g. cp that costs nothing extra) go to the simpler layout.
     res.candidates.sort(key=lambda p: (p.step_time_s, p.layout.cp, p.layout.ep, p.layout.pp, p.layout.tp,
                                        p.layout.zero, RECOMPUTE.index(p.layout.recompute), p.memory.total))
+    if not res.candidates and res.fixed_only is None and res.out_of_memory == 0:  # none got as far as memory
+        why = "; ".join(f"{k}: {v}" for k, v in res.discarded.most_common())
+        raise ConfigError(f"no layout of {m.name} on {n} devices can run with {fix} ({why or 'nothing enumerated'}). "
+                          "Fix fewer settings or other values.")
     if not res.candidates and res.fixed_only is None:
         worst = res.smallest_oom
         detail = ""
@@ -202,8 +207,12 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
     if pp > 1:
         scheds.append(("gpipe", 1))
         scheds += [("interleaved_1f1b", v) for v in interleave_depths(m.layers, pp)]
-        if fix.get("schedule") == "zero_bubble":  # planned when asked for; its step time is not yet
-            scheds.append(("zero_bubble", 1))   # validated against measured runs, so never proposed
+        # The zero-bubble schedules are planned when asked for; their step time is not yet validated
+        # against measured runs, so they are never proposed.
+        if fix.get("schedule") == "zero_bubble":
+            scheds.append(("zero_bubble", 1))
+        if fix.get("schedule") == "zbv":
+            scheds.append(("zbv", 2))
     if "schedule" in fix or "virtual_stages" in fix:
         want_s = fix.get("schedule")
         want_v = fix.get("virtual_stages")
@@ -218,6 +227,10 @@ def _options_for(m: ModelSpec, train: TrainSpec, cl: Cluster, a: Assumptions, s:
         for sched, v in scheds:
             if sched == "interleaved_1f1b" and micro % pp:
                 res.discarded["interleaved schedule needs micro-batches divisible by pp"] += 1
+                if not full_fix:
+                    continue
+            if sched == "zbv" and m.layers % (2 * pp):
+                res.discarded["zbv planned only when 2 x pp divides the blocks"] += 1
                 if not full_fix:
                     continue
             for zero in _options(fix, "zero", zeros):

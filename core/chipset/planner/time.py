@@ -86,7 +86,8 @@ class Prediction:
     """Blocks on each pipeline rank, first to last (stages.py: ⌊l/p⌋ on the first and last when p
     does not divide l)."""
     slowest_stage: str = ""
-    """The pipeline position whose micro-batch slot sets the pace: "only", "first", "middle" or "last"."""
+    """The pipeline position whose micro-batch slot sets the pace: "only", "first", "middle" or "last"
+    ("ends" under ZBV: rank 0, with the embedding and the head)."""
     bubble_slots: float = 0.0
     """The bubble in slots of the slowest stage: (p-1)/v, more when its blocks split unevenly over its chunks."""
 
@@ -222,6 +223,8 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     # blocks; else 1/v of the slot plus the blocks its largest chunk holds beyond 1/v of them.
     if lay.schedule == "zero_bubble":  # ZB-H1: (p-1)(F+B-W), a third of a slot per stage
         bubble = t_slot * (lay.pp - 1) / 3
+    elif lay.schedule == "zbv":  # a sixth once m >= 2p; below that at most ZB-H1's (equal when m <= p)
+        bubble = t_slot * (lay.pp - 1) / (6 if mb >= 2 * lay.pp else 3)
     elif blocks % lay.v == 0:
         bubble = t_slot * (lay.pp - 1) / lay.v
     else:
@@ -301,6 +304,8 @@ def _stage_kinds(m: ModelSpec, lay: Layout) -> list[tuple[str, int, bool, int]]:
     if lay.pp == 1:
         return [("only", m.layers, True, 2)]
     pos = pipeline_positions(m, lay)
+    if lay.schedule == "zbv":  # rank 0 holds the head and as many blocks as the turning rank
+        return [("ends", pos["ends"][1], True, 2)]
     kinds = [("last", pos["last"][1], True, 1)]
     heavy = stage_layers(m, lay)
     if pos["first"][1] == heavy > pos["last"][1]:

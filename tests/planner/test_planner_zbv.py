@@ -1,0 +1,88 @@
+"""The planner's ZBV: positions, in-flight chunks read off chipset's schedule, bubble, --fix.
+
+Its peak memory against cpu_sim's measurement is in test_planner_validation_memory.py ("pp2 zbv",
+"dp2 x pp2 zero3 zbv, 4 micro-batches").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from chipset.errors import ConfigError
+from chipset.interfaces.device import DeviceProperties
+from chipset.planner.cluster import Cluster
+from chipset.planner.layout import Layout, TrainSpec
+from chipset.planner.memory import in_flight_chunks, memory_per_stage, params_per_device
+from chipset.planner.model import PRESETS
+from chipset.planner.search import parse_fix, search
+from chipset.planner.time import evaluate
+from chipset.runtime.pipeline.schedules import Op, zbv
+
+DEV = DeviceProperties(name="test", index=0, total_memory=80 * 2**30, peak_flops={"bfloat16": 300e12},
+                       memory_bandwidth=2e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
+                       intra_node_latency=5e-6, inter_node_latency=10e-6)
+LLAMA = PRESETS["llama2-7b"]  # 32 blocks
+
+
+def _most_in_flight(p: int, m: int, rank: int) -> int:
+    """The most chunk micro-batches rank ``rank`` holds between a forward and its weight half."""
+    alive, most = set(), 0
+    for ins in zbv(p, m).ranks[rank]:
+        if ins.op == Op.FORWARD:
+            alive.add((ins.chunk, ins.mb))
+            most = max(most, len(alive))
+        elif ins.op in (Op.BACKWARD_WEIGHT, Op.BACKWARD):
+            alive.discard((ins.chunk, ins.mb))
+    return most
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 16])
+def test_in_flight_chunks_formula_is_the_schedules_count(p, m):
+    lay = Layout(pp=p, schedule="zbv", virtual_stages=2)
+    for rank in range(p):
+        assert in_flight_chunks(lay, m, rank) == _most_in_flight(p, m, rank), rank
+        # never more than 1F1B's first rank: p micro-batches of two chunks each
+        assert in_flight_chunks(lay, m, rank) <= 2 * min(p, m)
+
+
+def test_rank_0_holds_the_embedding_and_the_head_and_the_turn_neither():
+    lay = Layout(pp=4, schedule="zbv", virtual_stages=2)
+    stages, _ = params_per_device(LLAMA, lay)
+    assert set(stages) == {"ends", "turn"}
+    edges = LLAMA.vocab * LLAMA.hidden * 2 + LLAMA.norm_params()  # untied embedding and head, final norm
+    assert stages["ends"] - stages["turn"] == pytest.approx(edges)
+    one_f = params_per_device(LLAMA, dataclasses.replace(lay, schedule="1f1b", virtual_stages=1))[0]
+    assert stages["turn"] == pytest.approx(one_f["first"] - LLAMA.vocab * LLAMA.hidden)  # the same 8 blocks
+    mem = memory_per_stage(LLAMA, lay, TrainSpec(global_batch=64), 4096)
+    assert mem["ends"].total > mem["turn"].total
+
+
+def test_bubble_is_a_sixth_of_a_slot_per_stage_from_m_2p_and_zb_h1s_below():
+    cl = Cluster(1, 4, DEV)
+    for m, zbv_slots in ((8, 3 / 6), (4, 3 / 3)):  # (p-1)/6 from m = 2p; below that ZB-H1's (p-1)/3, a bound
+        train = TrainSpec(global_batch=m)
+        v = evaluate(LLAMA, Layout(pp=4, schedule="zbv", virtual_stages=2, recompute="full"), train, cl, seq_len=4096)
+        zb = evaluate(LLAMA, Layout(pp=4, schedule="zero_bubble", recompute="full"), train, cl, seq_len=4096)
+        assert v.bubble_slots == pytest.approx(zbv_slots)
+        assert zb.bubble_slots == pytest.approx(3 / 3)
+
+
+def test_fix_plans_zbv_and_the_search_never_proposes_it():
+    assert parse_fix(["parallel.schedule=zbv"]) == {"schedule": "zbv", "virtual_stages": 2}
+    train, cl = TrainSpec(global_batch=64), Cluster(1, 8, DEV)
+    res = search(LLAMA, train, cl, fix=parse_fix(["parallel.pp=4,parallel.schedule=zbv"]))
+    assert res.candidates and all(c.layout.schedule == "zbv" and c.layout.v == 2 for c in res.candidates)
+    assert all(c.layout.schedule != "zbv" for c in search(LLAMA, train, cl).candidates)
+
+
+def test_zbv_needs_two_chunks_and_blocks_that_2pp_divides():
+    with pytest.raises(ConfigError, match="virtual_stages = 2"):
+        Layout(pp=2, schedule="zbv", virtual_stages=3).check()
+    odd = dataclasses.replace(LLAMA, layers=30)  # 30 blocks over 2 x 4 virtual stages
+    with pytest.raises(ConfigError, match="2 x pp divides the blocks"):
+        memory_per_stage(odd, Layout(pp=4, schedule="zbv", virtual_stages=2), TrainSpec(global_batch=64), 4096)
+    with pytest.raises(ConfigError, match="zbv planned only when 2 x pp divides the blocks"):
+        search(odd, TrainSpec(global_batch=64), Cluster(1, 8, DEV), fix={"pp": 4, "schedule": "zbv"})
