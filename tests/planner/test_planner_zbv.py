@@ -86,3 +86,22 @@ def test_zbv_needs_two_chunks_and_blocks_that_2pp_divides():
         memory_per_stage(odd, Layout(pp=4, schedule="zbv", virtual_stages=2), TrainSpec(global_batch=64), 4096)
     with pytest.raises(ConfigError, match="zbv planned only when 2 x pp divides the blocks"):
         search(odd, TrainSpec(global_batch=64), Cluster(1, 8, DEV), fix={"pp": 4, "schedule": "zbv"})
+
+
+def test_projection_charges_each_schedules_own_bubble():
+    """chipset train --project: with the same counted bytes and compute, zero_bubble's bubble is a
+    third of 1F1B's and ZBV's (m = 4p) a sixth (it charged 1F1B's (p-1)/v slots to both before)."""
+    from chipset.planner.projection import project
+    from chipset.train.config import RunConfig
+
+    model = {"vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 688}
+    comm = {"batch_p2p": {"calls": [16, 16], "bytes": [2**20, 2**20]}}
+    bubble = {}
+    for sched, v in (("1f1b", 1), ("zero_bubble", 1), ("zbv", 2)):
+        cfg = RunConfig.from_dict({"model": model, "train": {"global_batch": 16, "seq_len": 128},
+                                   "parallel": {"pp": 2, "micro_batches": 8, "schedule": sched,
+                                                "virtual_stages": v}}).validate(world_size=2)
+        bubble[sched] = project(cfg, 2, comm, "h100-sxm")["bubble_s"]
+    assert bubble["zero_bubble"] == pytest.approx(bubble["1f1b"] / 3)
+    assert bubble["zbv"] == pytest.approx(bubble["1f1b"] / 6)

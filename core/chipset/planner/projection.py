@@ -36,7 +36,6 @@ from chipset.planner.assumptions import Assumptions
 from chipset.planner.cluster import Cluster
 from chipset.planner.comm import CommItem, latency_steps
 from chipset.planner.flops import forward_flops_per_token, model_flops_per_token
-from chipset.planner.memory import stage_blocks
 from chipset.planner.run import from_run_config
 from chipset.planner.time import dp_exposed_time, evaluate
 
@@ -115,7 +114,6 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
     extra = {"none": 0, "selective": fw.attention_core, "full": fw.blocks}[lay.recompute]
     fwd_share = fw.total / (3 * fw.total + extra)  # recompute runs inside backward (as evaluate splits it)
 
-    even = lay.pp == 1 or stage_blocks(m, lay, base.slowest_stage) % lay.v == 0
     degrees = {"dp": lay.dp * lay.cp, "tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "pp": lay.pp}
     uses = _ops_by_dim(lay, lay.zero, lay.sp, getattr(cfg.parallel, "cp_attention", "allgather"))
     ranks = max((len(v.get("calls", [])) for v in comm.values()), default=0)
@@ -139,8 +137,9 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
             else:
                 other += t
         slot = t_compute / mb + other / mb
-        # the slowest stage's, as evaluate counts it (more than (p-1)/v slots when its chunks are uneven)
-        bubble = slot * (lay.pp - 1) / lay.v if even else slot * base.bubble_slots
+        # the slowest stage's slots, as evaluate counts them: (p-1)/v, more when its chunks are uneven,
+        # (p-1)/3 for zero_bubble, (p-1)/6 for zbv from m = 2p
+        bubble = slot * base.bubble_slots
         dp_exposed = dp_exposed_time(dp_items, t_compute / mb * fwd_share, t_compute / mb * (1 - fwd_share), mb, a)
         step = slot * mb + bubble + dp_exposed + base.breakdown["optimizer"] + base.breakdown["host"]
         hidden = sum(i.time_s for i in dp_items)
