@@ -235,6 +235,7 @@ class PipelineEngine:
         final_backward = max(i for i, ins in enumerate(self.instructions)
                              if ins.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT))
         overlap = s.virtual_stages == 1
+        split = any(ins.op is Op.BACKWARD_INPUT for ins in self.instructions)  # zero-bubble halves
         deferred: dict[tuple[int, int], WeightGrad] = {}  # zero bubble: weight halves still to run
         self.timings = []
         # The transfers since the last compute op: (op, buffer, the receive's handle; None for a send).
@@ -315,7 +316,7 @@ class PipelineEngine:
                 if prev_local is not None:  # handed over on this rank: a copy, as a transfer would make
                     inputs[key] = outputs[(prev_local, ins.mb)].detach().clone().requires_grad_(True)
                 x = self.model.local(compute_input(tokens, e.dtype)) if vs == 0 else inputs[key]
-                with e.gathered_saved_weights():  # ZeRO-3: saved weights re-gathered in backward
+                with e.gathered_saved_weights(split):  # ZeRO-3: saved weights re-gathered in backward
                     out = self.model.chunk_forward(ins.chunk, x)
                 aux = self.model.aux_loss(ins.chunk)  # MoE: each stage adds its layers' aux loss
                 if aux is not None and loss_factor != 1.0:
