@@ -407,7 +407,6 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     return dataclasses.replace(states, activations=act, workspace=work, zero3_buffer=buf, phase=phase)
 
 
-
 @functools.lru_cache(maxsize=256)
 def _zbv_states(stage: str, p: int, m: int) -> tuple[tuple[int, int, int, int, int, bool, bool], ...]:
     """The states of a ZBV position at each of its input-gradient backwards, read off chipset's

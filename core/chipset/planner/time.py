@@ -13,7 +13,8 @@ Per micro-batch on the slowest stage:
 Pipeline: (m + (p-1)/v) micro-batch slots, i.e. a bubble of (p-1)/m for GPipe and 1F1B
 and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2); when v does not
 divide the slowest stage's c blocks, each of the p-1 bubble slots also holds the ⌈c/v⌉ - c/v
-blocks by which its largest chunk exceeds 1/v of them.
+blocks by which its largest chunk exceeds 1/v of them. Zero bubble (ZB-H1) leaves (p-1)/3 of a slot
+idle, ZBV (p-1)/6 once m >= 2p (Qi et al. 2023, 2024; docs/formulas.md).
 Data parallel: gradient reduction overlaps the last micro-batch's backward, the parameter
 all-gather the first micro-batch's forward; ZeRO-3's per-micro-batch gathers overlap each
 micro-batch's forward and backward. Only the excess is exposed.
@@ -89,7 +90,8 @@ class Prediction:
     """The pipeline position whose micro-batch slot sets the pace: "only", "first", "middle" or "last"
     ("ends" under ZBV: rank 0, with the embedding and the head)."""
     bubble_slots: float = 0.0
-    """The bubble in slots of the slowest stage: (p-1)/v, more when its blocks split unevenly over its chunks."""
+    """The bubble in slots of the slowest stage: (p-1)/v, more when its blocks split unevenly over its
+    chunks; (p-1)/3 for zero_bubble, (p-1)/6 for zbv once m >= 2p."""
 
     @property
     def fits(self) -> bool:
