@@ -34,8 +34,11 @@ FAULTS = {
     # 150 ms it fell under it once (CI-like run with three pytest workers, 2026-12-06).
     "host": "host_delay:ms=600",
 }
-# The clean and host jobs profile their last step (traces/rank<r>.json): host_overhead and top_operators.
-SETS = {"tp_slow_link": ["parallel.tp=2"], "clean": ["train.profile_steps=6:6"], "host": ["train.profile_steps=6:6"]}
+# The clean and host jobs profile their last steps (traces/rank<r>.json): host_overhead and top_operators.
+# The clean job profiles three: with one, a single rank descheduled for most of its step on the loaded
+# 2-core machine made half the spans "host overhead" (CI, 2026-12-07: one of 2 spans over 60%, 30% of
+# the profiled time in all); the rule needs half the (rank, step) spans, here 3 of 6.
+SETS = {"tp_slow_link": ["parallel.tp=2"], "clean": ["train.profile_steps=4:6"], "host": ["train.profile_steps=6:6"]}
 
 
 @pytest.fixture(scope="module")
