@@ -178,9 +178,15 @@ def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     block_params = max(m.layer_params(False), m.layer_params(True) if m.is_moe else 0)
     regather = lay.zero >= 3 and lay.recompute == "full" and block_params > ZERO3_REUSE_PARAMS
     out: list[CommItem | None] = list(data_parallel_items(lay, train, cl, dense, expert, mb, regather))
-    # embedding forward, output layer backward: both without a pipeline or on ZBV's rank 0, one on an
-    # edge stage (ZBV's busiest rank is rank 0, its turning rank has neither)
-    edges = 2 if lay.pp == 1 or stage in ("ends", None) and lay.schedule == "zbv" else 0 if stage in ("middle", "turn") else 1
+    # embedding forward, output layer backward: both without a pipeline, one on an edge stage; ZBV's
+    # rank 0 (also the busiest, stage None) runs both, its other ranks neither
+    zbv = lay.schedule == "zbv" and lay.pp > 1
+    if lay.pp == 1:
+        edges = 2
+    elif zbv:
+        edges = 0 if stage == "turn" else 2
+    else:
+        edges = 0 if stage == "middle" else 1
     out += stage_micro_items(m, lay, train, cl, seq_len, stage_blocks(m, lay, stage), edges)
 
     # --- pipeline -----------------------------------------------------------------------
@@ -188,12 +194,13 @@ def communication(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
         s = (seq_len or m.seq_len) / lay.cp
         act = train.param_bytes * lay.micro_batch * s * m.hidden
         # A middle stage sends every chunk's activation on and its gradient back; the first
-        # stage's first chunk sends no gradient, the last stage's last chunk no activation. ZBV:
-        # rank 0 sends neither for its two end chunks, the turning rank hands its over locally.
-        ends = ("first", "last") if lay.schedule != "zbv" else ("ends", "turn", *((None,) if lay.pp == 2 else ()))
-        sends = 2 * mb * lay.v - ((2 if lay.schedule == "zbv" else 1) * mb if stage in ends else 0)
+        # stage's first chunk sends no gradient, the last stage's last chunk no activation.
+        if zbv:  # rank 0's two end chunks send one each, the turning rank hands one over locally
+            sends = 2 * mb if stage in ("ends", "turn") or lay.pp == 2 else 4 * mb
+        else:
+            sends = 2 * mb * lay.v - (mb if stage in ("first", "last") else 0)
         out.append(_item(cl, lay, "pp", "send", "activations", lay.pp, act / lay.tp, sends, "micro"))
-        if m.tied_embeddings and lay.schedule != "zbv":  # ZBV holds both on rank 0
+        if m.tied_embeddings and not zbv:  # ZBV holds both on rank 0
             emb = train.grad_bytes * m.vocab * m.hidden / lay.tp
             out.append(_item(cl, lay, "pp", "all_reduce", "tied embedding gradients", 2, emb, 1, "step"))
     return [i for i in out if i is not None]
