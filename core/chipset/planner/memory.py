@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from chipset.errors import ConfigError
 from chipset.planner import memory_reference as ref
@@ -407,12 +408,22 @@ def _reference_stage(m: ModelSpec, lay: Layout, train: TrainSpec, s: int, stage:
     return dataclasses.replace(states, activations=act, workspace=work, zero3_buffer=buf, phase=phase)
 
 
+class _ZbvState(NamedTuple):
+    """What a ZBV rank holds at one of its input-gradient backwards (``in_backward``'s arguments)."""
+
+    alive: int  # chunk micro-batches holding activations
+    embedded: int  # embedding outputs
+    heads: int  # head activations
+    kept: int  # chunk outputs kept for their backward
+    waiting: int  # micro-batches whose gradients wait for their weight half
+    keeps: bool  # this input half keeps its gradients too
+    loss: bool  # it is the loss's backward
+
+
 @functools.lru_cache(maxsize=256)
-def _zbv_states(stage: str, p: int, m: int) -> tuple[tuple[int, int, int, int, int, bool, bool], ...]:
+def _zbv_states(stage: str, p: int, m: int) -> tuple[_ZbvState, ...]:
     """The states of a ZBV position at each of its input-gradient backwards, read off chipset's
-    schedule for (p, m): (chunk micro-batches alive, embedding outputs, head activations, chunk
-    outputs kept, micro-batches whose gradients wait for their weight half, whether this input half
-    keeps gradients too, whether it is the loss's backward).
+    schedule for (p, m).
     Rank 0 ("ends") keeps its chunk 0's outputs (sent on) and its loss chunk's head; the turning
     rank keeps both chunks' outputs (one handed over locally, one sent back)."""
     from chipset.runtime.pipeline.schedules import Op, zbv
@@ -431,9 +442,9 @@ def _zbv_states(stage: str, p: int, m: int) -> tuple[tuple[int, int, int, int, i
             keeps = stage != "ends" or ins.chunk == 1
             waiting = sum(done for (c, _), done in alive.items() if stage != "ends" or c == 1)
             if stage == "ends":
-                out.add((len(alive), first, len(alive) - first, first, waiting, keeps, ins.chunk == 1))
+                out.add(_ZbvState(len(alive), first, len(alive) - first, first, waiting, keeps, ins.chunk == 1))
             else:
-                out.add((len(alive), 0, 0, len(alive), waiting, keeps, False))
+                out.add(_ZbvState(len(alive), 0, 0, len(alive), waiting, keeps, False))
             alive[key] = True
         elif ins.op in (Op.BACKWARD_WEIGHT, Op.BACKWARD):
             alive.pop(key)
