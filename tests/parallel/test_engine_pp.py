@@ -112,17 +112,32 @@ def test_every_rank_runs_each_forward_and_backward_once():
         assert f == b == [(c, mb) for c in range(2) for mb in range(8)]
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
-def test_zero_bubble_on_two_ranks_has_the_zb_h1_bubble(m):
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_zero_bubble_on_two_ranks_has_the_zb_h1_bubble_with_an_even_m(m):
     sim = check_schedule(zero_bubble(2, m))
-    if m >= 2:  # one micro-batch leaves no weight half to overlap with the other rank's work
+    if m % 2 == 0:  # an odd m (and one micro-batch) leaves its last forward nothing to overlap: 2 units
         assert sim.bubble == pytest.approx(1 / (3 * m)) == zero_bubble(2, m).theoretical_bubble()
+    else:
+        assert sim.bubble == pytest.approx(2 / (3 * m))
     assert sim.makespan < check_schedule(one_f_one_b(2, m)).makespan
 
 
-@pytest.mark.parametrize("p,m", [(3, 6), (4, 4), (4, 8), (8, 8), (8, 16)])
-def test_zero_bubble_beats_1f1b_on_more_ranks(p, m):
-    assert check_schedule(zero_bubble(p, m)).makespan < check_schedule(one_f_one_b(p, m)).makespan
+@pytest.mark.parametrize("p", [3, 4])
+def test_zero_bubble_beats_1f1b_on_more_ranks_at_every_m(p):
+    """Timed as the runtime runs it (each send waited at the next batch, receives posted a compute op
+    ahead). Timed with a batch waiting its own sends, zero bubble fell behind 1F1B from m = 9 (p = 3)
+    and m = 14 (p = 4) on: the runtime does not run it that way."""
+    for m in range(2, 25):
+        zb, one = check_schedule(zero_bubble(p, m)), check_schedule(one_f_one_b(p, m))
+        assert zb.makespan < one.makespan, m
+        assert zb.bubble <= 2 * zero_bubble(p, m).theoretical_bubble(), m  # at most 2(p-1) units idle here
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_zbv_theory_is_its_simulated_bubble_at_every_m(p):
+    for m in range(1, 3 * p + 1):
+        s = zbv(p, m)
+        assert check_schedule(s).bubble == pytest.approx(s.theoretical_bubble()), m
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])

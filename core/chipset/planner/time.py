@@ -14,7 +14,7 @@ Pipeline: (m + (p-1)/v) micro-batch slots, i.e. a bubble of (p-1)/m for GPipe an
 and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2); when v does not
 divide the slowest stage's c blocks, each of the p-1 bubble slots also holds the ⌈c/v⌉ - c/v
 blocks by which its largest chunk exceeds 1/v of them. Zero bubble (ZB-H1) leaves (p-1)/3 of a slot
-idle, ZBV (p-1)/6 once m >= 2p (Qi et al. 2023, 2024; docs/formulas.md).
+idle, ZBV max(p-1, 4p-2-2m)/6: (p-1)/6 once m >= (3p-1)/2 (Qi et al. 2023, 2024; docs/formulas.md).
 Data parallel: gradient reduction overlaps the last micro-batch's backward, the parameter
 all-gather the first micro-batch's forward; ZeRO-3's per-micro-batch gathers overlap each
 micro-batch's forward and backward. Only the excess is exposed.
@@ -91,7 +91,7 @@ class Prediction:
     ("ends" under ZBV: rank 0, with the embedding and the head)."""
     bubble_slots: float = 0.0
     """The bubble in slots of the slowest stage: (p-1)/v, more when its blocks split unevenly over its
-    chunks; (p-1)/3 for zero_bubble, (p-1)/6 for zbv once m >= 2p."""
+    chunks; (p-1)/3 for zero_bubble, max(p-1, 4p-2-2m)/6 for zbv (its schedule's, exactly)."""
 
     @property
     def fits(self) -> bool:
@@ -225,8 +225,8 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     # blocks; else 1/v of the slot plus the blocks its largest chunk holds beyond 1/v of them.
     if lay.schedule == "zero_bubble":  # ZB-H1: (p-1)(F+B-W), a third of a slot per stage
         bubble = t_slot * (lay.pp - 1) / 3
-    elif lay.schedule == "zbv":  # a sixth once m >= 2p; below that at most ZB-H1's (equal when m <= p)
-        bubble = t_slot * (lay.pp - 1) / (6 if mb >= 2 * lay.pp else 3)
+    elif lay.schedule == "zbv":  # the schedule's own idle time: (p-1)/6 of a slot once m >= (3p-1)/2
+        bubble = t_slot * mb * schedule_bubble(lay.pp, mb, 2, "zbv")
     elif blocks % lay.v == 0:
         bubble = t_slot * (lay.pp - 1) / lay.v
     else:

@@ -18,9 +18,14 @@ rank, the instruction index and the instruction:
    kind, micro-batch or stage is a mismatch. A schedule that passes under these
    semantics also runs under laxer (buffered) ones.
 
-The same simulation times every compute instruction (forward = 1, backward = 2 units by
-default; a split backward's input and weight halves 1 each) and so gives the schedule's bubble
-and a printable timeline.
+The timing is a third pass, under the semantics the runtime has
+(:class:`chipset.runtime.pipeline.engine.PipelineEngine`): the receives that follow a compute op are
+posted as it starts, a batch waits for its receives and for the sends of the rank's previous
+batch of transfers, and every send is waited at the end of the step (a buffered schedule waits
+its sends there only). These are laxer than pass 2's, so a schedule pass 2 accepts runs under
+them. It times every compute instruction (forward = 1, backward = 2 units by default; a split
+backward's input and weight halves 1 each) and so gives the schedule's bubble and a printable
+timeline.
 """
 
 from __future__ import annotations
@@ -163,12 +168,10 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
     _static_check(s)
     p = s.stages
     pc = [0] * p  # next instruction per rank
-    clock = [0.0] * p
-    res = SimResult(s, [[] for _ in range(p)], forward_cost=forward_cost, backward_cost=backward_cost)
     # FIFO of posted-but-unmatched transfers per ordered (src, dst) pair, per side.
     sends: dict[tuple[int, int], deque] = defaultdict(deque)
     recvs: dict[tuple[int, int], deque] = defaultdict(deque)
-    posted: list[list | None] = [None] * p  # the open batch per rank: [[op_state...], post_time]
+    posted: list[list | None] = [None] * p  # the open batch per rank: its transfers' states
     n_sent: dict[tuple[int, int], int] = defaultdict(int)
     n_recv: dict[tuple[int, int], int] = defaultdict(int)
 
@@ -177,7 +180,7 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
         ops = []
         while pc[r] < len(instrs) and not instrs[pc[r]].op.is_compute:
             ins = instrs[pc[r]]
-            state = {"rank": r, "index": pc[r], "ins": ins, "done_at": None, "t": clock[r]}
+            state = {"rank": r, "index": pc[r], "ins": ins, "done": False}
             if ins.op.is_send:
                 pair = (r, ins.peer)
                 state["seq"] = n_sent[pair]
@@ -200,13 +203,13 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
                         f"leaving virtual stage {ea[2]}) with rank {b['rank']} instruction {b['index']} "
                         f"({b['ins']}, expecting the {eb[0]} of micro-batch {eb[1]} leaving virtual stage {eb[2]})",
                     )
-                b["done_at"] = max(a["t"], b["t"])  # the receive completes once both sides posted
+                b["done"] = True  # the receive completes once both sides posted
                 if not s.buffered_sends:
-                    a["done_at"] = b["done_at"]
+                    a["done"] = True
             else:
                 mine.append(state)
             if s.buffered_sends and ins.op.is_send:
-                state["done_at"] = state["t"]  # posted; waited only at the end of the step
+                state["done"] = True  # posted; waited only at the end of the step
             ops.append(state)
             pc[r] += 1
         posted[r] = ops
@@ -218,9 +221,8 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
             while True:
                 if posted[r] is not None:
                     ops = posted[r]
-                    if any(o["done_at"] is None for o in ops):
+                    if not all(o["done"] for o in ops):
                         break
-                    clock[r] = max([clock[r]] + [o["done_at"] for o in ops])
                     posted[r] = None
                     progressed = True
                     continue
@@ -228,11 +230,6 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
                     break
                 ins = instrs[pc[r]]
                 if ins.op.is_compute:
-                    # A split backward's halves: half the backward's cost each.
-                    cost = (forward_cost if ins.op is Op.FORWARD else backward_cost if ins.op is Op.BACKWARD
-                            else backward_cost / 2)
-                    res.spans[r].append((clock[r], clock[r] + cost, ins))
-                    clock[r] += cost
                     pc[r] += 1
                 else:
                     post_batch(r)
@@ -243,19 +240,95 @@ def check_schedule(s: PipelineSchedule, *, forward_cost: float = 1.0, backward_c
             blocked = []
             for r in range(p):
                 for o in posted[r] or []:
-                    if o["done_at"] is None:
+                    if not o["done"]:
                         blocked.append(f"rank {r} instruction {o['index']} ({o['ins']}) waits for rank {o['ins'].peer}")
                         break
             first = next(r for r in range(p) if posted[r] is not None)
-            o = next(o for o in posted[first] if o["done_at"] is None)
+            o = next(o for o in posted[first] if not o["done"])
             raise _fail(s, first, o["index"], o["ins"],
                         "deadlock: no rank can make progress; " + "; ".join(blocked))
     for (src, dst), queue in sends.items():
         if queue:
             o = queue[0]
             raise _fail(s, src, o["index"], o["ins"], f"rank {dst} never receives this send")
-    res.makespan = max(clock)
-    return res
+    spans, makespan = _runtime_timing(s, forward_cost, backward_cost)
+    return SimResult(s, spans, makespan, forward_cost, backward_cost)
+
+
+def _runtime_timing(s: PipelineSchedule, forward_cost: float,
+                    backward_cost: float) -> tuple[list[list[tuple[float, float, Instruction]]], float]:
+    """Each rank's compute spans and the makespan under the runtime's semantics (module docstring):
+    a batch's receives are posted when the compute op before it starts, its sends when it is reached;
+    a transfer completes once both are posted. Only called on a schedule pass 2 accepted."""
+    p = s.stages
+    segments: list[list[tuple[list[Instruction], Instruction | None]]] = []  # (transfers, then compute)
+    for instrs in s.ranks:
+        rank_segments, batch = [], []
+        for ins in instrs:
+            if ins.op.is_compute:
+                rank_segments.append((batch, ins))
+                batch = []
+            else:
+                batch.append(ins)
+        rank_segments.append((batch, None))
+        segments.append(rank_segments)
+    posted: dict[tuple[str, int, int, int], float] = {}  # (side, src, dst, n-th on the pair) -> time
+    count: dict[tuple[str, int, int], int] = defaultdict(int)
+
+    def post(side: str, src: int, dst: int, t: float) -> tuple[int, int, int]:
+        n = count[(side, src, dst)]
+        count[(side, src, dst)] += 1
+        posted[(side, src, dst, n)] = t
+        return (src, dst, n)
+
+    def completed(key: tuple[int, int, int]) -> float | None:
+        a, b = posted.get(("send", *key)), posted.get(("recv", *key))
+        return None if a is None or b is None else max(a, b)
+
+    receives: list[dict[int, list]] = [{} for _ in range(p)]  # segment -> its receives' keys
+    sends: list[dict[int, list]] = [{} for _ in range(p)]
+    unwaited: list[list] = [[] for _ in range(p)]  # sends the rank's next non-empty batch waits
+    index, clock = [0] * p, [0.0] * p
+    spans: list[list[tuple[float, float, Instruction]]] = [[] for _ in range(p)]
+
+    def post_receives(r: int, k: int, t: float) -> None:
+        if k < len(segments[r]) and k not in receives[r]:
+            receives[r][k] = [post("recv", ins.peer, r, t) for ins in segments[r][k][0]
+                              if ins.op in (Op.RECV_ACT, Op.RECV_GRAD)]
+
+    while not all(index[r] == len(segments[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while index[r] < len(segments[r]):
+                k = index[r]
+                batch, compute = segments[r][k]
+                post_receives(r, k, clock[r])
+                if k not in sends[r]:
+                    sends[r][k] = [post("send", r, ins.peer, clock[r]) for ins in batch if ins.op.is_send]
+                waits = list(receives[r][k])
+                if batch and not s.buffered_sends:
+                    waits += unwaited[r]
+                if compute is None:  # the end of the step: every send
+                    waits += [key for keys in sends[r].values() for key in keys]
+                done = [completed(key) for key in waits]
+                if None in done:
+                    break
+                start = max([clock[r], *done])
+                if batch and not s.buffered_sends:
+                    unwaited[r] = sends[r][k]
+                if compute is not None:
+                    post_receives(r, k + 1, start)
+                    # A split backward's halves: half the backward's cost each.
+                    cost = (forward_cost if compute.op is Op.FORWARD else backward_cost if compute.op is Op.BACKWARD
+                            else backward_cost / 2)
+                    spans[r].append((start, start + cost, compute))
+                    start += cost
+                clock[r] = start
+                index[r] += 1
+                progressed = True
+        if not progressed:  # pass 2 accepted the schedule under stricter semantics: a bug here
+            raise RuntimeError(f"pipeline schedule {s.name!r}: the runtime-semantics timing made no progress")
+    return spans, max(clock)
 
 
 def render(schedule: PipelineSchedule) -> str:

@@ -315,8 +315,8 @@ def zero_bubble(p: int, m: int) -> PipelineSchedule:
     the gradient has arrived); its next F (once the activation has arrived, while fewer than
     p-r micro-batches on rank r have run F but not B, as in 1F1B, and fewer than p have run F
     but not W: the peak activation memory of 1F1B's first rank, on every rank); its oldest
-    pending W. With 2 ranks that is ZB-H1's (p-1)(F+B-W) of idle time per rank against 1F1B's
-    (p-1)(F+B+W); ``chipset train --print-schedule`` shows the checker's timeline for any shape.
+    pending W. With 2 ranks and an even m that is ZB-H1's (p-1)(F+B-W) of idle time per rank against
+    1F1B's (p-1)(F+B+W); ``chipset train --print-schedule`` shows the checker's timeline for any shape.
     """
     _check_sizes(p, m)
     clock = [0.0] * p
@@ -366,7 +366,7 @@ def zbv(p: int, m: int) -> PipelineSchedule:
     rank its forward started on, and rank p-1 hands its chunk 0's output to its chunk 1 locally.
     Each chunk is half a rank's layers (F = B = W = 1 unit per chunk); the order is the paper's
     (:func:`_v_order`): every rank holds at most 2p chunk micro-batches between F and W (the
-    activation memory of 1F1B's first rank), and once m >= 2p its only idle time is the first
+    activation memory of 1F1B's first rank), and once m >= (3p-1)/2 its only idle time is the first
     activation's way to the last rank, (p-1)/(6m) of the step. Sends are buffered (waited at the
     end of the step): neighbouring ranks send each other activations and gradients both ways.
     """
