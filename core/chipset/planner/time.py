@@ -223,10 +223,8 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     eff = sc.gemm_efficiency(peak)
     # The bubble: p - 1 times the slowest stage's largest chunk, 1/v of its slot when v divides its
     # blocks; else 1/v of the slot plus the blocks its largest chunk holds beyond 1/v of them.
-    if lay.schedule == "zero_bubble":  # ZB-H1: (p-1)(F+B-W), a third of a slot per stage
-        bubble = t_slot * (lay.pp - 1) / 3
-    elif lay.schedule == "zbv":  # the schedule's own idle time: (p-1)/6 of a slot once m >= (3p-1)/2
-        bubble = t_slot * mb * schedule_bubble(lay.pp, mb, 2, "zbv")
+    if lay.schedule in ("zero_bubble", "zbv"):  # parallel.schedule's bubble: (p-1)/3 of a slot for ZB-H1, ZBV's own
+        bubble = t_slot * mb * schedule_bubble(lay.pp, mb, lay.v, lay.schedule)
     elif blocks % lay.v == 0:
         bubble = t_slot * (lay.pp - 1) / lay.v
     else:
