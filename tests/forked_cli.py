@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 
 CLI = [sys.executable, "-m", "chipset.cli.main"]
 # What the server imports once for every run it forks: torch, the CLI, torchrun's launcher, and what
@@ -34,6 +35,15 @@ CLI = [sys.executable, "-m", "chipset.cli.main"]
 _PRELOAD = ["torch", "chipset.cli.main", "torch.distributed.run", "torch.distributed.checkpoint",
             "torch.utils.tensorboard", "forked_cli"]
 _state: dict = {}
+# multiprocessing's Process is not thread-safe in one way the suite meets: ``Process.start`` first
+# polls every child it started before (``multiprocessing.process._cleanup``), so a thread starting a
+# run could read the exit code of another thread's run at the moment that thread read it. The fork
+# server writes the code once, so one reader got it and the other got end-of-file, which
+# multiprocessing reports as exit code 255 (a conformance run in tests/conformance exited "255"
+# once in about 150 full runs of the suite; four threads forking 600 short children without this
+# lock got 85 of them, 2026-12-07). Every start and every read of an exit code holds it; waiting
+# for a run to end does not.
+_exit_lock = threading.Lock()
 
 
 def _child(target: tuple[str, str], argv: list[str], env: dict, cwd: str, base_path: list[str], out: str,
@@ -174,21 +184,26 @@ class Forked:
         self.args = cmd
         self._proc = ctx.Process(target=_child, args=(what, argv, dict(os.environ if env is None else env),
                                                       os.path.abspath(cwd or os.getcwd()), _state["base"], out, err))
-        self._proc.start()
+        with _exit_lock:
+            self._proc.start()
         self.pid = self._proc.pid
 
     @property
     def returncode(self) -> int | None:
-        return self._proc.exitcode
+        with _exit_lock:
+            return self._proc.exitcode
 
     def poll(self) -> int | None:
-        return self._proc.exitcode
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
+        from multiprocessing.connection import wait
+
+        wait([self._proc.sentinel], timeout)  # the sentinel is readable once the exit code is
+        code = self.returncode
+        if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
-        return self._proc.exitcode
+        return code
 
     def terminate(self) -> None:
         self._proc.terminate()
