@@ -112,25 +112,19 @@ def test_every_rank_runs_each_forward_and_backward_once():
         assert f == b == [(c, mb) for c in range(2) for mb in range(8)]
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 16])
-def test_zero_bubble_on_two_ranks_has_the_zb_h1_bubble_with_an_even_m(m):
-    sim = check_schedule(zero_bubble(2, m))
-    if m % 2 == 0:  # an odd m (and one micro-batch) leaves its last forward nothing to overlap: 2 units
-        assert sim.bubble == pytest.approx(1 / (3 * m)) == zero_bubble(2, m).theoretical_bubble()
-    else:
-        assert sim.bubble == pytest.approx(2 / (3 * m))
-    assert sim.makespan < check_schedule(one_f_one_b(2, m)).makespan
-
-
-@pytest.mark.parametrize("p", [3, 4])
-def test_zero_bubble_beats_1f1b_on_more_ranks_at_every_m(p):
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_zero_bubble_idles_zb_h1s_p_minus_1_units_at_every_m(p):
     """Timed as the runtime runs it (each send waited at the next batch, receives posted a compute op
-    ahead). Timed with a batch waiting its own sends, zero bubble fell behind 1F1B from m = 9 (p = 3)
-    and m = 14 (p = 4) on: the runtime does not run it that way."""
-    for m in range(2, 25):
-        zb, one = check_schedule(zero_bubble(p, m)), check_schedule(one_f_one_b(p, m))
-        assert zb.makespan < one.makespan, m
-        assert zb.bubble <= 2 * zero_bubble(p, m).theoretical_bubble(), m  # at most 2(p-1) units idle here
+    ahead). From m = p on every rank idles ZB-H1's p-1 units (F = B = W = 1); with fewer micro-batches
+    2p-1-m. The list-scheduled order before idled 3-5 units at p = 4 and 7-11 at p = 8, and 2 units
+    at p = 2 with an odd m."""
+    for m in range(1, 3 * p + 2):
+        s = zero_bubble(p, m)
+        zb, one = check_schedule(s), check_schedule(one_f_one_b(p, m))
+        assert zb.makespan - 3 * m == max(p - 1, 2 * p - 1 - m), m
+        assert zb.bubble == pytest.approx(s.theoretical_bubble()), m
+        if m > 1:
+            assert zb.makespan < one.makespan, m
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
@@ -140,9 +134,9 @@ def test_zbv_theory_is_its_simulated_bubble_at_every_m(p):
         assert check_schedule(s).bubble == pytest.approx(s.theoretical_bubble()), m
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 2), (4, 8), (8, 16)])
 def test_zero_bubble_runs_each_half_once_and_holds_at_most_p_micro_batches(p, m):
-    for instrs in zero_bubble(p, m).ranks:
+    for r, instrs in enumerate(zero_bubble(p, m).ranks):
         order = {op: [i.mb for i in instrs if i.op is op]
                  for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.BACKWARD)}
         assert order[Op.BACKWARD] == []
@@ -153,6 +147,11 @@ def test_zero_bubble_runs_each_half_once_and_holds_at_most_p_micro_batches(p, m)
             live += {Op.FORWARD: 1, Op.BACKWARD_WEIGHT: -1}.get(ins.op, 0)
             peak = max(peak, live)
         assert peak <= p
+        waiting = most = 0  # forwards whose input half has not run: 1F1B's p-r
+        for ins in instrs:
+            waiting += {Op.FORWARD: 1, Op.BACKWARD_INPUT: -1}.get(ins.op, 0)
+            most = max(most, waiting)
+        assert most == min(p - r, m)
 
 
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (2, 8), (3, 6), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16)])

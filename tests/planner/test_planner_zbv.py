@@ -19,7 +19,7 @@ from chipset.planner.model import PRESETS
 from chipset.planner.search import parse_fix, search
 from chipset.planner.time import evaluate
 from chipset.runtime.pipeline.check import check_schedule
-from chipset.runtime.pipeline.schedules import Op, zbv
+from chipset.runtime.pipeline.schedules import Op, zbv, zero_bubble
 
 DEV = DeviceProperties(name="test", index=0, total_memory=80 * 2**30, peak_flops={"bfloat16": 300e12},
                        memory_bandwidth=2e12, intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
@@ -62,15 +62,16 @@ def test_rank_0_holds_the_embedding_and_the_head_and_the_turn_neither():
 
 
 def test_bubble_is_the_schedules_own_idle_time():
-    """ZBV's bubble in slots is what chipset's schedule idles, as the checker times it: (p-1)/6 of a
-    slot from m = (3p-1)/2 on, more below (rank 0 waits for its micro-batches to come back round the V)."""
+    """The bubble in slots is what chipset's schedule idles, as the checker times it. ZBV: (p-1)/6 of
+    a slot from m = (3p-1)/2 on, more below (rank 0 waits for its micro-batches to come back round
+    the V). Zero bubble: ZB-H1's (p-1)/3 from m = p on, more below."""
     cl = Cluster(1, 4, DEV)
-    for m, zbv_slots in ((2, 10 / 6), (4, 6 / 6), (6, 3 / 6), (8, 3 / 6)):
+    for m, zbv_slots, zb_slots in ((2, 10 / 6, 5 / 3), (4, 6 / 6, 1), (6, 3 / 6, 1), (8, 3 / 6, 1)):
         train = TrainSpec(global_batch=m)
         v = evaluate(LLAMA, Layout(pp=4, schedule="zbv", virtual_stages=2, recompute="full"), train, cl, seq_len=4096)
         zb = evaluate(LLAMA, Layout(pp=4, schedule="zero_bubble", recompute="full"), train, cl, seq_len=4096)
         assert v.bubble_slots == pytest.approx(zbv_slots) == pytest.approx(check_schedule(zbv(4, m)).bubble * m)
-        assert zb.bubble_slots == pytest.approx(3 / 3)
+        assert zb.bubble_slots == pytest.approx(zb_slots) == pytest.approx(check_schedule(zero_bubble(4, m)).bubble * m)
 
 
 def test_fix_plans_zbv_and_the_search_never_proposes_it():

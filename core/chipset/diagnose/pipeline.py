@@ -6,7 +6,7 @@ Measured bubble of a rank in a step: its seconds blocked in point-to-point ops (
 busy seconds (its step time, ``compute_s + comm_s + idle_s``, less that wait and its
 ``data_wait_s``). It is the quantity the theory gives, idle time over ideal time
 (:func:`chipset.parallel.schedule.bubble_fraction`, docs/formulas.md): (p-1)/m for GPipe and
-1F1B, (p-1)/(v·m) interleaved, (p-1)/(3m) zero bubble. Busy time includes the optimizer and the other collectives, which
+1F1B, (p-1)/(v·m) interleaved, max(p-1, 2p-1-m)/(3m) zero bubble, max(p-1, 4p-2-2m)/(6m) ZBV. Busy time includes the optimizer and the other collectives, which
 the theory leaves out, so the measurement errs low.
 
 A step's bubble is the smallest over its ranks: the rank that waited least relative to its work.
@@ -82,7 +82,7 @@ def pipeline_bubble(recs, summary):
     mean = sum(b[0] for _, b in measured) / len(measured)
     excess = sum(b[2] - theory * b[3] for _, b in measured) / len(measured)
     few = theory > SLOW_PIPELINE - 1  # the schedule's own bubble is large: more micro-batches shrink it
-    formula = {"zero_bubble": "(pp-1)/(3m)", "zbv": "(pp-1)/(6m)"}.get(name, "(pp-1)/(v*m)")
+    formula = {"zero_bubble": "max(pp-1, 2pp-1-m)/(3m)", "zbv": "max(pp-1, 4pp-2-2m)/(6m)"}.get(name, "(pp-1)/(v*m)")
     return [dict(
         kind="pipeline_bubble", severity="warning", rank=None, step=over[0][0],
         title=f"pipeline bubble {mean:.0%} of busy time, {(1 + mean) / (1 + theory):.2f}x what the {name} schedule "

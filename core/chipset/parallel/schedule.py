@@ -20,16 +20,18 @@ Qi et al. 2024)."""
 
 def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
     """Idle pipeline time over ideal time (docs/formulas.md): (p-1)/m for GPipe and 1F1B,
-    (p-1)/(v*m) interleaved, (p-1)/(3m) zero bubble (ZB-H1's (p-1)(F+B-W) idle time over
-    m(F+B+W), with a backward's input and weight halves each as long as a forward), and for ZBV
+    (p-1)/(v*m) interleaved, max(p-1, 2p-1-m)/(3m) zero bubble (from m >= p ZB-H1's (p-1)(F+B-W)
+    idle time over m(F+B+W), with a backward's input and weight halves each as long as a forward;
+    with fewer micro-batches the first rank waits out the whole round trip), and for ZBV
     max(p-1, 4p-2-2m) chunk units over 2m chunks' F+B+W: from m >= (3p-1)/2 its ranks idle only while
     the first micro-batch's activation reaches the last one (p-1 chunk forwards, (p-1)/(6m)); with
-    fewer micro-batches rank 0 also waits for them to come back round the V. The ZBV value is the
-    runtime's schedule's exactly, as :func:`chipset.runtime.pipeline.check.check_schedule` times it
-    (a unit test compares them for p = 2, 3, 4, 5, 8 and m from 1 to 3p)."""
+    fewer micro-batches rank 0 also waits for them to come back round the V. The zero-bubble and ZBV
+    values are the runtime's schedules' exactly, as :func:`chipset.runtime.pipeline.check.check_schedule`
+    times them (unit tests compare them for p = 2, 3, 4, 5, 8 and m from 1 to 3p)."""
     if schedule == "zbv":
         p, m = stages, micro_batches
         return max(p - 1, 4 * p - 2 - 2 * m) / (6 * m)
     if schedule == "zero_bubble":
-        return (stages - 1) / (3 * micro_batches)
+        p, m = stages, micro_batches
+        return max(p - 1, 2 * p - 1 - m) / (3 * m)
     return (stages - 1) / (virtual_stages * micro_batches)

@@ -138,7 +138,7 @@ def project(cfg: Any, world_size: int, comm: dict, profile: str,
                 other += t
         slot = t_compute / mb + other / mb
         # the slowest stage's slots, as evaluate counts them: (p-1)/v, more when its chunks are uneven,
-        # (p-1)/3 for zero_bubble, (p-1)/6 for zbv from m = 2p
+        # max(p-1, 2p-1-m)/3 for zero_bubble, max(p-1, 4p-2-2m)/6 for zbv
         bubble = slot * base.bubble_slots
         dp_exposed = dp_exposed_time(dp_items, t_compute / mb * fwd_share, t_compute / mb * (1 - fwd_share), mb, a)
         step = slot * mb + bubble + dp_exposed + base.breakdown["optimizer"] + base.breakdown["host"]

@@ -13,8 +13,9 @@ Per micro-batch on the slowest stage:
 Pipeline: (m + (p-1)/v) micro-batch slots, i.e. a bubble of (p-1)/m for GPipe and 1F1B
 and (p-1)/(v·m) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2); when v does not
 divide the slowest stage's c blocks, each of the p-1 bubble slots also holds the ⌈c/v⌉ - c/v
-blocks by which its largest chunk exceeds 1/v of them. Zero bubble (ZB-H1) leaves (p-1)/3 of a slot
-idle, ZBV max(p-1, 4p-2-2m)/6: (p-1)/6 once m >= (3p-1)/2 (Qi et al. 2023, 2024; docs/formulas.md).
+blocks by which its largest chunk exceeds 1/v of them. Zero bubble leaves max(p-1, 2p-1-m)/3 of a
+slot idle (ZB-H1's (p-1)/3 once m >= p), ZBV max(p-1, 4p-2-2m)/6: (p-1)/6 once m >= (3p-1)/2 (Qi et
+al. 2023, 2024; docs/formulas.md); both are the runtime's schedules' simulated idle time, exactly.
 Data parallel: gradient reduction overlaps the last micro-batch's backward, the parameter
 all-gather the first micro-batch's forward; ZeRO-3's per-micro-batch gathers overlap each
 micro-batch's forward and backward. Only the excess is exposed.
@@ -91,7 +92,7 @@ class Prediction:
     ("ends" under ZBV: rank 0, with the embedding and the head)."""
     bubble_slots: float = 0.0
     """The bubble in slots of the slowest stage: (p-1)/v, more when its blocks split unevenly over its
-    chunks; (p-1)/3 for zero_bubble, max(p-1, 4p-2-2m)/6 for zbv (its schedule's, exactly)."""
+    chunks; max(p-1, 2p-1-m)/3 for zero_bubble, max(p-1, 4p-2-2m)/6 for zbv (their schedules', exactly)."""
 
     @property
     def fits(self) -> bool:
@@ -132,7 +133,7 @@ def launch_floor(blocks: int, recompute: str, a: Assumptions) -> int:
 def bubble_fraction(pp: int, micro_batches: int, v: int = 1, schedule: str = "1f1b") -> float:
     """Idle pipeline time over ideal time: the runtime's formula (one declaration,
     :func:`chipset.parallel.schedule.bubble_fraction`): (p-1)/m, (p-1)/(v·m) interleaved,
-    (p-1)/(3m) zero bubble."""
+    max(p-1, 2p-1-m)/(3m) zero bubble, max(p-1, 4p-2-2m)/(6m) ZBV."""
     return schedule_bubble(pp, micro_batches, v, schedule)
 
 
@@ -223,7 +224,7 @@ def evaluate(m: ModelSpec, lay: Layout, train: TrainSpec, cl: Cluster,
     eff = sc.gemm_efficiency(peak)
     # The bubble: p - 1 times the slowest stage's largest chunk, 1/v of its slot when v divides its
     # blocks; else 1/v of the slot plus the blocks its largest chunk holds beyond 1/v of them.
-    if lay.schedule in ("zero_bubble", "zbv"):  # parallel.schedule's bubble: (p-1)/3 of a slot for ZB-H1, ZBV's own
+    if lay.schedule in ("zero_bubble", "zbv"):  # the schedule's own idle time, exactly
         bubble = t_slot * mb * schedule_bubble(lay.pp, mb, lay.v, lay.schedule)
     elif blocks % lay.v == 0:
         bubble = t_slot * (lay.pp - 1) / lay.v

@@ -310,52 +310,43 @@ def zero_bubble(p: int, m: int) -> PipelineSchedule:
     split into its input-gradient half B, which the previous stage waits for, and its
     weight-gradient half W, which nothing waits for and so fills the time 1F1B leaves idle.
 
-    The order is list-scheduled once, with F = B = W = 1 time unit: whenever a rank is free it
-    runs whichever of these can start earliest (B before F before W at a tie): its next B (once
-    the gradient has arrived); its next F (once the activation has arrived, while fewer than
-    p-r micro-batches on rank r have run F but not B, as in 1F1B, and fewer than p have run F
-    but not W: the peak activation memory of 1F1B's first rank, on every rank); its oldest
-    pending W. With 2 ranks and an even m that is ZB-H1's (p-1)(F+B-W) of idle time per rank against
-    1F1B's (p-1)(F+B+W); ``chipset train --print-schedule`` shows the checker's timeline for any shape.
+    Rank r runs p-r forwards (1F1B's warm-up and its first steady forward), then for each
+    micro-batch its B, the oldest weight halves while more than r are pending, and its next F;
+    then the weight halves left. So rank r keeps r weight halves back through the steady state:
+    the last rank runs F B F B while the gradients travel back, and each rank's held-back weight
+    halves fill the time it would wait at the end of the step for the last gradient. At most p-r
+    micro-batches have run F but not B on rank r (as in 1F1B) and at most p have run F but not W
+    (the activation memory of 1F1B's first rank, on every rank). With F = B = W = 1 unit every
+    rank idles max(p-1, 2p-1-m) units: ZB-H1's (p-1)(F+B-W) once m >= p, against 1F1B's
+    (p-1)(F+B+W). That is its timing under the runtime's transfer semantics too
+    (:func:`chipset.runtime.pipeline.check.check_schedule`; a unit test compares them);
+    ``chipset train --print-schedule`` shows the timeline for any shape.
     """
     _check_sizes(p, m)
-    clock = [0.0] * p
-    act: list[dict[int, float]] = [{i: 0.0 for i in range(m)}] + [{} for _ in range(p - 1)]  # arrival times
-    grad: list[dict[int, float]] = [{} for _ in range(p)]
-    next_f, next_b, weights_done = [0] * p, [0] * p, [0] * p
-    pending_w: list[list[int]] = [[] for _ in range(p)]
-    order: list[list[tuple[Instruction, ...]]] = [[] for _ in range(p)]
-    while any(len(o) < 3 * m for o in order):
-        best = None  # (start, priority, rank, op)
-        for r in range(p):
-            options = []
-            if next_b[r] < next_f[r] and (r == p - 1 or next_b[r] in grad[r]):
-                options.append((max(clock[r], grad[r].get(next_b[r], 0.0)), 0, r, Op.BACKWARD_INPUT))
-            if (next_f[r] < m and next_f[r] in act[r] and next_f[r] - next_b[r] < p - r
-                    and next_f[r] - weights_done[r] < p):
-                options.append((max(clock[r], act[r][next_f[r]]), 1, r, Op.FORWARD))
-            if pending_w[r]:
-                options.append((clock[r], 2, r, Op.BACKWARD_WEIGHT))
-            if options and (best is None or min(options) < best):
-                best = min(options)
-        start, _, r, op = best
-        clock[r] = start + 1.0
-        if op is Op.FORWARD:
-            mb = next_f[r]
-            next_f[r] += 1
-            if r < p - 1:
-                act[r + 1][mb] = clock[r]
-        elif op is Op.BACKWARD_INPUT:
-            mb = next_b[r]
-            next_b[r] += 1
-            pending_w[r].append(mb)
-            if r > 0:
-                grad[r - 1][mb] = clock[r]
-        else:
-            mb = pending_w[r].pop(0)
-            weights_done[r] += 1
-        order[r].append((Instruction(op, mb, 0),))
-    return with_transfers("zero_bubble", p, m, 1, order)
+    return with_transfers("zero_bubble", p, m, 1, [_h1_rank_order(p, m, r) for r in range(p)])
+
+
+def _h1_rank_order(p: int, m: int, r: int) -> list[tuple[Instruction, ...]]:
+    order: list[tuple[Instruction, ...]] = []
+
+    def run(op: Op, mb: int) -> None:
+        order.append((Instruction(op, mb, 0),))
+
+    forwards, backwards, weights = min(p - r, m), 0, 0
+    for mb in range(forwards):
+        run(Op.FORWARD, mb)
+    while backwards < m:
+        run(Op.BACKWARD_INPUT, backwards)
+        backwards += 1
+        while backwards - weights > r:
+            run(Op.BACKWARD_WEIGHT, weights)
+            weights += 1
+        if forwards < m:
+            run(Op.FORWARD, forwards)
+            forwards += 1
+    for mb in range(weights, m):
+        run(Op.BACKWARD_WEIGHT, mb)
+    return order
 
 
 def zbv(p: int, m: int) -> PipelineSchedule:
