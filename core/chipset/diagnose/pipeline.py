@@ -82,7 +82,7 @@ def pipeline_bubble(recs, summary):
     mean = sum(b[0] for _, b in measured) / len(measured)
     excess = sum(b[2] - theory * b[3] for _, b in measured) / len(measured)
     few = theory > SLOW_PIPELINE - 1  # the schedule's own bubble is large: more micro-batches shrink it
-    formula = {"zero_bubble": "max(pp-1, 2pp-1-m)/(3m)", "zbv": "max(pp-1, 4pp-2-2m)/(6m)"}.get(name, "(pp-1)/(v*m)")
+    formula = {"zero_bubble": "max(pp-1, 2*pp-1-m)/(3m)", "zbv": "max(pp-1, 4*pp-2-2m)/(6m)"}.get(name, "(pp-1)/(v*m)")
     return [dict(
         kind="pipeline_bubble", severity="warning", rank=None, step=over[0][0],
         title=f"pipeline bubble {mean:.0%} of busy time, {(1 + mean) / (1 + theory):.2f}x what the {name} schedule "
