@@ -265,6 +265,17 @@ def _kernel_inputs(name, dt, dev, big: bool):
     if name == "scaled_dot_product_attention":
         b, h, s, d = (4, 32, 2048, 128) if big else (2, 4, 100, 64)
         return [r(b, h, s, d), r(b, h, s, d), r(b, h, s, d)], {"causal": True}, [0, 1, 2]
+    if name == "grouped_mm":
+        # MoE experts as the layer passes them: [tokens x top-k, hidden] rows sorted by expert, the
+        # weights a transposed view. Big: a Qwen3-30B-A3B layer (hidden 2048, expert width 768, 128
+        # experts, top-8) over 8,192 tokens, routed at random; small: groups of 5, 0, 15 and 17 rows.
+        experts, hidden, width, rows = (128, 2048, 768, 8192 * 8) if big else (4, 64, 48, 37)
+        if big:
+            sizes = torch.bincount(torch.randint(0, experts, (rows,), generator=g), minlength=experts)
+        else:
+            sizes = torch.tensor([5, 0, 15, 17])
+        offs = sizes.cumsum(0).to(torch.int32).to(dev)
+        return [r(rows, hidden), r(experts, width, hidden, scale=hidden ** -0.5).transpose(1, 2), offs], {}, [0, 1]
     raise KeyError(name)
 
 
@@ -286,7 +297,7 @@ def _fwd_bwd(fn, args, kwargs, need, upstream=None):
     return out.detach(), [args[i].grad for i in need]
 
 
-KERNELS = ("rms_norm", "rotary_embedding", "swiglu", "cross_entropy", "scaled_dot_product_attention")
+KERNELS = ("rms_norm", "rotary_embedding", "swiglu", "cross_entropy", "scaled_dot_product_attention", "grouped_mm")
 
 
 def kernels_vs_reference() -> dict:

@@ -194,7 +194,7 @@ def test_kernels_register_with_predicates_that_reject_cpu_tensors(device, monkey
     reg = KernelRegistry("cuda")
     backend.spec.register_kernels(reg, device)
     registered = {n for n in reg.names() if reg.implementations(n)}
-    assert {"scaled_dot_product_attention", "fused_adamw"} <= registered
+    assert {"scaled_dot_product_attention", "fused_adamw", "grouped_mm"} <= registered
     from chipset_cuda.kernels import triton_importable
 
     if triton_importable():
@@ -204,3 +204,10 @@ def test_kernels_register_with_predicates_that_reject_cpu_tensors(device, monkey
     assert reg.select("rms_norm", x, w) is reg.reference("rms_norm")
     q = torch.randn(1, 2, 4, 8)
     assert reg.select("scaled_dot_product_attention", q, q, q) is reg.reference("scaled_dot_product_attention")
+    x, w = torch.randn(16, 8, dtype=torch.bfloat16), torch.randn(2, 8, 8, dtype=torch.bfloat16)
+    assert reg.select("grouped_mm", x, w, torch.tensor([8, 16], dtype=torch.int32)) is reg.reference("grouped_mm")
+    # What the predicate asks a GPU once: a tiny padded bfloat16 call, forward and backward, right.
+    # torch runs the op on the CPU too (a matmul per group), so the call's own checks run here.
+    from chipset_cuda.kernels import grouped_mm_runs
+
+    assert grouped_mm_runs(torch.device("cpu")) == hasattr(torch, "_grouped_mm")

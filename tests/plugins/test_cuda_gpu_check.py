@@ -292,3 +292,35 @@ def test_the_summary_shows_the_comparison_steps():
     assert f"| LoRA rank {peers.LORA_RANK} | 8.7 | 0.0039 | 160000 |" in text and "LoRA/full peak memory 0.5" in text
     assert "| llama3_1b:eager | torchtitan | 128000 | 0.48 | 17.4 | 10.4 -> 6.2 | 1.25 |" in text
     assert "Not selected (--steps): conformance." in text
+
+
+def test_the_kernel_steps_inputs_run_through_each_reference_and_the_grouped_gemm_body():
+    """kernels_vs_reference and kernel_speed feed these inputs to the cuda kernel and the reference:
+    here, on the CPU in float32, the reference takes them forward and backward, and the cuda
+    backend's grouped_mm body (its padding to 8 rows; the op itself runs on the CPU too) gives
+    the reference's answer on them."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_check
+
+    from chipset.kernels import reference
+    from chipset_cuda import kernels
+
+    for name in gpu_check.KERNELS:
+        args, kwargs, need = gpu_check._kernel_inputs(name, torch.float32, torch.device("cpu"), big=False)
+        out, grads = gpu_check._fwd_bwd(getattr(reference, name), args, kwargs, need)
+        assert out.isfinite().all() and len(grads) == len(need), name
+    (x, w, offs), _, need = gpu_check._kernel_inputs("grouped_mm", torch.float32, torch.device("cpu"), big=False)
+    if hasattr(torch, "_grouped_mm"):
+        up = gpu_check._upstream(reference.grouped_mm(x, w, offs))
+        got = gpu_check._fwd_bwd(kernels.grouped_mm, [x, w, offs], {}, need, up)
+        want = gpu_check._fwd_bwd(reference.grouped_mm, [x, w, offs], {}, need, up)
+        # Each is a float32 sum of n products, in some order: within n * eps * sum|products| of each other
+        # (dot products of 64 forward, of 48 for the input gradient, of a group's <= 17 rows for the weights').
+        eps = torch.finfo(torch.float32).eps
+        ends = offs.tolist()
+        bounds = [2 * 64 * eps * reference.grouped_mm(x.abs(), w.abs(), offs),
+                  2 * 48 * eps * reference.grouped_mm(up.abs(), w.abs().transpose(1, 2), offs),
+                  torch.stack([2 * 17 * eps * (x[a:b].abs().t() @ up[a:b].abs())
+                               for a, b in zip([0, *ends[:-1]], ends, strict=True)])]
+        for a, b, bound in zip([got[0], *got[1]], [want[0], *want[1]], bounds, strict=True):
+            assert (a - b).abs().le(bound).all()

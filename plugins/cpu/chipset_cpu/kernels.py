@@ -31,7 +31,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from chipset.kernels import reference
+from chipset.kernels import grouped, reference
 from chipset_cpu.grouped_mlp import grouped_mlp, grouped_mlp_available
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -158,27 +158,13 @@ def _cpu_grouped_mm() -> bool:
 
 
 def grouped_mm_available(x, w, offs) -> bool:
-    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1], w.shape[-2]))  # its strides
-    return (_cpu(x, w, offs) and aligned and _cpu_grouped_mm() and x.dtype in _FLOATS and w.dtype == x.dtype
+    return (_cpu(x, w, offs) and _cpu_grouped_mm() and x.dtype in _FLOATS and w.dtype == x.dtype
             and x.dim() == 2 and w.dim() == 3 and offs.dtype == torch.int32 and offs.dim() == 1
-            and offs.shape[0] == w.shape[0] and x.shape[1] == w.shape[1])
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient: torch._grouped_mm's backward
-    refuses an expanded one (stride 0, e.g. from ``y.sum()``)."""
-
-    @staticmethod
-    def forward(ctx, y):
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
+            and offs.shape[0] == w.shape[0] and x.shape[1] == w.shape[1] and grouped.strides_aligned(x, w))
 
 
 def grouped_mm(x, w, offs):
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+    return grouped.grouped_mm(x, w, offs)
 
 
 KERNELS = {

@@ -7,6 +7,10 @@
 - rms_norm, rotary_embedding, swiglu, cross_entropy: Triton kernels with a Triton
   backward (``chipset_cuda.triton_kernels``), registered only when triton is importable.
 - fp8_matmul: ``torch._scaled_mm`` on FP8 tensor cores (``chipset_cuda.fp8``).
+- grouped_mm: ``torch._grouped_mm``, every MoE expert's GEMM in one grouped kernel (bfloat16,
+  where a tiny call on the GPU runs and gives the right answer: compute capability 8.0 and later,
+  as this torch build covers), each expert's rows padded to a multiple of 8 (16 bytes), as
+  torchtitan pads its token groups for the same kernel.
 
 Every predicate takes the reference's arguments and returns False for anything it does
 not handle exactly, so the registry falls back to the core reference. Tensors must live
@@ -26,7 +30,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from chipset.kernels import reference
+from chipset.kernels import grouped, reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -64,6 +68,47 @@ def scaled_dot_product_attention(q, k, v, mask=None, causal=False, scale=None):
     # finite non-zero rows on an H200 (torch 2.11); the CPU kernel gives zeros.
     attends = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask > float("-inf")).any(-1, keepdim=True)
     return out.masked_fill(~attends, 0.0)
+
+
+# --- grouped GEMM (MoE experts) ---------------------------------------------------------------
+GROUPED_ALIGN_ROWS = 8  # bfloat16 rows: each expert's rows start 16 bytes apart along the weight gradient's K
+
+
+def grouped_mm_available(x, w, offs) -> bool:
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and isinstance(offs, torch.Tensor)):
+        return False
+    if not (x.is_cuda and w.is_cuda and offs.is_cuda and hasattr(torch, "_grouped_mm")):
+        return False
+    if x.dtype != torch.bfloat16 or w.dtype != x.dtype or offs.dtype != torch.int32:
+        return False
+    if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0] or x.shape[1] != w.shape[1]:
+        return False
+    return grouped.strides_aligned(x, w) and _device_runs_grouped_mm(x.device.index or 0)
+
+
+@cache
+def _device_runs_grouped_mm(index: int) -> bool:
+    """Whether this torch build runs ``torch._grouped_mm`` in bfloat16 on GPU ``index``, forward and
+    backward: its kernel needs compute capability 8.0 or later, and torch releases differ in
+    which they cover (the first ones only 9.0). Asked once per GPU."""
+    return torch.cuda.get_device_capability(index) >= (8, 0) and grouped_mm_runs(torch.device("cuda", index))
+
+
+def grouped_mm_runs(dev: torch.device) -> bool:
+    """A tiny padded bfloat16 call on ``dev``, forward and backward, gives the right answer."""
+    try:
+        x = torch.ones(16, 16, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.ones(2, 16, 16, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        y = grouped.grouped_mm(x, w, torch.tensor([3, 16], device=dev, dtype=torch.int32), align_rows=GROUPED_ALIGN_ROWS)
+        y.backward(torch.ones_like(y))
+        rows = torch.tensor([3.0, 13.0], device=dev).view(2, 1, 1)  # each group's rows: its weights' gradient
+        return bool(y.float().eq(16).all() and w.grad.float().eq(rows).all() and x.grad.float().eq(16).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def grouped_mm(x, w, offs):
+    return grouped.grouped_mm(x, w, offs, align_rows=GROUPED_ALIGN_ROWS)
 
 
 # --- fused AdamW ---------------------------------------------------------------------------
@@ -212,6 +257,9 @@ def register(registry, hip: bool = False) -> None:
                       available=sdpa_available, description="torch SDPA (flash / memory-efficient / cuDNN)")
     registry.register("fused_adamw", fused_adamw, priority=10, available=fused_adamw_available,
                       description="torch._fused_adamw_ (fused multi-tensor AdamW)")
+    if not hip:  # grouped GEMM's CUDA kernel is CUTLASS-built for NVIDIA GPUs
+        registry.register("grouped_mm", grouped_mm, priority=10, available=grouped_mm_available,
+                          description="torch._grouped_mm (every MoE expert in one grouped GEMM, bfloat16)")
     if not hip:  # Capabilities.fp8 is declared for NVIDIA GPUs of compute capability >= 8.9 only
         from chipset_cuda.fp8 import fp8_matmul, fp8_matmul_available
 
