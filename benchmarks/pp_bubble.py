@@ -7,7 +7,7 @@ schedule and m, after a warm-up step, ``--steps`` steps are timed: bubble =
 (makespan over all ranks of the step's compute instructions) / (mean per-rank busy
 time) - 1. Reported: the median and the minimum over steps, theory (``bubble_fraction``) and the
 schedule checker's simulated bubble (its timeline under the runtime's transfer semantics, with
-F = 1, B = 2 units: for GPipe, 1F1B, interleaved and ZBV equal to theory; zero bubble's differs).
+F = 1, B = 2 units: equal to theory for every schedule since zero bubble runs ZB-H1's own order).
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/pp_bubble.py \
         [--schedules gpipe,1f1b,interleaved_1f1b,zero_bubble,zbv] [--micro-batches 4,8] [--steps 3] [--json OUT]

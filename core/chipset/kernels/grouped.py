@@ -5,7 +5,8 @@ Shared by the backends that register it, so each keeps only its predicate (devic
 its torch build runs). Two things the bare op does not do:
 
 - its backward refuses an expanded upstream gradient (stride 0, as ``y.sum()`` gives): the
-  output passes through an identity whose backward hands on a contiguous one;
+  unpadded call's output passes through an identity whose backward hands on a contiguous one
+  (the padded call's gather does that already);
 - a device kernel may need each group's rows to start at an aligned offset (its weight gradient
   splits the rows between groups, and a tile load wants 16-byte aligned starts): with
   ``align_rows`` > 1 every group is padded with zero rows to a multiple of it, the op runs on the
@@ -53,4 +54,4 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, align_rows:
     dest = torch.arange(rows, device=x.device) + shift[group]
     xp = x.new_zeros(rows + groups * (align_rows - 1), x.shape[1]).index_copy(0, dest, x)
     yp = torch._grouped_mm(xp, w, offs=padded_ends.to(torch.int32))
-    return _ContiguousGrad.apply(yp.index_select(0, dest))
+    return yp.index_select(0, dest)  # its backward hands the op a fresh, contiguous gradient
