@@ -30,6 +30,22 @@ def test_cpu_grouped_mm_equals_the_loop_forward_and_backward_from_a_sum():
         torch.testing.assert_close(a, b, rtol=16 * torch.finfo(torch.float32).eps, atol=1e-6)
 
 
+
+def test_cpu_grouped_mm_is_chosen_when_first_asked_under_compile_and_no_grad():
+    """The cpu backend asks once whether this torch runs the op (forward and backward). If the first
+    MoE layer to ask is being compiled under no_grad (an evaluation before training), the answer
+    is still this torch's, and the compiled code has no graph break."""
+    cpu_kernels._cpu_grouped_mm.forget()  # as in a fresh process: not asked yet
+    x, w = torch.ones(8, 4), torch.ones(2, 4, 4)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+
+    def layer(x, w, offs):
+        return x * 2 if cpu_kernels.grouped_mm_available(x, w, offs) else x - 1
+
+    with torch.no_grad():
+        out = torch.compile(layer, backend="eager", fullgraph=True)(x, w, offs)
+    assert out.eq(2.0 if hasattr(torch, "_grouped_mm") else 0.0).all()
+
 def _bound(x, w, offs, n):
     """Per-element error bound of a float32 grouped product whose dot products add ``n`` terms
     (ordered any way): n * eps * (|x| @ |w|) per group, through the reference on absolute values."""

@@ -211,3 +211,28 @@ def test_kernels_register_with_predicates_that_reject_cpu_tensors(device, monkey
     from chipset_cuda.kernels import grouped_mm_runs
 
     assert grouped_mm_runs(torch.device("cpu")) == hasattr(torch, "_grouped_mm")
+
+
+def test_grouped_mm_probe_runs_once_untraced_and_with_gradients_whatever_the_caller(monkeypatch):
+    """The first MoE layer to ask whether a GPU runs the grouped kernel may be inside torch.compile's
+    tracing, or under no_grad or inference_mode: the probe (real work, forward and backward) still
+    runs once, for real, and its answer holds (here on the CPU, where torch runs the op too)."""
+    from chipset_cuda import kernels
+
+    kernels.device_runs_grouped_mm.forget()  # as in a fresh process: not asked yet
+    asked, probe = [], kernels.grouped_mm_runs
+    monkeypatch.setattr(kernels, "grouped_mm_runs", lambda dev: asked.append(dev) or probe(dev))
+
+    def layer(x):
+        return x * 2 if kernels.device_runs_grouped_mm(x.device) else x - 1
+
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)  # a graph break fails here
+    with torch.no_grad():
+        outs = [compiled(torch.ones(2)) for _ in range(3)]
+    expected = 2.0 if hasattr(torch, "_grouped_mm") else 0.0
+    assert all(out.eq(expected).all() for out in outs)
+    assert asked == [torch.device("cpu")]
+    kernels.device_runs_grouped_mm.forget()
+    with torch.inference_mode():
+        assert kernels.device_runs_grouped_mm(torch.device("cpu")) == hasattr(torch, "_grouped_mm")
+    kernels.device_runs_grouped_mm.forget()

@@ -25,13 +25,13 @@ product in the input dtype), beyond the conformance tolerances for those dtypes.
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 
 from chipset.kernels import grouped, reference
+from chipset.kernels.asked import asked_once
 from chipset_cpu.grouped_mlp import grouped_mlp, grouped_mlp_available
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -142,7 +142,7 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
     return F.cross_entropy(lf, target, ignore_index=ignore_index, reduction="sum") / count
 
 
-@functools.cache
+@asked_once
 def _cpu_grouped_mm() -> bool:
     """Whether this torch runs ``torch._grouped_mm`` on the CPU, forward and backward (torch 2.8 has
     the op for CUDA only; a later release added the CPU kernel)."""

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from chipset.kernels import grouped, reference
+from chipset.kernels.asked import asked_once
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -83,15 +84,17 @@ def grouped_mm_available(x, w, offs) -> bool:
         return False
     if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0] or x.shape[1] != w.shape[1]:
         return False
-    return grouped.strides_aligned(x, w) and _device_runs_grouped_mm(x.device.index or 0)
+    return grouped.strides_aligned(x, w) and device_runs_grouped_mm(x.device)
 
 
-@cache
-def _device_runs_grouped_mm(index: int) -> bool:
-    """Whether this torch build runs ``torch._grouped_mm`` in bfloat16 on GPU ``index``, forward and
-    backward: its kernel needs compute capability 8.0 or later, and torch releases differ in
-    which they cover (the first ones only 9.0). Asked once per GPU."""
-    return torch.cuda.get_device_capability(index) >= (8, 0) and grouped_mm_runs(torch.device("cuda", index))
+@asked_once
+def device_runs_grouped_mm(dev: torch.device) -> bool:
+    """Whether this torch build runs ``torch._grouped_mm`` in bfloat16 on ``dev``, forward and
+    backward: on a GPU its kernel needs compute capability 8.0 or later, and torch releases differ
+    in which they cover (the first ones only 9.0). Asked once per device, with gradients on, and
+    untraced when the first MoE layer to ask is being compiled (:func:`chipset.kernels.asked.asked_once`)."""
+    capable = dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 0)
+    return capable and grouped_mm_runs(dev)
 
 
 def grouped_mm_runs(dev: torch.device) -> bool:
