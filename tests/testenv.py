@@ -72,6 +72,14 @@ def fresh_python(code: str, timeout: int = 300) -> str:
     return proc.stdout
 
 
+def compiler_modules_after(code: str) -> list[str]:
+    """torch's compiler modules (dynamo, inductor) a fresh interpreter has loaded after ``code``:
+    each costs about a second of CPU and 100 MiB in every process that imports it."""
+    out = fresh_python(code + "\nimport sys\n"
+                       "print(','.join(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n")
+    return [m for m in out.strip().split(",") if m]
+
+
 def chipset_train(run_dir, nproc: int, sets, *, env: dict[str, str], timeout: int = 600, cwd=None):
     """``chipset train --nproc N --run-dir DIR --set k=v ...`` as a subprocess (output captured)."""
     import forked_cli

@@ -46,12 +46,10 @@ def test_a_compiled_caller_under_no_grad_gets_the_answer_of_one_real_backward():
 
 
 def test_loading_the_backends_kernels_imports_no_compiler():
-    code = ("import os, sys\n"
+    code = ("import os\n"
             "os.environ.pop('CHIPSET_DISABLE_PLUGINS', None)\n"
             "import chipset\n"
             "for name in ('cpu', 'cpu_sim'):\n"
             "    chipset.backend(name).device.set_device(0)\n"
-            "import chipset_cpu.kernels, chipset_cuda.kernels\n"
-            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n")
-    out = testenv.fresh_python(code)
-    assert out.strip() == "[]", out
+            "import chipset_cpu.kernels, chipset_cuda.kernels\n")
+    assert testenv.compiler_modules_after(code) == []
