@@ -12,8 +12,12 @@ dp=2, ZeRO-3) vs FSDP2 ``fully_shard``; ``pp`` (chipset pp=2, 1F1B) vs
 ``torch.distributed.pipelining`` ``Schedule1F1B``, both over ``--pp-micro-batches``.
 The plain trainer never imports chipset. Both get ``OMP_NUM_THREADS`` = cores / 2.
 
+``--bare-engine`` adds a third side: chipset's engine in a bare loop of the plain script's shape
+(benchmarks/engine_loop.py: no metrics, no signal check), to tell the engine's speed from what
+``chipset train``'s loop adds; the three then take turns leading.
+
     python benchmarks/vs_plain_torch.py [--sizes S,M,L] [--layouts dp,zero3,pp] [--reps 3] \\
-        [--steps 10] [--compile] [--json OUT]
+        [--steps 10] [--compile] [--bare-engine] [--json OUT]
 """
 
 from __future__ import annotations
@@ -74,6 +78,20 @@ def run_chipset(size: str, layout: str, a) -> dict:
             "first_step_s": first["step_time_s"]}
 
 
+def run_engine(size: str, layout: str, a) -> dict:
+    h, n, heads, kv, ffn, vocab = SIZES[size]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(HERE / "engine_loop.py"), "--layout", layout, "--hidden", str(h), "--layers", str(n),
+           "--heads", str(heads), "--kv-heads", str(kv), "--ffn", str(ffn), "--vocab", str(vocab),
+           "--seq", str(a.seq), "--batch", str(a.batch), "--steps", str(a.steps),
+           "--micro-batches", str(a.pp_micro_batches)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(_env(), CHIPSET_BACKEND=a.backend), timeout=1800)
+    results = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not results:
+        raise SystemExit(f"engine loop failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return {"tokens_per_s": json.loads(results[-1])["tokens_per_s"]}
+
+
 def run_torch(size: str, layout: str, a) -> dict:
     h, n, heads, kv, ffn, vocab = SIZES[size]
     mode = {"dp": "ddp", "zero3": "fsdp2", "pp": "pp"}[layout]
@@ -106,34 +124,40 @@ def main() -> None:
     ap.add_argument("--pp-micro-batches", type=int, default=4)
     ap.add_argument("--backend", default="cpu", help="chipset backend (cpu; cpu_sim to see the simulator's cost)")
     ap.add_argument("--compile", action="store_true", help="chipset with train.compile = true (per-block torch.compile)")
+    ap.add_argument("--bare-engine", action="store_true",
+                    help="also time chipset's engine in a bare loop (benchmarks/engine_loop.py)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rows = []
     for size in a.sizes.split(","):
         for layout in a.layouts.split(","):
-            got: dict[str, list[dict]] = {"chipset": [], "torch": []}
+            sides = [("chipset", run_chipset), ("torch", run_torch)] + ([("engine", run_engine)] if a.bare_engine else [])
+            got: dict[str, list[dict]] = {name: [] for name, _ in sides}
             loads = []
             for rep in range(a.reps):
-                order = [("chipset", run_chipset), ("torch", run_torch)]
-                if rep % 2:
-                    order.reverse()
+                order = sides[rep % len(sides):] + sides[:rep % len(sides)]  # each side leads in turn
                 for name, fn in order:
                     loads.append(os.getloadavg()[0])
                     got[name].append(fn(size, layout, a))
             med = {k: {m: statistics.median(x[m] for x in v) for m in ("tokens_per_s", "peak_rss_bytes")}
-                   for k, v in got.items()}
+                   for k, v in got.items() if k != "engine"}
+            engine = statistics.median(x["tokens_per_s"] for x in got["engine"]) if a.bare_engine else None
             row = {"size": size, "layout": layout, "params_hidden_layers": SIZES[size][:2], **{
                 f"{k}_{m}": v[m] for k, v in med.items() for m in v},
                 "ratio_tokens_per_s": med["chipset"]["tokens_per_s"] / med["torch"]["tokens_per_s"],
                 "ratio_peak_rss": med["chipset"]["peak_rss_bytes"] / med["torch"]["peak_rss_bytes"],
                 "runs": got, "load_average": [min(loads), max(loads)], "time": time.strftime("%H:%M:%S")}
+            if engine is not None:
+                row.update(engine_tokens_per_s=engine, ratio_engine_tokens_per_s=engine / med["torch"]["tokens_per_s"])
             rows.append(row)
             print(f"{size} {layout:6} chipset {row['chipset_tokens_per_s']:8.0f} tok/s "
                   f"{row['chipset_peak_rss_bytes'] / 2**20:7.1f} MiB | torch {row['torch_tokens_per_s']:8.0f} tok/s "
                   f"{row['torch_peak_rss_bytes'] / 2**20:7.1f} MiB | ratio tok/s {row['ratio_tokens_per_s']:.3f} "
                   f"mem {row['ratio_peak_rss']:.3f}  (load {min(loads):.1f}-{max(loads):.1f}; "
                   f"tok/s chipset {[round(x['tokens_per_s']) for x in got['chipset']]}, "
-                  f"torch {[round(x['tokens_per_s']) for x in got['torch']]})", flush=True)
+                  f"torch {[round(x['tokens_per_s']) for x in got['torch']]})"
+                  + (f" | bare engine {engine:8.0f} tok/s, ratio {row['ratio_engine_tokens_per_s']:.3f} "
+                     f"{[round(x['tokens_per_s']) for x in got['engine']]}" if engine is not None else ""), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
 
