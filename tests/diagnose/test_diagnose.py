@@ -168,6 +168,22 @@ def test_communication_bound_names_the_collective():
     assert f.kind == "communication_bound" and f.evidence["top_collective"] == "all_reduce"
 
 
+def test_a_rank_waiting_for_a_late_peer_is_not_read_against_rank_0s_shorter_step():
+    # The clean 2-rank run of a CI failure (3 test workers on 2 cores): in one step rank 0 started
+    # late, rank 1 waited 0.59 s in the first all-reduce, so its step took 0.61 s to rank 0's
+    # 0.022 s. Against rank 0's time that step read as 13x and the run as 312% communication.
+    comm = {2: [0.023, 0.023], 3: [0.009, 0.005], 4: [0.0, 0.588], 5: [0.043, 0.043], 6: [0.006, 0.016]}
+    own = {2: [0.035, 0.036], 3: [0.026, 0.022], 4: [0.022, 0.613], 5: [0.057, 0.056], 6: [0.03, 0.04]}
+    recs = _recs(n=6, comm_s=lambda s, v: comm.get(s, [0.003, 0.182]),
+                 step_time_s_per_rank=lambda s, v: own.get(s, [0.069, 0.248]),
+                 step_time_s=lambda s, v: own.get(s, [0.069, 0.248])[0])
+    d, f = _first(recs)
+    assert not [x for x in d.findings if x.kind == "communication_bound"], d.findings
+    # Half the steps at 90% of every rank's own step time is still communication-bound, an error.
+    d, f = _first(_recs(comm_s=lambda s, v: [0.9, 1.8], step_time_s_per_rank=lambda s, v: [1.0, 2.0]))
+    assert (f.kind, f.severity) == ("communication_bound", "error") and f.evidence["mean_comm_share"] == pytest.approx(0.9)
+
+
 def test_findings_are_ranked_errors_first():
     d, f = _first(_recs(loss=lambda s, v: 8.0 if s == 6 else v,  # a mild spike (1.8x): warning
                         memory_bytes=lambda s, v: [100 * MIB + s * 2 * MIB, 100 * MIB]))

@@ -277,12 +277,23 @@ def health(recs, summary):
     return out, []
 
 
+def _comm_share(rec, world: int) -> float:
+    """A step's exposed communication as a share of step time, averaged over the ranks, each rank's
+    against its own step time (at most 1). A rank that waits in its first collective for a peer
+    that started the step late has a longer step than rank 0's (``step_time_s``): against rank 0's
+    time, one such step read as 13x on a loaded machine."""
+    own = rec.get("step_time_s_per_rank")
+    if not isinstance(own, list) or len(own) != world:
+        own = [rec["step_time_s"]] * world  # metrics written before the per-rank times
+    return sum(min(1.0, c / t) if t > 0 else 0.0 for c, t in zip(rec["comm_s"], own, strict=True)) / world
+
+
 def communication(recs, summary):
     rows = steady([x for x in _lists(recs, "comm_s") if x.get("step_time_s")])
     if not rows:
         return [], []
     world = len(rows[0]["comm_s"])
-    share = [sum(x["comm_s"]) / world / x["step_time_s"] for x in rows]
+    share = [_comm_share(x, world) for x in rows]
     bound = [x for x, s in zip(rows, share, strict=True) if s >= COMM_BOUND]
     if len(bound) < 0.5 * len(rows):
         return [], []
