@@ -163,6 +163,16 @@ def test_data_loader_stall():
     assert f.kind == "data_loader_stall" and f.severity == "error"
 
 
+def test_data_wait_is_read_against_the_waiting_ranks_own_step():
+    # Rank 1 waits 0.15 s for its batches in a 1.0 s step (15%, under the 20% stall mark); rank 0's
+    # step, started late, is 0.5 s: against it the same wait read as 30%, a stall.
+    recs = _recs(data_wait_s=lambda s, v: [0.0, 0.15], step_time_s=lambda s, v: 0.5,
+                 step_time_s_per_rank=lambda s, v: [0.5, 1.0])
+    assert not [f for f in diagnose_records(recs, SUMMARY).findings if f.kind == "data_loader_stall"]
+    d, f = _first(_recs(data_wait_s=lambda s, v: [0.0, 0.3], step_time_s_per_rank=lambda s, v: [1.0, 1.0]))
+    assert (f.kind, f.rank) == ("data_loader_stall", 1)
+
+
 def test_communication_bound_names_the_collective():
     d, f = _first(_recs(comm_s=lambda s, v: [0.8, 0.8], compute_s=lambda s, v: [0.1, 0.1]))
     assert f.kind == "communication_bound" and f.evidence["top_collective"] == "all_reduce"

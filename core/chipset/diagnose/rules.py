@@ -195,11 +195,23 @@ def memory(recs, summary):
     return out, missing
 
 
+def _shares(rec, key: str) -> list[float]:
+    """Each rank's ``rec[key]`` (seconds) as a share of its own step time (at most 1). A rank that
+    waits in its first collective for a peer that started the step late has a longer step than
+    rank 0's (``step_time_s``): against rank 0's time, one such step read as 13x on a loaded
+    machine."""
+    vals = rec[key]
+    own = rec.get("step_time_s_per_rank")
+    if not isinstance(own, list) or len(own) != len(vals):
+        own = [rec["step_time_s"]] * len(vals)  # metrics written before the per-rank times
+    return [min(1.0, v / t) if t > 0 else 0.0 for v, t in zip(vals, own, strict=True)]
+
+
 def data_loader(recs, summary):
     rows = steady([x for x in _lists(recs, "data_wait_s") if x.get("step_time_s")])
     if not rows:
         return [], []
-    share = [max(x["data_wait_s"]) / x["step_time_s"] for x in rows]
+    share = [max(_shares(x, "data_wait_s")) for x in rows]
     stalled = [x for x, s in zip(rows, share, strict=True) if s >= DATA_STALL]
     if len(stalled) < 0.5 * len(rows):
         return [], []
@@ -277,23 +289,12 @@ def health(recs, summary):
     return out, []
 
 
-def _comm_share(rec, world: int) -> float:
-    """A step's exposed communication as a share of step time, averaged over the ranks, each rank's
-    against its own step time (at most 1). A rank that waits in its first collective for a peer
-    that started the step late has a longer step than rank 0's (``step_time_s``): against rank 0's
-    time, one such step read as 13x on a loaded machine."""
-    own = rec.get("step_time_s_per_rank")
-    if not isinstance(own, list) or len(own) != world:
-        own = [rec["step_time_s"]] * world  # metrics written before the per-rank times
-    return sum(min(1.0, c / t) if t > 0 else 0.0 for c, t in zip(rec["comm_s"], own, strict=True)) / world
-
-
 def communication(recs, summary):
     rows = steady([x for x in _lists(recs, "comm_s") if x.get("step_time_s")])
     if not rows:
         return [], []
     world = len(rows[0]["comm_s"])
-    share = [_comm_share(x, world) for x in rows]
+    share = [sum(_shares(x, "comm_s")) / world for x in rows]
     bound = [x for x, s in zip(rows, share, strict=True) if s >= COMM_BOUND]
     if len(bound) < 0.5 * len(rows):
         return [], []
