@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_mm", "strides_aligned"]
+__all__ = ["accepts", "grouped_mm"]
 
 
-def strides_aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the op's 16-byte stride rule holds: the input's row length and both of the weights'
-    trailing sizes are multiples of 16 bytes (the weights may be a transposed view)."""
+def accepts(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> bool:
+    """Whether the op takes these arguments (the device and dtype are the backend's to check):
+    ``x`` [T, in] and ``w`` [groups, in, out] of one dtype, ``offs`` int32 [groups], and the op's
+    16-byte stride rule: the input's row length and both of the weights' trailing sizes are
+    multiples of 16 bytes (the weights may be a transposed view)."""
+    if x.dim() != 2 or w.dim() != 3 or w.dtype != x.dtype or offs.dtype != torch.int32 or offs.dim() != 1:
+        return False
+    if offs.shape[0] != w.shape[0] or x.shape[1] != w.shape[1]:
+        return False
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1], w.shape[-2]))
 
 

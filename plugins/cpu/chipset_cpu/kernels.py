@@ -158,9 +158,7 @@ def _cpu_grouped_mm() -> bool:
 
 
 def grouped_mm_available(x, w, offs) -> bool:
-    return (_cpu(x, w, offs) and _cpu_grouped_mm() and x.dtype in _FLOATS and w.dtype == x.dtype
-            and x.dim() == 2 and w.dim() == 3 and offs.dtype == torch.int32 and offs.dim() == 1
-            and offs.shape[0] == w.shape[0] and x.shape[1] == w.shape[1] and grouped.strides_aligned(x, w))
+    return _cpu(x, w, offs) and _cpu_grouped_mm() and x.dtype in _FLOATS and grouped.accepts(x, w, offs)
 
 
 def grouped_mm(x, w, offs):

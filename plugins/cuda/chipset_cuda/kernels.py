@@ -80,11 +80,7 @@ def grouped_mm_available(x, w, offs) -> bool:
         return False
     if not (x.is_cuda and w.is_cuda and offs.is_cuda and hasattr(torch, "_grouped_mm")):
         return False
-    if x.dtype != torch.bfloat16 or w.dtype != x.dtype or offs.dtype != torch.int32:
-        return False
-    if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0] or x.shape[1] != w.shape[1]:
-        return False
-    return grouped.strides_aligned(x, w) and device_runs_grouped_mm(x.device)
+    return x.dtype == torch.bfloat16 and grouped.accepts(x, w, offs) and device_runs_grouped_mm(x.device)
 
 
 @asked_once
@@ -260,10 +256,10 @@ def register(registry, hip: bool = False) -> None:
                       available=sdpa_available, description="torch SDPA (flash / memory-efficient / cuDNN)")
     registry.register("fused_adamw", fused_adamw, priority=10, available=fused_adamw_available,
                       description="torch._fused_adamw_ (fused multi-tensor AdamW)")
-    if not hip:  # grouped GEMM's CUDA kernel is CUTLASS-built for NVIDIA GPUs
+    if not hip:  # NVIDIA only: grouped GEMM's kernel is CUTLASS-built, and Capabilities.fp8 is declared
+        # for NVIDIA GPUs of compute capability >= 8.9 only
         registry.register("grouped_mm", grouped_mm, priority=10, available=grouped_mm_available,
                           description="torch._grouped_mm (every MoE expert in one grouped GEMM, bfloat16)")
-    if not hip:  # Capabilities.fp8 is declared for NVIDIA GPUs of compute capability >= 8.9 only
         from chipset_cuda.fp8 import fp8_matmul, fp8_matmul_available
 
         registry.register("fp8_matmul", fp8_matmul, priority=10, available=fp8_matmul_available,
