@@ -91,3 +91,22 @@ def test_resolve_binds_the_reference_the_implementation_or_a_dispatcher():
     assert rec.calls == [(5, 4)]
     with pytest.raises(KernelNotFoundError, match="no_such_kernel"):
         reg.resolve("no_such_kernel")
+
+
+def test_attribute_dispatch_is_kept_until_the_name_is_registered_again():
+    """``registry.linear(...)`` (every layer call) builds its dispatcher once and keeps it, still
+    choosing by the arguments on each call; a later registration of that name is used from then on."""
+    reg = KernelRegistry("t")
+    first = reg.linear
+    assert first is F.linear and reg.linear is first  # kept: the second read does not build again
+    only_2d, always = Recording(), Recording()
+    reg.register("linear", only_2d, available=lambda x, weight, bias=None: x.dim() == 2)
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    assert torch.equal(reg.linear(x, w), F.linear(x, w)) and only_2d.calls == [(5, 4)]
+    reg.linear(x.unsqueeze(0), w)  # the predicate, asked per call, says no: the reference runs
+    assert only_2d.calls == [(5, 4)]
+    reg.register("linear", always, priority=1)
+    reg.linear(x.unsqueeze(0), w)
+    assert always.calls == [(5, 4)] and only_2d.calls == [(5, 4)]
+    with pytest.raises(KernelNotFoundError, match="no_such_kernel"):
+        reg.no_such_kernel(torch.ones(1))

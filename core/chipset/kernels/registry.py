@@ -3,6 +3,11 @@
 A backend registers an implementation with an availability predicate (called with the
 kernel's arguments) and a priority; dispatch picks the highest-priority available
 implementation and falls back to the reference.
+
+``registry.rms_norm(x, w)`` is the hot path (every layer call): the first read of a kernel's
+name builds its dispatcher (:meth:`KernelRegistry.resolve`) and keeps it on the registry, so
+later calls cost the predicates and the implementation, no lookup; :meth:`KernelRegistry.register`
+drops the kept dispatcher of the name it registers.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class KernelRegistry:
         lst = self._impls.setdefault(name, [])
         lst.append(impl)
         lst.sort(key=lambda i: -i.priority)
+        self.__dict__.pop(name, None)  # the dispatcher __getattr__ kept, if any, is out of date
 
     def has_kernel(self, name: str) -> bool:
         """True when ``name`` has a reference or a registered implementation."""
@@ -86,9 +92,17 @@ class KernelRegistry:
             return self.reference(name)
         if impls[0].available is _always:
             return impls[0].fn
+        # The same choice as select(), without its method and dictionary lookups per call.
+        pairs = tuple((i.available, i.fn) for i in impls)
+        ref = REFERENCE_KERNELS.get(name)
 
         def dispatch(*args, **kwargs):
-            return self.select(name, *args, **kwargs)(*args, **kwargs)
+            for available, fn in pairs:
+                if available(*args, **kwargs):
+                    return fn(*args, **kwargs)
+            if ref is None:
+                raise self._missing(name)
+            return ref(*args, **kwargs)
 
         dispatch.__name__ = dispatch.__qualname__ = f"{name}_dispatch"
         return dispatch
@@ -98,12 +112,15 @@ class KernelRegistry:
         return self.select(name, *args, **kwargs)(*args, **kwargs)
 
     def __getattr__(self, name: str):
-        # ``registry.rms_norm(x, w)`` reads like a function call at the use site.
+        # ``registry.rms_norm(x, w)`` reads like a function call at the use site. Called only
+        # for a name not yet read: the dispatcher is kept in the instance dictionary, where
+        # attribute lookup finds it first (register() removes it again).
         if name.startswith("_"):
             raise AttributeError(name)
         if not self.has_kernel(name):
             raise self._missing(name)
-        return lambda *a, **k: self(name, *a, **k)
+        fn = self.__dict__[name] = self.resolve(name)
+        return fn
 
     def names(self) -> list[str]:
         return sorted(set(REFERENCE_KERNELS) | set(self._impls))
