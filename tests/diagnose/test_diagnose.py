@@ -306,7 +306,8 @@ def test_live_watch_warns_once_per_straggler_and_leak():
     for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], memory_bytes=lambda s, v: [100 * MIB, s * MIB]):
         lines += watch.step(rec)
     assert len(lines) == 2 and "rank 1 is a straggler" in lines[0] and "rank 1's memory grew" in lines[1]
-    assert "(step 3)" in lines[0] and "at step 4" in lines[1] and "batches" not in lines[0]
+    # the first step (warm-up) is not counted: slow in steps 2-4
+    assert "(step 4)" in lines[0] and "at step 4" in lines[1] and "batches" not in lines[0]
     watch = LiveWatch()
     lines = [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], data_wait_s=lambda s, v: [0.0, 0.7])
              for x in watch.step(rec)]
@@ -319,6 +320,38 @@ def test_live_watch_warns_once_per_straggler_and_leak():
     assert not [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6]) for x in watch.step(rec)]
     watch = LiveWatch()
     assert not [x for rec in _recs() for x in watch.step(rec)]
+
+
+def test_live_watch_reads_no_straggler_from_the_warm_up_or_profiled_steps():
+    """A rank slower only in the first step and in profiled steps 4-5 (the profiler starting on it) is
+    not named; a profiled step neither extends nor breaks a streak; without the profiled range it is."""
+    from chipset.train.watch import LiveWatch
+
+    slow = {1, 4, 5, 7}  # 2-3 fast between: no streak of 3 counted steps but through 4-5
+
+    def feed(watch, slow_steps):
+        return [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6] if s in slow_steps else v) for x in watch.step(rec)]
+
+    assert not feed(LiveWatch(profiled=(4, 5)), slow)
+    assert feed(LiveWatch(), {1, 2, 3}) == []  # step 1 is the warm-up: 2 of 3 counted
+    lines = feed(LiveWatch(profiled=(4, 5)), {2, 3, 6})  # 2, 3, (4, 5 not counted), 6
+    assert len(lines) == 1 and "(step 6)" in lines[0]
+    assert feed(LiveWatch(), {4, 5, 6}) and not feed(LiveWatch(profiled=(4, 5)), {4, 5, 6})
+
+
+def test_straggler_leaves_out_profiled_steps():
+    """The CI run of 2026-12-07 in small: rank 1 slower in steady steps 2-3 by 1.44x and far slower in
+    the first profiled step; with that step in, a 1.68x error ("device"), without it a warning."""
+    compute = {2: [11.3, 19.0], 3: [15.7, 19.8], 4: [15.4, 61.4], 5: [26.0, 29.8], 6: [26.1, 28.6]}
+    recs = _recs(n=6, compute_s=lambda s, v: [x / 1000 for x in compute[s]] if s in compute else v)
+    f = diagnose_records(recs, SUMMARY).findings[0]
+    assert (f.kind, f.severity, round(f.evidence["ratio"], 2)) == ("straggler", "error", 1.68)
+    d = diagnose_records(recs, {**SUMMARY, "profiled_steps": [4, 6]})
+    f = d.findings[0]
+    assert (f.kind, f.severity, round(f.evidence["ratio"], 2), f.evidence["slow_steps"]) == ("straggler", "warning", 1.44, [2, 3])
+    assert not d.has_error
+    every = diagnose_records(recs, {**SUMMARY, "profiled_steps": [1, 6]}).findings[0]  # all profiled: all read
+    assert (every.kind, every.severity) == ("straggler", "error")
 
 
 def test_recompiles_that_go_on_after_warm_up_are_a_storm():

@@ -63,10 +63,22 @@ def _explains(rows, key, r, peer_ranks, world, extra) -> bool:
     return bool(diff) and sum(diff) / len(diff) > 0.5 * extra
 
 
+def unprofiled(rows, summary):
+    """``rows`` without the steps run under the profiler (summary.json's ``profiled_steps``: first
+    and last), whose compute carries the profiler's own start and buffers, a different cost on each
+    rank; all of ``rows`` when every one was profiled."""
+    p = summary.get("profiled_steps") or []
+    if len(p) != 2 or not all(isinstance(x, int) for x in p):
+        return rows
+    kept = [x for x in rows if not p[0] <= x["step"] <= p[1]]
+    return kept or rows
+
+
 def straggler(recs, summary):
     """Ranks compare with their peers: every other rank, or under pipeline parallelism the ranks of
-    the same stage (stages do different work: stage_imbalance compares them)."""
-    rows = steady(_lists(recs, "compute_s"))
+    the same stage (stages do different work: stage_imbalance compares them). Profiled steps are
+    left out (:func:`unprofiled`)."""
+    rows = unprofiled(steady(_lists(recs, "compute_s")), summary)
     if not rows:
         return [], ["compute_s per rank not recorded: no straggler check"]
     world = len(rows[0]["compute_s"])

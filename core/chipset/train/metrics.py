@@ -116,7 +116,8 @@ class StepMetrics:
         self._profile = parse_profile_steps(cfg.train.profile_steps)
         self._profiler = None
         self._last_step = cfg.train.steps
-        self._watch = LiveWatch([dims.coords(r)["pp"] for r in range(self.world)]) if rank == 0 else None
+        self._watch = (LiveWatch([dims.coords(r)["pp"] for r in range(self.world)], profiled=self._profile)
+                       if rank == 0 else None)
         if self._profile is not None and self._profile[0] > self._last_step and rank == 0:
             log.warning("no profiler trace: profile_steps %s starts after the run's last step (%d); "
                         "choose steps within 1:%d", cfg.train.profile_steps, self._last_step, self._last_step)

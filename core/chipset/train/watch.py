@@ -18,11 +18,18 @@ def _excess(values: list, r: int, peers: list[int]) -> float:
 
 
 class LiveWatch:
-    """Fed one gathered record per step on rank 0; returns the console lines to print (each once)."""
+    """Fed one gathered record per step on rank 0; returns the console lines to print (each once).
 
-    def __init__(self, stages: list[int] | None = None) -> None:
+    Compute times are not read from the first record (the warm-up step, which chipset diagnose
+    leaves out too) nor from the ``profiled`` steps (the profiler's own start and buffers cost each
+    rank differently): such a step neither extends nor breaks a straggler's streak."""
+
+    def __init__(self, stages: list[int] | None = None, profiled: tuple[int, int] | None = None) -> None:
         self.stages = stages
         """Each rank's pipeline stage: a rank is compared with the ranks of its own stage (None: all)."""
+        self.profiled = profiled
+        """``(first, last)`` steps under the profiler (``train.profile_steps``), or None."""
+        self._fed = 0
         self._slow: dict[int, int] = {}
         self._grow: dict[int, int] = {}
         self._mem: list[int] | None = None
@@ -33,6 +40,10 @@ class LiveWatch:
         compute, mem, step = rec.get("compute_s") or [], rec.get("memory_bytes") or [], rec.get("step")
         wait = rec.get("data_wait_s") or []
         cpu_wait = rec.get("cpu_wait_s") or []
+        self._fed += 1
+        if self._fed == 1 or (self.profiled is not None and isinstance(step, int)
+                              and self.profiled[0] <= step <= self.profiled[1]):
+            compute = []  # not read for stragglers (class docstring); memory still is
         for r, c in enumerate(compute):
             same = [i for i in range(len(compute)) if i != r
                     and (self.stages is None or len(self.stages) != len(compute) or self.stages[i] == self.stages[r])]
