@@ -63,22 +63,25 @@ def _explains(rows, key, r, peer_ranks, world, extra) -> bool:
     return bool(diff) and sum(diff) / len(diff) > 0.5 * extra
 
 
-def unprofiled(rows, summary):
-    """``rows`` without the steps run under the profiler (summary.json's ``profiled_steps``: first
-    and last), whose compute carries the profiler's own start and buffers, a different cost on each
-    rank; all of ``rows`` when every one was profiled."""
+def _profiled(summary) -> tuple[int, int] | None:
+    """summary.json's ``profiled_steps`` (the first and last step train.profile_steps profiled), or None."""
     p = summary.get("profiled_steps") or []
-    if len(p) != 2 or not all(isinstance(x, int) for x in p):
-        return rows
-    kept = [x for x in rows if not p[0] <= x["step"] <= p[1]]
+    return (p[0], p[-1]) if p and all(isinstance(x, int) for x in p) else None
+
+
+def _unprofiled(rows, summary):
+    """``rows`` without the profiled steps, whose compute carries the profiler's own start and
+    buffers, a different cost on each rank; all of ``rows`` when every one was profiled."""
+    p = _profiled(summary)
+    kept = [x for x in rows if not p[0] <= x["step"] <= p[1]] if p else rows
     return kept or rows
 
 
 def straggler(recs, summary):
     """Ranks compare with their peers: every other rank, or under pipeline parallelism the ranks of
     the same stage (stages do different work: stage_imbalance compares them). Profiled steps are
-    left out (:func:`unprofiled`)."""
-    rows = unprofiled(steady(_lists(recs, "compute_s")), summary)
+    left out (:func:`_unprofiled`)."""
+    rows = _unprofiled(steady(_lists(recs, "compute_s")), summary)
     if not rows:
         return [], ["compute_s per rank not recorded: no straggler check"]
     world = len(rows[0]["compute_s"])
@@ -157,9 +160,9 @@ def stage_imbalance(recs, summary):
 def memory(recs, summary):
     rows = steady(_lists(recs, "memory_bytes"))
     out, missing = [], []
-    profiled = summary.get("profiled_steps") or []
+    profiled = _profiled(summary)
     need = 3
-    if profiled and isinstance(profiled[0], int):
+    if profiled:
         # The profiler's own buffers grow the host memory from its first step on: not the run's.
         # What is left is the run's start, where the allocator still grows: read at least 3 intervals.
         rows, need = [x for x in rows if x["step"] < profiled[0]], 4
