@@ -306,8 +306,8 @@ def test_live_watch_warns_once_per_straggler_and_leak():
     for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], memory_bytes=lambda s, v: [100 * MIB, s * MIB]):
         lines += watch.step(rec)
     assert len(lines) == 2 and "rank 1 is a straggler" in lines[0] and "rank 1's memory grew" in lines[1]
-    # the first step (warm-up) is not counted: slow in steps 2-4
-    assert "(step 4)" in lines[0] and "at step 4" in lines[1] and "batches" not in lines[0]
+    # the first step (warm-up) is not counted: slow in steps 2-4, memory grown into steps 3-5
+    assert "(step 4)" in lines[0] and "at step 5" in lines[1] and "batches" not in lines[0]
     watch = LiveWatch()
     lines = [x for rec in _recs(compute_s=lambda s, v: [0.8, 1.6], data_wait_s=lambda s, v: [0.0, 0.7])
              for x in watch.step(rec)]
@@ -337,6 +337,25 @@ def test_live_watch_reads_no_straggler_from_the_warm_up_or_profiled_steps():
     lines = feed(LiveWatch(profiled=(4, 5)), {2, 3, 6})  # 2, 3, (4, 5 not counted), 6
     assert len(lines) == 1 and "(step 6)" in lines[0]
     assert feed(LiveWatch(), {4, 5, 6}) and not feed(LiveWatch(profiled=(4, 5)), {4, 5, 6})
+
+
+def test_live_watch_reads_no_memory_growth_from_the_warm_up_or_profiled_steps():
+    """The allocator warming up (rank 0 of a cpu-backend pp=2 run at size L grew into steps 2-4, then
+    held: a live "leak" line at step 4 until 2026-12-07) and the profiler's buffers (profiled steps
+    4-6) are not a leak; growth into steps 3-5, each read from a read step, is; a profiled step neither
+    extends nor breaks the streak."""
+    from chipset.train.watch import LiveWatch
+
+    def feed(watch, grown):  # rank 1 gains 2 MiB in each step of ``grown``
+        mem = lambda s, v: [100 * MIB, (100 + 2 * sum(k <= s for k in grown)) * MIB]  # noqa: E731
+        return [x for rec in _recs(memory_bytes=mem) for x in watch.step(rec)]
+
+    assert not feed(LiveWatch(), {2, 3, 4})
+    assert not feed(LiveWatch(profiled=(4, 6)), {4, 5, 6, 7})  # 7 is read from profiled 6: not counted
+    lines = feed(LiveWatch(), {3, 4, 5})
+    assert len(lines) == 1 and "rank 1's memory grew" in lines[0] and "at step 5" in lines[0]
+    lines = feed(LiveWatch(profiled=(4, 5)), {2, 3, 4, 5, 6, 7, 8})  # read: 3, (4, 5, 6 not), 7, 8
+    assert len(lines) == 1 and "at step 8" in lines[0]
 
 
 def test_straggler_leaves_out_profiled_steps():

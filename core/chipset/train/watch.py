@@ -20,9 +20,11 @@ def _excess(values: list, r: int, peers: list[int]) -> float:
 class LiveWatch:
     """Fed one gathered record per step on rank 0; returns the console lines to print (each once).
 
-    Compute times are not read from the first record (the warm-up step, which chipset diagnose
-    leaves out too) nor from the ``profiled`` steps (the profiler's own start and buffers cost each
-    rank differently): such a step neither extends nor breaks a straggler's streak."""
+    Neither compute times nor memory are read from the first record (the warm-up step, which
+    chipset diagnose leaves out too) or from the ``profiled`` steps (the profiler's own start and
+    buffers cost each rank differently and grow host memory): such a step neither extends nor
+    breaks a streak. Memory growth is read between two consecutive read steps only, so the first
+    growth counted is from step 2 to step 3, as chipset diagnose's leak rule reads it."""
 
     def __init__(self, stages: list[int] | None = None, profiled: tuple[int, int] | None = None) -> None:
         self.stages = stages
@@ -41,9 +43,10 @@ class LiveWatch:
         wait = rec.get("data_wait_s") or []
         cpu_wait = rec.get("cpu_wait_s") or []
         self._fed += 1
-        if self._fed == 1 or (self.profiled is not None and isinstance(step, int)
-                              and self.profiled[0] <= step <= self.profiled[1]):
-            compute = []  # not read for stragglers (class docstring); memory still is
+        read = self._fed > 1 and not (self.profiled is not None and isinstance(step, int)
+                                      and self.profiled[0] <= step <= self.profiled[1])
+        if not read:
+            compute = []  # not read (class docstring)
         for r, c in enumerate(compute):
             same = [i for i in range(len(compute)) if i != r
                     and (self.stages is None or len(self.stages) != len(compute) or self.stages[i] == self.stages[r])]
@@ -62,7 +65,7 @@ class LiveWatch:
                 out.append(f"chipset: warning: rank {r} is a straggler: compute {c:.3g} s vs at most "
                            f"{max(peers):.3g} s on its peers for {STREAK} steps (step {step}){cause}; "
                            "run 'chipset diagnose RUN_DIR' after the run")
-        if self._mem is not None and len(self._mem) == len(mem):
+        if read and self._mem is not None and len(self._mem) == len(mem):
             for r, (a, b) in enumerate(zip(self._mem, mem, strict=True)):
                 self._grow[r] = self._grow.get(r, 0) + 1 if b - a >= LEAK_BYTES else 0
                 if self._grow[r] >= STREAK and ("leak", r) not in self._said:
@@ -70,5 +73,5 @@ class LiveWatch:
                     out.append(f"chipset: warning: rank {r}'s memory grew in each of the last {STREAK} steps "
                                f"(+{(b - a) / 2**20:.2f} MiB at step {step}): a leak? "
                                "run 'chipset diagnose RUN_DIR' after the run")
-        self._mem = list(mem)
+        self._mem = list(mem) if read else None  # the next step's growth is read from a read step only
         return out
