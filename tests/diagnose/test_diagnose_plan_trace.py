@@ -89,6 +89,28 @@ def test_host_overhead_is_the_step_outside_operators_and_collectives(tmp_path):
     assert "host_overhead" not in {f["kind"] for f in trace_check(tmp_path, {"backend": "cuda"})[0]}
 
 
+def test_a_pipeline_stages_trace_counts_its_operators(tmp_path):
+    """Under pp the loop's forward ranges are ``chipset::stage<N>.forward``: their thread's operators
+    count as in a dp trace (the same gaps and top operators). Until 2026-12-07 only ``chipset::forward``
+    named that thread, so a host backend's pp run had no operators: every profiled step was "host
+    overhead" (78% on a cpu run at hidden 512 whose steps were matrix products) and no top operators."""
+
+    def stage(gap_ms, n):
+        return [{**e, "name": f"chipset::stage{n}.forward"} if e["name"] == "chipset::forward" else e
+                for e in _step(gap_ms)]
+
+    _trace(tmp_path, 0, stage(0, 0))
+    _trace(tmp_path, 1, stage(0, 1))
+    found = {f["kind"]: f for f in trace_check(tmp_path, {"backend": "cpu"})[0]}
+    assert "host_overhead" not in found
+    assert [r["operator"] for r in found["top_operators"]["evidence"]["operators"]] == [
+        "aten::mm", "aten::add", "aten::_foreach_add_"]
+    _trace(tmp_path, 0, stage(2.5, 0))
+    _trace(tmp_path, 1, stage(4, 1))
+    ev = {f["kind"]: f for f in trace_check(tmp_path, {"backend": "cpu"})[0]}["host_overhead"]["evidence"]
+    assert ev["gap_s"] == pytest.approx((7.0 + 8.5) / 1e3)
+
+
 def test_top_operators_by_self_time_and_the_backends_kernels(tmp_path):
     """Self time over both ranks: mm 4 ms, _foreach_add_ 2 x 0.5 = 1 ms, add 2 ms. The cuda plugin
     declares fused_adamw and no linear (declared kernels need no GPU to read); cpu_sim registers none."""

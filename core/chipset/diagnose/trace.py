@@ -3,7 +3,8 @@ Chrome trace format; chipset.train.metrics).
 
 Operators: a trace with device activity (events of category ``kernel``, a GPU's or NPU's) counts
 those; a trace without (the CPU and the simulator, where operators run on the host) counts the
-``cpu_op`` events of the thread that ran ``chipset::forward``. An operator's self time is its
+``cpu_op`` events of the thread that ran ``chipset::forward`` (under pipeline parallelism
+``chipset::stage<N>.forward``). An operator's self time is its
 duration less that of the operators nested in it on the same thread.
 
 - ``host_overhead``: a profiled step is its ``chipset::step`` range (the step after its data is
@@ -61,11 +62,16 @@ def _events(path: Path) -> list[dict[str, Any]] | None:
             and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))]
 
 
+def _is_forward(name: Any) -> bool:
+    """A forward range of the loop: ``chipset::forward``, or a pipeline stage's ``chipset::stage<N>.forward``."""
+    return re.fullmatch(r"chipset::(stage\d+\.)?forward", str(name)) is not None
+
+
 def _ops(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
     kernels = [e for e in ev if e.get("cat") == "kernel"]
     if kernels:
         return kernels
-    main = {e.get("tid") for e in ev if e.get("name") == "chipset::forward"}
+    main = {e.get("tid") for e in ev if _is_forward(e.get("name"))}
     return [e for e in ev if e.get("cat") == "cpu_op" and e.get("tid") in main]
 
 
