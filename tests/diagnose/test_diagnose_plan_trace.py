@@ -120,5 +120,10 @@ def test_top_operators_by_self_time_and_the_backends_kernels(tmp_path):
     assert [(r["operator"], r["self_s"], r["kernel"]) for r in rows] == [
         ("aten::mm", 0.004, "linear"), ("aten::add", 0.002, None), ("aten::_foreach_add_", 0.001, "fused_adamw")]
     assert rows[2]["faster_kernel"] == "cuda registers fused_adamw" and rows[0]["faster_kernel"].startswith("no faster linear")
+    # A receive waiting 5 ms for its peer (a pipeline stage's) is no operator to write a kernel for.
+    _trace(tmp_path, 1, [*_step(0), _x("c10d::recv_", 9, 5)])
+    rows = {f["kind"]: f for f in trace_check(tmp_path, {"backend": "cuda"})[0]}["top_operators"]["evidence"]["operators"]
+    assert [r["operator"] for r in rows] == ["aten::mm", "aten::add", "aten::_foreach_add_"]
+    assert rows[0]["share"] == pytest.approx(4 / 7, abs=5e-5)  # shares are rounded to 4 places
     sim = {f["kind"]: f for f in trace_check(tmp_path, {"backend": "cpu_sim"})[0]}["top_operators"]["evidence"]
     assert sim["operators"][2]["faster_kernel"].startswith("no faster fused_adamw on cpu_sim (registered by ")

@@ -15,7 +15,8 @@ duration less that of the operators nested in it on the same thread.
   (Python, dispatch, a synchronisation, a sleep). A finding when that share is at least
   ``HOST_SHARE`` in at least half the (rank, step) spans. A rank that waits for a peer's host
   overhead waits inside a collective: the overhead shows on the rank that has it.
-- ``top_operators`` (info): the operators with the most self time over every rank's trace, and for
+- ``top_operators`` (info): the operators with the most self time over every rank's trace
+  (torch.distributed's ``c10d::`` operators left out: ``COMMUNICATION``), and for
   each the chipset kernel that covers it (``KERNEL_OF``) and whether the run's backend declares a
   faster implementation of that kernel (its registered kernels, ``chipset info``), or which other
   installed backends do.
@@ -160,7 +161,14 @@ def trace_check(run_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, 
     return out, missing
 
 
+COMMUNICATION = "c10d::"
+"""torch.distributed's operators (``c10d::recv_``, ``c10d::allreduce_``, ...): left out of ``top_operators``.
+On a host backend their self time is mostly the wait for a peer, which the communication and pipeline
+rules read; no kernel of this rank's makes it shorter."""
+
+
 def _top_operators(self_t: Counter, summary: dict[str, Any]) -> dict[str, Any] | None:
+    self_t = Counter({k: v for k, v in self_t.items() if not k.startswith(COMMUNICATION)})
     total = sum(v for v in self_t.values() if v > 0)
     if total <= 0:
         return None
