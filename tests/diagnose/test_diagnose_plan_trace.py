@@ -111,6 +111,16 @@ def test_a_pipeline_stages_trace_counts_its_operators(tmp_path):
     assert ev["gap_s"] == pytest.approx((7.0 + 8.5) / 1e3)
 
 
+def test_a_collective_inside_an_operator_is_not_its_self_time(tmp_path):
+    """Tensor parallelism's autograd function around its all-reduce (``_ReduceFromGroup``, 5 ms, 3.5 ms
+    of it chipset's ``all_reduce`` range): 1.5 ms of its own. Until 2026-12-07 the wait counted, and such
+    wrappers led a tp=2 cpu run's operators (64% of self time; cp's gather 71%)."""
+    _trace(tmp_path, 0, [*_step(0), _x("_ReduceFromGroup", 10, 5), _x("chipset::all_reduce", 11, 3.5, "user_annotation")])
+    rows = {f["kind"]: f for f in trace_check(tmp_path, {"backend": "cpu"})[0]}["top_operators"]["evidence"]["operators"]
+    assert [(r["operator"], r["self_s"]) for r in rows] == [
+        ("aten::mm", 0.002), ("_ReduceFromGroup", 0.0015), ("aten::add", 0.001), ("aten::_foreach_add_", 0.0005)]
+
+
 def test_top_operators_by_self_time_and_the_backends_kernels(tmp_path):
     """Self time over both ranks: mm 4 ms, _foreach_add_ 2 x 0.5 = 1 ms, add 2 ms. The cuda plugin
     declares fused_adamw and no linear (declared kernels need no GPU to read); cpu_sim registers none."""

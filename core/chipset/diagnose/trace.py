@@ -5,7 +5,7 @@ Operators: a trace with device activity (events of category ``kernel``, a GPU's 
 those; a trace without (the CPU and the simulator, where operators run on the host) counts the
 ``cpu_op`` events of the thread that ran ``chipset::forward`` (under pipeline parallelism
 ``chipset::stage<N>.forward``). An operator's self time is its
-duration less that of the operators nested in it on the same thread.
+duration less that of the operators and chipset's collective ranges nested in it on the same thread.
 
 - ``host_overhead``: a profiled step is its ``chipset::step`` range (the step after its data is
   fetched; in a trace without one, from its ``chipset::forward`` to the end of its last ``chipset::``
@@ -109,13 +109,18 @@ def _gaps(ev: list[dict[str, Any]], ops: list[dict[str, Any]]) -> list[tuple[flo
         starts = [e["ts"] for e in ranges if e["name"] == "chipset::forward"]
         spans = [(lo, max(e["ts"] + e["dur"] for e in ranges if lo <= e["ts"] < nxt))
                  for lo, nxt in zip(starts, [*starts[1:], float("inf")], strict=True)]
-    busy = [(e["ts"], e["ts"] + e["dur"]) for e in ops]
-    busy += [(e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"] not in _PHASES and "." not in e["name"]]
+    busy = [(e["ts"], e["ts"] + e["dur"]) for e in [*ops, *_collectives(ranges)]]
     return [((hi - lo - _union(busy, lo, hi)) / 1e6, (hi - lo) / 1e6) for lo, hi in spans if hi > lo]
 
 
 _PHASES = ("chipset::step", "chipset::forward", "chipset::backward", "chipset::optimizer")
 """The loop's own ranges: a step's phases, not collectives (``chipset::stage<N>.*`` are phases too)."""
+
+
+def _collectives(ev: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """chipset's collective ranges (``chipset::all_reduce``, ``chipset::wait``, ...): its ranges that are no phase."""
+    return [e for e in ev if str(e.get("name", "")).startswith("chipset::")
+            and e["name"] not in _PHASES and "." not in e["name"]]
 
 
 def _rank_of(path: Path) -> int:
@@ -135,7 +140,9 @@ def trace_check(run_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, 
             missing.append(f"traces/{path.name} is not a Chrome trace (cut short?): left out")
             continue
         ops = _ops(ev)
-        self_t.update(_self_times(ops))
+        # A collective inside an operator (tensor parallelism's autograd functions, ZeRO's hooks in a
+        # backward node) is not that operator's own time: nested ranges are subtracted, then dropped.
+        self_t.update({k: v for k, v in _self_times(ops + _collectives(ev)).items() if not k.startswith("chipset::")})
         rank = _rank_of(path)
         gaps += [(rank, g, s) for g, s in _gaps(ev, ops)]
     out = []
