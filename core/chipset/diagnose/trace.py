@@ -142,7 +142,9 @@ def trace_check(run_dir: Path, summary: dict[str, Any]) -> tuple[list[dict[str, 
         ops = _ops(ev)
         # A collective inside an operator (tensor parallelism's autograd functions, ZeRO's hooks in a
         # backward node) is not that operator's own time: nested ranges are subtracted, then dropped.
-        self_t.update({k: v for k, v in _self_times(ops + _collectives(ev)).items() if not k.startswith("chipset::")})
+        # torch.distributed's own operators are left out too (COMMUNICATION).
+        self_t.update({k: v for k, v in _self_times(ops + _collectives(ev)).items()
+                       if not k.startswith(("chipset::", COMMUNICATION))})
         rank = _rank_of(path)
         gaps += [(rank, g, s) for g, s in _gaps(ev, ops)]
     out = []
@@ -175,7 +177,6 @@ rules read; no kernel of this rank's makes it shorter."""
 
 
 def _top_operators(self_t: Counter, summary: dict[str, Any]) -> dict[str, Any] | None:
-    self_t = Counter({k: v for k, v in self_t.items() if not k.startswith(COMMUNICATION)})
     total = sum(v for v in self_t.values() if v > 0)
     if total <= 0:
         return None
