@@ -91,6 +91,54 @@ def test_metadata_reader_refuses_pickled_code(tmp_path):
         store.safe_reader(tmp_path).read_metadata()
 
 
+class _EnumByGetattr(pickle.Pickler):
+    """Pickles enum members as getattr(cls, name), as Python 3.11.2 does (3.11.7 and 3.12 do not)."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _pickle_enums_by_getattr(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    _EnumByGetattr(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)  # as DCP writes it
+    return buf.getvalue()
+
+
+def test_metadata_reader_reads_enums_pickled_through_getattr(tmp_path):
+    from torch.distributed.checkpoint.metadata import (
+        _MEM_FORMAT_ENCODING,
+        Metadata,
+        TensorProperties,
+    )
+
+    props = TensorProperties(dtype=torch.float32)
+    meta = Metadata(state_dict_metadata={"w": props})
+    data = _pickle_enums_by_getattr(meta)
+    assert b"getattr" in data  # the stream really uses the 3.11.2 form
+    (tmp_path / ".metadata").write_bytes(data)
+    got = store.safe_reader(tmp_path).read_metadata()
+    assert got.state_dict_metadata["w"].memory_format == torch.contiguous_format
+    assert got.state_dict_metadata["w"].__getstate__()[3] is _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+
+
+@pytest.mark.parametrize("target, name", [("pathlib.PosixPath", "unlink"), ("enum.Enum", "__new__"),
+                                          ("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", "mro")])
+def test_metadata_reader_refuses_getattr_beyond_an_allowed_enum_member(tmp_path, target, name):
+    module, _, cls = target.rpartition(".")
+    # getattr(<class>, name) by hand: GLOBAL getattr, GLOBAL class, the name, TUPLE2, REDUCE, STOP
+    data = (b"\x80\x02cbuiltins\ngetattr\n" + f"c{module}\n{cls}\n".encode()
+            + b"X" + len(name).to_bytes(4, "little") + name.encode() + b"\x86R.")
+    (tmp_path / ".metadata").write_bytes(data)
+    with pytest.raises(pickle.UnpicklingError, match="allow-list|only a member of an allowed enum"):
+        store.safe_reader(tmp_path).read_metadata()
+
+
 def test_shape_mismatch_names_the_parameters(tmp_path):
     probs = shape_mismatches({"a.weight": (4, 2), "b": (3,), "gone": (1,)}, {"a.weight": (8, 2), "b": (3,), "new": (2,)})
     assert probs == ["a.weight: checkpoint (4, 2), this model (8, 2)", "gone: in the checkpoint (1,), not in this model",

@@ -213,12 +213,32 @@ _ALLOWED = {
 }
 
 
+def _enum_member(cls, name):
+    """``getattr`` as some Python 3.11 releases pickle an enum member (3.11.2 does), and nothing more.
+
+    Why: those versions write ``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`` as
+    ``getattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")``; a general ``getattr`` would hand a
+    crafted file any attribute of an allowed class (``PosixPath.unlink``) to call next."""
+    import enum
+
+    allowed = (isinstance(cls, type) and issubclass(cls, enum.Enum)
+               and cls.__qualname__ in _ALLOWED.get(cls.__module__, ()))
+    if not allowed or not isinstance(name, str) or name not in cls.__members__:
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata asks for attribute {name!r} of {cls!r}; only a member of an allowed "
+            "enum may be read that way (the file is not a chipset/DCP checkpoint or was tampered with)"
+        )
+    return cls.__members__[name]
+
+
 class _SafeUnpickler(pickle.Unpickler):
     """Why: ``.metadata`` comes from disk and a crafted one must never run code on any rank."""
 
     def find_class(self, module: str, name: str):
         import torch
 
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if "." not in name:
             if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
                 return getattr(torch, name)
