@@ -355,7 +355,7 @@ def test_live_watch_reads_no_memory_growth_from_the_warm_up_or_profiled_steps():
     lines = feed(LiveWatch(), {3, 4, 5})
     assert len(lines) == 1 and "rank 1's memory grew" in lines[0] and "at step 5" in lines[0]
     lines = feed(LiveWatch(profiled=(4, 5)), {2, 3, 4, 5, 6, 7, 8})  # read: 3, (4, 5, 6 not), 7, 8
-    assert len(lines) == 1 and "at step 8" in lines[0]
+    assert len(lines) == 1 and "at step 8" in lines[0] and "3 steps in a row (the profiled steps not counted)" in lines[0]
 
 
 def test_straggler_leaves_out_profiled_steps():

@@ -70,7 +70,8 @@ class LiveWatch:
                 self._grow[r] = self._grow.get(r, 0) + 1 if b - a >= LEAK_BYTES else 0
                 if self._grow[r] >= STREAK and ("leak", r) not in self._said:
                     self._said.add(("leak", r))
-                    out.append(f"chipset: warning: rank {r}'s memory grew in each of the last {STREAK} steps "
+                    skipped = " (the profiled steps not counted)" if self.profiled is not None else ""
+                    out.append(f"chipset: warning: rank {r}'s memory grew in each of {STREAK} steps in a row{skipped} "
                                f"(+{(b - a) / 2**20:.2f} MiB at step {step}): a leak? "
                                "run 'chipset diagnose RUN_DIR' after the run")
         self._mem = list(mem) if read else None  # the next step's growth is read from a read step only
