@@ -167,6 +167,13 @@ def test_delay_makes_every_collective_of_that_rank_late():
 # --- four ranks, one never arrives -------------------------------------------------
 HANG = textwrap.dedent("""
     import json, os, sys, time, torch, chipset
+    from pathlib import Path
+    # The rendezvous runs under the same 5 s limit: start it only once every rank has imported
+    # torch (4 imports on a loaded 2-core machine can finish more than 5 s apart).
+    out_path = Path(sys.argv[1])
+    out_path.with_suffix(".ready").touch()
+    while len(list(out_path.parent.glob("*.ready"))) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.05)
     c = chipset.backend("cpu_sim").collective
     c.init_process_group()
     out = {"done": []}
@@ -224,6 +231,8 @@ def test_four_rank_all_reduce_with_a_hung_rank_ends_in_collective_timeout_error(
             if p.poll() is None:
                 p.kill()
     wall = time.monotonic() - t0
+    missing = {r: p.stderr.read()[-2000:] for r, p in enumerate(procs) if not (tmp_path / f"r{r}.json").is_file()}
+    assert not missing, f"ranks that wrote no result, with their stderr: {missing}"
     results = [json.loads(Path(tmp_path / f"r{r}.json").read_text()) for r in range(4)]
     for rank in (0, 1, 3):
         r = results[rank]
