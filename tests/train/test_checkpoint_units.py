@@ -3,6 +3,8 @@ the allow-list unpickler, shape refusal, node ranges, hang diagnosis, config key
 
 from __future__ import annotations
 
+import enum
+import io
 import json
 import pickle
 import random
@@ -95,16 +97,12 @@ class _EnumByGetattr(pickle.Pickler):
     """Pickles enum members as getattr(cls, name), as Python 3.11.2 does (3.11.7 and 3.12 do not)."""
 
     def reducer_override(self, obj):
-        import enum
-
         if isinstance(obj, enum.Enum):
             return getattr, (type(obj), obj.name)
         return NotImplemented
 
 
 def _pickle_enums_by_getattr(obj) -> bytes:
-    import io
-
     buf = io.BytesIO()
     _EnumByGetattr(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)  # as DCP writes it
     return buf.getvalue()

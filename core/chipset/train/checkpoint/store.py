@@ -17,6 +17,7 @@ with ``torch.load(weights_only=True)`` (DCP's own reader).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -219,8 +220,6 @@ def _enum_member(cls, name):
     Why: those versions write ``_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`` as
     ``getattr(_MEM_FORMAT_ENCODING, "TORCH_CONTIGUOUS_FORMAT")``; a general ``getattr`` would hand a
     crafted file any attribute of an allowed class (``PosixPath.unlink``) to call next."""
-    import enum
-
     allowed = (isinstance(cls, type) and issubclass(cls, enum.Enum)
                and cls.__qualname__ in _ALLOWED.get(cls.__module__, ()))
     if not allowed or not isinstance(name, str) or name not in cls.__members__:
